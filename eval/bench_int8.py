@@ -1,0 +1,216 @@
+"""INT8 benchmark: quantkit vs ONNX Runtime's own quantizer, same model, same samples, same run.
+
+Usage::
+
+    python eval/bench_int8.py --model efficientnet-lite0            # vs quantize_static (QDQ, per-channel, MinMax)
+    python eval/bench_int8.py --model all-MiniLM-L6-v2              # vs quantize_static and quantize_dynamic
+
+Each quantizer runs in its own subprocess so that its wall time and peak RSS
+(``ru_maxrss``) are its own.  Latency of all emitted models is then measured in one
+process, interleaved, on the same batch-1 input; fidelity on the same evaluation
+samples.  The table is printed with the environment and written as JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+RECIPES = {
+    "efficientnet-lite0": "recipes/efficientnet-int8.yaml",
+    "all-MiniLM-L6-v2": "recipes/minilm-int8.yaml",
+}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _datasets(recipe_path: str, n_cal: int | None, n_eval: int | None) -> tuple[Any, Any, Any, Any]:
+    from quantkit.data import make_dataset, model_inputs
+    from quantkit.frontends import load_model
+    from quantkit.prep.pipeline import prepare
+    from quantkit.recipe import load_recipe
+
+    rec = load_recipe(recipe_path)
+    loaded = load_model(rec.model.source, seq_len=rec.model.seq_len)
+    fmodel = prepare(loaded.model).model
+    inputs = model_inputs(fmodel)
+    cal_spec = rec.calibration.data.model_dump()
+    ev_spec = rec.evaluation.data.model_dump() if rec.evaluation.data else cal_spec
+    if n_cal:
+        cal_spec["count"] = n_cal
+    if n_eval:
+        ev_spec["count"] = n_eval
+    cal = make_dataset(cal_spec, inputs=inputs, tokenizer=loaded.tokenizer, split="calibration")
+    ev = make_dataset(ev_spec, inputs=inputs, tokenizer=loaded.tokenizer, split="evaluation")
+    return rec, fmodel, cal, ev
+
+
+def worker(method: str, recipe_path: str, n_cal: int | None, out_dir: str) -> None:
+    """Quantize with one method; write model + timing/RSS JSON into out_dir."""
+    import onnx_ir as ir
+
+    rec, fmodel, cal, _ = _datasets(recipe_path, n_cal, None)
+    out = Path(out_dir)
+    float_path = out / "fp32.onnx"
+    if method == "fp32":
+        ir.save(fmodel, float_path)
+        info = {"wall_s": 0.0}
+    elif method == "quantkit":
+        from quantkit.api import quantize
+
+        t = time.perf_counter()
+        spec = rec.calibration.data.model_dump()
+        if n_cal:
+            spec["count"] = n_cal
+        rec2 = rec.model_copy(update={"calibration": rec.calibration.model_copy(update={"data": type(rec.calibration.data)(**spec)})})
+        res = quantize(fmodel, None, rec2, progress=False, measure_latency=False, evaluation_data=[])
+        wall = time.perf_counter() - t
+        res.save(out / "quantkit", report=True)
+        info = {"wall_s": wall, "quantized_layers": len(res.plan.layers)}
+    else:
+        from onnxruntime.quantization import (
+            CalibrationDataReader,
+            CalibrationMethod,
+            QuantFormat,
+            QuantType,
+            quantize_dynamic,
+            quantize_static,
+        )
+
+        ir.save(fmodel, float_path)
+
+        class Reader(CalibrationDataReader):
+            def __init__(self) -> None:
+                self.it = iter(cal.batches(1))
+
+            def get_next(self) -> dict[str, np.ndarray] | None:
+                return next(self.it, None)
+
+        t = time.perf_counter()
+        target = out / f"{method}.onnx"
+        with tempfile.TemporaryDirectory() as tmp:
+            os.chdir(tmp)  # ORT's calibrator writes augmented models into the working directory
+            if method == "ort_static_u8":
+                quantize_static(str(float_path), str(target), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                                activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                                calibrate_method=CalibrationMethod.MinMax)
+            elif method == "ort_static_s8":
+                quantize_static(str(float_path), str(target), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                                activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                                calibrate_method=CalibrationMethod.MinMax,
+                                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+            elif method == "ort_dynamic":
+                quantize_dynamic(str(float_path), str(target), per_channel=True, weight_type=QuantType.QInt8)
+            else:
+                raise SystemExit(f"unknown method {method}")
+        info = {"wall_s": time.perf_counter() - t}
+    info["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    (out / f"{method}.json").write_text(json.dumps(info))
+
+
+def run_worker(method: str, recipe_path: str, n_cal: int | None, out_dir: Path) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--worker", method, "--recipe", recipe_path, "--out-dir", str(out_dir)]
+    if n_cal:
+        cmd += ["--calib", str(n_cal)]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return json.loads((out_dir / f"{method}.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="efficientnet-lite0", choices=sorted(RECIPES))
+    ap.add_argument("--recipe", default=None)
+    ap.add_argument("--calib", type=int, default=None, help="calibration samples (default: the recipe's)")
+    ap.add_argument("--eval", type=int, default=None, help="evaluation samples (default: the recipe's)")
+    ap.add_argument("--methods", default=None, help="comma list (default depends on the model)")
+    ap.add_argument("--rss-scaling", action="store_true", help="also quantize with 2x calibration samples")
+    ap.add_argument("--repeat", type=int, default=60)
+    ap.add_argument("--out", default=None, help="write the results JSON here")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    recipe_path = args.recipe or str(ROOT / RECIPES[args.model])
+    if args.worker:
+        worker(args.worker, recipe_path, args.calib, args.out_dir)
+        return
+
+    from quantkit.api import evaluate_fidelity
+    from quantkit.evaluate.latency import compare_latency, make_session
+    from quantkit.lowering.verify import census
+    from quantkit.report.build import environment
+
+    default_methods = ["ort_static_u8", "ort_static_s8"] if args.model == "efficientnet-lite0" else [
+        "ort_static_u8", "ort_dynamic"]
+    methods = args.methods.split(",") if args.methods else ["quantkit", *default_methods]
+    rec, fmodel, cal, ev = _datasets(recipe_path, args.calib, args.eval)
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmpd:
+        tmp = Path(tmpd)
+        run_worker("fp32", recipe_path, args.calib, tmp)
+        paths = {"fp32": tmp / "fp32.onnx"}
+        for m in methods:
+            print(f"[bench] quantizing with {m} ...", flush=True)
+            results[m] = run_worker(m, recipe_path, args.calib, tmp)
+            paths[m] = tmp / "quantkit" / "model.onnx" if m == "quantkit" else tmp / f"{m}.onnx"
+        if args.rss_scaling:
+            n2 = 2 * len(cal)
+            print(f"[bench] quantkit with {n2} calibration samples ...", flush=True)
+            (tmp / "x2").mkdir()
+            results["quantkit_2x_calib"] = run_worker("quantkit", recipe_path, n2, tmp / "x2")
+        fbytes = paths["fp32"].read_bytes()
+        results["fp32"] = {"wall_s": 0.0}
+        for m, p in paths.items():
+            results[m]["size_bytes"] = p.stat().st_size
+            if m != "fp32":
+                cen = census(str(p))
+                results[m]["kernels"] = dict(cen.quantized_kernels)
+                results[m]["leftover_q"] = cen.leftover_q
+                results[m]["leftover_dq"] = cen.leftover_dq
+                results[m]["float_conv"] = cen.op_counts.get("Conv", 0) + cen.op_counts.get("FusedConv", 0)
+                fid = evaluate_fidelity(fbytes, p.read_bytes(), ev, batch_size=16, metric=rec.evaluation.metric)
+                results[m]["fidelity"] = fid
+        feed = next(iter(ev.batches(1)))
+        sessions = {m: make_session(str(p)) for m, p in paths.items()}
+        lat = compare_latency(sessions, feed, warmup=10, repeat=args.repeat, rounds=5)
+        for m, latm in lat.items():
+            results[m]["latency_ms"] = latm.median_ms
+            results[m]["latency_p90_ms"] = latm.p90_ms
+            results[m]["speedup_vs_fp32"] = lat["fp32"].median_ms / latm.median_ms
+        env = environment()
+        env["feed"] = lat["fp32"].shape
+        env["calibration_samples"] = len(cal)
+        env["evaluation_samples"] = len(ev)
+    print()
+    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print()
+    hdr = f"{'method':<20}{'quant s':>9}{'peak RSS MB':>13}{'size MB':>9}{'lat ms':>9}{'p90 ms':>9}{'x FP32':>8}  fidelity / kernels"
+    print(hdr)
+    print("-" * len(hdr))
+    for m, r in results.items():
+        fid = r.get("fidelity", {})
+        fs = "; ".join(
+            ", ".join(f"{k}={v:.4f}" for k, v in d.items() if k in ("top1_agreement", "top5_agreement", "mean_kl", "sqnr_db", "mean_cosine"))
+            for d in fid.values()
+        )
+        extra = f" | {r.get('kernels', '')} leftover Q/DQ={r.get('leftover_q', '-')}/{r.get('leftover_dq', '-')}" if m != "fp32" else ""
+        print(f"{m:<20}{r.get('wall_s', 0):>9.2f}{r.get('peak_rss_mb', 0):>13.0f}{r.get('size_bytes', 0) / 2**20:>9.2f}"
+              f"{r.get('latency_ms', float('nan')):>9.3f}{r.get('latency_p90_ms', float('nan')):>9.3f}"
+              f"{r.get('speedup_vs_fp32', float('nan')):>8.2f}  {fs}{extra}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"environment": env, "results": results}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""The Python API: ``quantize(model, calibration_data, recipe)`` - what the CLI calls.
+
+Pipeline (each stage in its own package)::
+
+    recipe -> frontends (ONNX in onnx_ir) -> prep passes -> select (QuantPlan)
+           -> calibrate (ORT + streaming calibrators) -> lower (QDQ) -> verify (ORT census)
+           -> evaluate (fidelity + latency, same run) -> report
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import psutil
+
+from quantkit.calibrate import get_calibrator
+from quantkit.calibrate.collect import collect_statistics
+from quantkit.data import Dataset, as_dataset, make_dataset, model_inputs
+from quantkit.errors import DataError, LoweringError, QuantkitError
+from quantkit.evaluate.latency import compare_latency, make_session
+from quantkit.evaluate.metrics import FidelityAccumulator, sqnr_db
+from quantkit.frontends import LoadedModel, load_model
+from quantkit.lowering.qdq import LoweringResult, lower_int8
+from quantkit.lowering.select import QuantPlan, select
+from quantkit.lowering.verify import Census, census
+from quantkit.prep.pipeline import prepare
+from quantkit.recipe import RecipeModel, load_recipe
+from quantkit.report.build import build_report, write_report
+
+log = logging.getLogger("quantkit")
+
+# Models above this size are saved with their weights in an external-data file.
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+
+
+@dataclass
+class QuantizeResult:
+    """What :func:`quantize` returns: the quantized model, its plan and its report."""
+
+    model: ir.Model
+    float_model: ir.Model
+    plan: QuantPlan
+    lowering: LoweringResult
+    census: Census
+    report: dict[str, Any]
+    recipe: RecipeModel
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def save(self, directory: str | os.PathLike[str], *, report: bool = True) -> dict[str, Path]:
+        """Write ``model.onnx`` (+ external data when large), ``report.json`` and ``report.md``.
+
+        Every file is written to a temporary name in ``directory`` and renamed into place,
+        so an interrupted save never leaves a half-written model or report.
+        """
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {"model": save_model(self.model, out / "model.onnx", self.recipe.export.external_data)}
+        if report:
+            paths.update(write_report(self.report, out, self.recipe.report.formats))
+        return paths
+
+
+def save_model(model: ir.Model, path: Path, external: str = "auto") -> Path:
+    """Serialize ``model`` atomically to ``path`` (external data ``path.data`` when large)."""
+    proto = ir.to_proto(model)
+    use_external = external == "always" or (external == "auto" and proto.ByteSize() > EXTERNAL_DATA_THRESHOLD)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".quantkit-") as tmp:
+        tmp_model = Path(tmp) / path.name
+        if use_external:
+            data_name = path.name + ".data"
+            onnx.save_model(proto, tmp_model, save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data_name, size_threshold=1024)
+            os.replace(Path(tmp) / data_name, path.parent / data_name)
+        else:
+            onnx.save_model(proto, tmp_model)
+        os.replace(tmp_model, path)
+    return path
+
+
+def model_bytes(model: ir.Model) -> bytes:
+    """Serialized model (for ONNX Runtime sessions); models > 2 GB are not supported here."""
+    return ir.to_proto(model).SerializeToString()
+
+
+def _rss_mb() -> float:
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def _clone(model: ir.Model) -> ir.Model:
+    return ir.from_proto(ir.to_proto(model))
+
+
+def _eval_dataset(recipe: RecipeModel, loaded: LoadedModel, evaluation_data: Any, inputs: list[Any]) -> Dataset | None:
+    if evaluation_data is not None:
+        return as_dataset(evaluation_data, inputs, tokenizer=loaded.tokenizer)
+    if recipe.evaluation.data is not None:
+        return make_dataset(recipe.evaluation.data.model_dump(), inputs=inputs, tokenizer=loaded.tokenizer,
+                            split="evaluation")
+    return None
+
+
+def quantize(
+    model: Any = None,
+    calibration_data: Any = None,
+    recipe: str | os.PathLike[str] | Mapping[str, Any] | RecipeModel | None = None,
+    *,
+    evaluation_data: Any = None,
+    example_inputs: Any = None,
+    progress: bool = True,
+    measure_latency: bool | None = None,
+) -> QuantizeResult:
+    """Quantize ``model`` with ``calibration_data`` as ``recipe`` says.
+
+    ``model``: an ONNX path / ``onnx.ModelProto`` / ``onnx_ir.Model``, a Hugging Face folder,
+    a built-in name (``"efficientnet-lite0"``, ``"all-MiniLM-L6-v2"``) or a
+    ``torch.nn.Module`` (then ``example_inputs`` is required).  ``None`` takes the
+    recipe's ``model.source``.
+
+    ``calibration_data``: a :class:`quantkit.data.Dataset`, any iterable of feed dicts /
+    arrays, or ``None`` to use the recipe's ``calibration.data``.
+
+    ``recipe``: a YAML path, a mapping, a :class:`RecipeModel`, or ``None`` for the
+    defaults (INT8 per-channel symmetric weights, uint8 asymmetric activations, min-max),
+    in which case ``model`` and ``calibration_data`` are required.
+    """
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    if recipe is None:
+        if model is None or calibration_data is None:
+            raise QuantkitError("quantize() needs a recipe, or both a model and calibration_data")
+        recipe = {"version": 1, "name": "api", "model": {"source": "<api>"},
+                  "calibration": {"data": {"kind": "npz", "path": "<api>"}}}
+    rec = load_recipe(recipe)
+    t = time.perf_counter()
+    loaded = load_model(model if model is not None else rec.model.source, example_inputs=example_inputs,
+                        seq_len=rec.model.seq_len)
+    timings["load_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    prep = prepare(loaded.model)
+    float_model = prep.model
+    timings["prepare_s"] = time.perf_counter() - t
+    inputs = model_inputs(float_model)
+
+    if calibration_data is not None:
+        cal = as_dataset(calibration_data, inputs, tokenizer=loaded.tokenizer)
+    else:
+        cal = make_dataset(rec.calibration.data.model_dump(), inputs=inputs, tokenizer=loaded.tokenizer,
+                           split="calibration")
+    if len(cal) == 0:
+        raise DataError("the calibration dataset is empty")
+
+    plan = select(float_model, rec)
+    log.info("quantizing %d layers, %d activation tensors", len(plan.layers), len(plan.tensors))
+
+    # calibration: one streaming pass (chunked if many tensors) over the data
+    t = time.perf_counter()
+    rss0 = _rss_mb()
+    factories = {
+        name: (lambda cls=get_calibrator(tq.calibrator), opts=dict(rec.calibration.calibrator_options): cls(**opts))
+        for name, tq in plan.calibrated_tensors().items()
+    }
+    float_proto = ir.to_proto(float_model)
+    stats = collect_statistics(
+        float_proto, cal, factories, batch_size=rec.calibration.batch_size,
+        max_batch_output_bytes=rec.calibration.max_batch_output_bytes, progress=progress,
+    )
+    ranges = {name: c.compute_range() for name, c in stats.items()}
+    timings["calibrate_s"] = time.perf_counter() - t
+    timings["calibrate_peak_rss_mb"] = max(_rss_mb(), rss0)
+
+    t = time.perf_counter()
+    qmodel = _clone(float_model)
+    lowering = lower_int8(qmodel, plan, ranges)
+    qproto = ir.to_proto(qmodel)
+    try:
+        onnx.checker.check_model(qproto, full_check=False)
+    except onnx.checker.ValidationError as exc:
+        raise LoweringError(f"the emitted model fails onnx.checker: {exc}") from None
+    timings["lower_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    cen = census(qproto, quantizable=list(plan.layers))
+    timings["verify_s"] = time.perf_counter() - t
+
+    ev = _eval_dataset(rec, loaded, evaluation_data, inputs)
+    fidelity: dict[str, Any] = {}
+    per_layer_sqnr: dict[str, float] = {}
+    latency: dict[str, Any] = {}
+    float_bytes = float_proto.SerializeToString()
+    q_bytes = qproto.SerializeToString()
+    if ev is not None:
+        t = time.perf_counter()
+        fidelity = evaluate_fidelity(float_bytes, q_bytes, ev, batch_size=rec.evaluation.batch_size,
+                                     metric=rec.evaluation.metric, progress=progress)
+        per_layer_sqnr = layer_sqnr(float_proto, qproto, plan, ev, limit=16)
+        timings["evaluate_s"] = time.perf_counter() - t
+    do_lat = rec.report.latency.enabled if measure_latency is None else measure_latency
+    if do_lat:
+        t = time.perf_counter()
+        latency = measure_pair_latency(float_bytes, q_bytes, ev or cal, rec)
+        timings["latency_s"] = time.perf_counter() - t
+    timings["total_s"] = time.perf_counter() - t_start
+    report = build_report(
+        recipe=rec, source=loaded.source, float_proto=float_proto, quant_proto=qproto, plan=plan,
+        lowering=lowering, census=cen, fidelity=fidelity, per_layer_sqnr=per_layer_sqnr, latency=latency,
+        timings=timings, calibration_samples=len(cal), evaluation_samples=len(ev) if ev is not None else 0,
+    )
+    return QuantizeResult(qmodel, float_model, plan, lowering, cen, report, rec, timings)
+
+
+def _first_feed(ds: Dataset, batch_size: int) -> dict[str, np.ndarray]:
+    for feed in ds.batches(batch_size):
+        return {k: np.ascontiguousarray(v[:batch_size]) for k, v in feed.items()}
+    raise DataError("the dataset yielded no batch")
+
+
+def measure_pair_latency(float_bytes: bytes, q_bytes: bytes, ds: Dataset, rec: RecipeModel) -> dict[str, Any]:
+    """FP32 vs quantized latency on the same feed, interleaved, same run."""
+    lat = rec.report.latency
+    feed = _first_feed(ds, lat.batch_size)
+    if lat.seq_len is not None:
+        feed = {k: v[:, : lat.seq_len] if v.ndim == 2 and v.dtype == np.int64 else v for k, v in feed.items()}
+    threads = lat.threads or 0
+    sessions = {"fp32": make_session(float_bytes, threads=lat.threads),
+                "quantized": make_session(q_bytes, threads=lat.threads)}
+    res = compare_latency(sessions, feed, warmup=lat.warmup, repeat=lat.repeat, threads=threads)
+    out: dict[str, Any] = {k: v.as_dict() for k, v in res.items()}
+    out["speedup"] = res["fp32"].median_ms / max(res["quantized"].median_ms, 1e-9)
+    return out
+
+
+def evaluate_fidelity(
+    float_model: bytes, quant_model: bytes, ds: Dataset, *, batch_size: int = 8, metric: str = "auto",
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Run both models on ``ds`` (streaming) and compare every graph output."""
+    from tqdm.auto import tqdm
+
+    s_f = make_session(float_model)
+    s_q = make_session(quant_model)
+    names = [o.name for o in s_f.get_outputs()]
+    cls = {"classification": True, "embedding": False, "sqnr": False}.get(metric)
+    acc = FidelityAccumulator(classification=cls)
+    with tqdm(total=len(ds), desc="evaluate", unit="sample", disable=not progress) as bar:
+        for feed in ds.batches(batch_size):
+            ref = s_f.run(names, feed)
+            got = s_q.run(names, feed)
+            for n, r, g in zip(names, ref, got, strict=True):
+                if np.issubdtype(r.dtype, np.floating):
+                    acc.update(n, r, g)
+            bar.update(next(iter(feed.values())).shape[0])
+    return acc.summary()
+
+
+def layer_sqnr(
+    float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, plan: QuantPlan, ds: Dataset, *, limit: int = 16
+) -> dict[str, float]:
+    """Output SQNR (dB) of every quantized layer: the layer's output tensor in the QDQ model
+    (exposed as an extra output, so ORT computes it with the same QDQ arithmetic) against
+    the same tensor of the FP32 model, over the first ``limit`` evaluation samples."""
+    names: dict[str, str] = {}
+    q_values = {o for n in quant_proto.graph.node for o in n.output}
+    f_values = {o for n in float_proto.graph.node for o in n.output}
+    for layer in plan.layers:
+        for n in float_proto.graph.node:
+            if n.name == layer and n.output and n.output[0] in q_values and n.output[0] in f_values:
+                names[layer] = n.output[0]
+    if not names:
+        return {}
+
+    def exposed(p: onnx.ModelProto) -> bytes:
+        m = onnx.ModelProto()
+        m.CopyFrom(p)
+        have = {o.name for o in m.graph.output}
+        for t in names.values():
+            if t not in have:
+                m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
+        return m.SerializeToString()
+
+    s_f = make_session(exposed(float_proto), level="basic")
+    s_q = make_session(exposed(quant_proto), level="basic")
+    tensors = list(dict.fromkeys(names.values()))
+    sig = dict.fromkeys(tensors, 0.0)
+    noise = dict.fromkeys(tensors, 0.0)
+    seen = 0
+    for feed in ds.batches(1):
+        rf = s_f.run(tensors, feed)
+        rq = s_q.run(tensors, feed)
+        for t, a, b in zip(tensors, rf, rq, strict=True):
+            a64 = a.astype(np.float64)
+            sig[t] += float(np.sum(a64**2))
+            noise[t] += float(np.sum((a64 - b) ** 2))
+        seen += 1
+        if seen >= limit:
+            break
+    out = {}
+    for layer, t in names.items():
+        out[layer] = float("inf") if noise[t] == 0 else float(10 * np.log10(max(sig[t], 1e-300) / noise[t]))
+    return out
+
+
+__all__ = ["QuantizeResult", "quantize", "save_model", "sqnr_db", "Iterable"]

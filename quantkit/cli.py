@@ -1,0 +1,117 @@
+"""``quantkit`` command line: a thin layer over :mod:`quantkit.api`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from quantkit.errors import QuantkitError
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="quantkit", description="Post-training quantization to ONNX.")
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = p.add_subparsers(dest="command")
+    c = sub.add_parser("calibrate", help="calibrate, quantize, verify and report as a recipe says")
+    c.add_argument("--recipe", required=True, help="recipe YAML file")
+    c.add_argument("--output", "-o", default=None, help="output folder (default: out/<recipe name>)")
+    c.add_argument("--model", default=None, help="override the recipe's model.source")
+    c.add_argument("--calibration-data", default=None, help="override calibration.data.path")
+    c.add_argument("--evaluation-data", default=None, help="override evaluation.data.path")
+    c.add_argument("--no-latency", action="store_true", help="skip the latency measurement")
+    c.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    v = sub.add_parser("validate", help="validate a recipe and print it resolved")
+    v.add_argument("recipe")
+    return p
+
+
+def _override(rec_path: str, args: argparse.Namespace) -> dict[str, Any] | str:
+    """Apply CLI path overrides to the recipe (as a dict, so validation still runs)."""
+    if not (args.model or args.calibration_data or args.evaluation_data):
+        return rec_path
+    import yaml
+
+    from quantkit.recipe.load import _resolve_paths
+
+    path = Path(rec_path)
+    if not path.is_file():
+        raise QuantkitError(f"recipe file {rec_path!r} does not exist")
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise QuantkitError(f"recipe {rec_path} must be a mapping at the top level")
+    data = _resolve_paths(data, path.resolve().parent)
+    if args.model:
+        data.setdefault("model", {})["source"] = args.model
+    for key, val in (("calibration", args.calibration_data), ("evaluation", args.evaluation_data)):
+        if val:
+            sec = data.setdefault(key, {})
+            d = sec.get("data") or {}
+            kind = d.get("kind")
+            if kind not in ("images", "npz"):
+                kind = "npz" if str(val).endswith(".npz") else "images"
+                d = {"kind": kind}
+            sec["data"] = {**d, "path": val}
+    return data
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="quantkit: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if args.version:
+        from quantkit import __version__
+
+        print(__version__)
+        return 0
+    try:
+        if args.command == "calibrate":
+            return _calibrate(args)
+        if args.command == "validate":
+            from quantkit.recipe import load_recipe
+
+            rec = load_recipe(args.recipe)
+            print(rec.model_dump_json(indent=2))
+            return 0
+    except QuantkitError as exc:
+        print(f"quantkit: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("quantkit: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    _build_parser().print_help()
+    return 1
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from quantkit.api import quantize
+    from quantkit.recipe import load_recipe
+
+    rec = load_recipe(_override(args.recipe, args))
+    out = Path(args.output) if args.output else Path("out") / rec.name
+    result = quantize(recipe=rec, progress=not args.quiet, measure_latency=False if args.no_latency else None)
+    paths = result.save(out)
+    rep = result.report
+    print(f"quantized {len(result.plan.layers)} layers; model: {paths['model']}")
+    for k, p in paths.items():
+        if k != "model":
+            print(f"{k}: {p}")
+    lat = rep.get("latency") or {}
+    if lat:
+        print(f"latency: FP32 {lat['fp32']['median_ms']:.2f} ms, quantized {lat['quantized']['median_ms']:.2f} ms "
+              f"({lat['speedup']:.2f}x)")
+    for name, d in rep.get("fidelity", {}).items():
+        shown = ", ".join(f"{k}={v:.4f}" for k, v in d.items() if k != "samples")
+        print(f"fidelity[{name}]: {shown}")
+    for w in rep.get("warnings", []):
+        print(f"WARNING: {w}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,211 @@
+"""The dataset protocol, model-input descriptions and shared helpers.
+
+A dataset yields *feed dicts*: ``{onnx_input_name: array}`` whose leading dim is the
+batch.  Batches are produced lazily so that memory does not grow with the number of
+samples, and every dataset has a ``fingerprint()`` -- a sha256 hex digest over its
+content and settings -- that the statistics cache uses as a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import onnx_ir as ir
+
+from quantkit.errors import DataError
+
+__all__ = [
+    "ArrayDataset",
+    "Dataset",
+    "InputInfo",
+    "check_batch",
+    "hash_array",
+    "hash_file",
+    "model_inputs",
+    "new_hasher",
+]
+
+
+@runtime_checkable
+class Dataset(Protocol):
+    """What calibration and evaluation consume."""
+
+    def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+        """Feed dicts keyed by ONNX input name; leading dim = batch (the last may be short)."""
+        ...
+
+    def __len__(self) -> int:
+        """Number of samples."""
+        ...
+
+    def fingerprint(self) -> str:
+        """Stable sha256 hex digest over content + settings."""
+        ...
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    """One graph input of a model.
+
+    Attributes:
+        name: ONNX input name.
+        dtype: numpy dtype of the input.
+        shape: static dims as ints, dynamic (symbolic or unknown) dims as None; None if
+            even the rank is unknown.
+    """
+
+    name: str
+    dtype: np.dtype[Any]
+    shape: tuple[int | None, ...] | None
+
+    @property
+    def rank(self) -> int | None:
+        """Number of dims, or None if unknown."""
+        return None if self.shape is None else len(self.shape)
+
+    def describe(self) -> str:
+        """E.g. ``float32[N,3,224,224]`` (``?`` for dynamic dims)."""
+        if self.shape is None:
+            return f"{self.dtype}[unknown rank]"
+        dims = ",".join("?" if d is None else str(d) for d in self.shape)
+        return f"{self.dtype}[{dims}]"
+
+
+def model_inputs(model: ir.Model) -> list[InputInfo]:
+    """The graph inputs of ``model`` that are not initializers, in graph order.
+
+    Raises:
+        DataError: an input has no tensor type (sequence/map inputs are not supported).
+    """
+    infos: list[InputInfo] = []
+    for value in model.graph.inputs:
+        if value.name in model.graph.initializers:
+            continue
+        if value.dtype is None:
+            raise DataError(f"model input {value.name!r} has no tensor element type")
+        try:
+            dtype = np.dtype(value.dtype.numpy())
+        except Exception as e:
+            raise DataError(
+                f"model input {value.name!r} has dtype {value.dtype}, which numpy cannot hold"
+            ) from e
+        shape: tuple[int | None, ...] | None = None
+        if value.shape is not None:
+            shape = tuple(d if isinstance(d, int) else None for d in value.shape)
+        infos.append(InputInfo(str(value.name), dtype, shape))
+    return infos
+
+
+def new_hasher(kind: str, settings: Mapping[str, Any]) -> Any:
+    """A sha256 pre-loaded with the dataset kind and its settings (JSON, sorted keys)."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"kind": kind, "settings": settings}, sort_keys=True, default=str).encode())
+    return h
+
+
+def hash_array(h: Any, name: str, array: np.ndarray) -> None:
+    """Feed ``name``, dtype, shape and the C-order bytes of ``array`` into hasher ``h``."""
+    a = np.ascontiguousarray(array)
+    h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+    h.update(a.tobytes())
+
+
+def hash_file(h: Any, path: Path) -> None:
+    """Feed the bytes of ``path`` into hasher ``h``, streamed in 1 MiB chunks."""
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    h.update(b"|eof|")
+
+
+def check_batch(batch: Mapping[str, np.ndarray], inputs: list[InputInfo], where: str = "data") -> None:
+    """Check a feed dict against the model inputs: every input present, dtype, rank, static dims.
+
+    The leading (batch) dim is not compared.
+
+    Raises:
+        DataError: naming the input, the expected and the received dtype/shape.
+    """
+    for info in inputs:
+        if info.name not in batch:
+            raise DataError(
+                f"{where}: model input {info.name!r} is missing; the data provides {sorted(batch)}"
+            )
+        check_array(info, np.asarray(batch[info.name]), where, batched=True)
+
+
+def check_array(info: InputInfo, array: np.ndarray, where: str, *, batched: bool) -> None:
+    """Check one array (with a leading batch dim if ``batched``) against ``info``.
+
+    Raises:
+        DataError: dtype, rank or a static dim differs.
+    """
+    shape = array.shape if batched else (None, *array.shape)
+    expected = info.describe()
+    received = f"{array.dtype}{list(array.shape)}"
+    if array.dtype != info.dtype:
+        raise DataError(
+            f"{where}: input {info.name!r} expects dtype {info.dtype} ({expected}), received dtype {array.dtype} "
+            f"(shape {received})"
+        )
+    if info.shape is None:
+        return
+    if len(shape) != len(info.shape):
+        raise DataError(
+            f"{where}: input {info.name!r} expects rank {len(info.shape)} ({expected}, leading dim = batch), "
+            f"received shape {received}"
+        )
+    for axis, (want, got) in enumerate(zip(info.shape, shape, strict=True)):
+        if axis > 0 and want is not None and want != got:
+            raise DataError(
+                f"{where}: input {info.name!r} expects {expected}, received shape {received} (dim {axis}: {want} != {got})"
+            )
+
+
+class ArrayDataset:
+    """In-memory arrays ``{name: array}`` with a common leading sample dim."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Wrap ``arrays``; all must share the leading dim.
+
+        Raises:
+            DataError: empty mapping, scalar arrays or different leading dims.
+        """
+        if not arrays:
+            raise DataError("ArrayDataset needs at least one array")
+        self._arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        shapes = {k: v.shape for k, v in self._arrays.items()}
+        if any(len(s) == 0 for s in shapes.values()) or len({s[0] for s in shapes.values()}) != 1:
+            raise DataError(f"ArrayDataset arrays must share a leading (sample) dim; got shapes {shapes}")
+        self._n = int(next(iter(shapes.values()))[0])
+        self._fp: str | None = None
+
+    def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+        """Consecutive slices of ``batch_size`` samples (views, no copies)."""
+        check_batch_size(batch_size)
+        for start in range(0, self._n, batch_size):
+            yield {k: v[start : start + batch_size] for k, v in self._arrays.items()}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def fingerprint(self) -> str:
+        """sha256 over names, dtypes, shapes and bytes of the arrays."""
+        if self._fp is None:
+            h = new_hasher("arrays", {})
+            for k in sorted(self._arrays):
+                hash_array(h, k, self._arrays[k])
+            self._fp = h.hexdigest()
+        return self._fp
+
+
+def check_batch_size(batch_size: int) -> None:
+    """Raise DataError unless ``batch_size`` is a positive int."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise DataError(f"batch_size must be a positive integer, got {batch_size!r}")

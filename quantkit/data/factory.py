@@ -1,0 +1,256 @@
+"""Build datasets from recipe dicts (:func:`make_dataset`) or Python objects (:func:`as_dataset`)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from quantkit.data.base import ArrayDataset, Dataset, InputInfo, check_array, check_batch
+from quantkit.data.images import ImageFolderDataset, get_preprocess
+from quantkit.data.iterable import IterableDataset
+from quantkit.data.npz import NpzDataset
+from quantkit.data.photos import SPLITS, SamplePhotosDataset
+from quantkit.data.text import TextDataset
+from quantkit.errors import DataError
+
+__all__ = ["DATASET_KINDS", "as_dataset", "make_dataset"]
+
+#: Allowed keys per ``kind`` (besides ``kind``); required ones first in the messages.
+DATASET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "sample_photos": (("count",), ("preprocess", "seed", "input")),
+    "images": (("path",), ("preprocess", "limit", "seed", "input")),
+    "npz": (("path",), ()),
+    "text": (("source",), ("mode", "count", "seq_len", "seed", "offset")),
+}
+
+
+def _image_input(inputs: list[InputInfo], name: Any, preprocess: Any, kind: str) -> str:
+    """Pick the image input and check that the preprocessing output fits it."""
+    if name is not None:
+        matches = [i for i in inputs if i.name == name]
+        if not matches:
+            raise DataError(
+                f"dataset {kind!r}: input {name!r} is not a model input; inputs: {[i.name for i in inputs]}"
+            )
+        info = matches[0]
+    elif len(inputs) == 1:
+        info = inputs[0]
+    else:
+        raise DataError(
+            f"dataset {kind!r}: the model has inputs {[i.name for i in inputs]}; say which one takes the "
+            "images with the key 'input'"
+        )
+    pre = get_preprocess(preprocess)
+    fake = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (1, *pre.output_shape), [0] * 4)
+    check_array(
+        info, fake, f"dataset {kind!r} (preprocess layout {pre.layout}, crop {pre.crop})", batched=True
+    )
+    return info.name
+
+
+def make_dataset(
+    spec: Mapping[str, Any],
+    *,
+    inputs: list[InputInfo],
+    tokenizer: Any = None,
+    split: str,
+) -> Dataset:
+    """Build a dataset from a plain dict, as written in a recipe.
+
+    Examples::
+
+        {"kind": "sample_photos", "count": 100, "preprocess": "efficientnet", "seed": 0}
+        {"kind": "images", "path": "photos/", "preprocess": "imagenet", "limit": 500}
+        {"kind": "npz", "path": "calib.npz"}
+        {"kind": "text", "source": "pydoc", "mode": "sentences", "count": 200, "seq_len": 128}
+
+    ``split`` (``"calibration"`` or ``"evaluation"``) selects disjoint samples for
+    ``sample_photos`` and ``text`` sources; files given by path are used as they are.
+    The first batch is checked against ``inputs`` so that a mismatch fails here.
+
+    Raises:
+        DataError: unknown kind, unknown or missing key, a bad value, or data that does
+            not match the model inputs (the message names the key or input).
+    """
+    if not isinstance(spec, Mapping):
+        raise DataError(f"a dataset spec must be a mapping with a 'kind' key, got {type(spec).__name__}")
+    kind = spec.get("kind")
+    if kind not in DATASET_KINDS:
+        raise DataError(f"unknown dataset kind {kind!r}; allowed kinds: {', '.join(sorted(DATASET_KINDS))}")
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; allowed: {', '.join(SPLITS)}")
+    required, optional = DATASET_KINDS[kind]
+    allowed = {"kind", *required, *optional}
+    extra = sorted(set(spec) - allowed)
+    if extra:
+        raise DataError(f"dataset {kind!r}: unknown key(s) {extra}; allowed keys: {sorted(allowed)}")
+    missing = [k for k in required if k not in spec]
+    if missing:
+        raise DataError(
+            f"dataset {kind!r}: missing required key(s) {missing}; allowed keys: {sorted(allowed)}"
+        )
+    if not inputs:
+        raise DataError("the model has no inputs to feed")
+
+    ds: SamplePhotosDataset | ImageFolderDataset | TextDataset
+    if kind == "sample_photos":
+        preprocess = spec.get("preprocess", "efficientnet")
+        name = _image_input(inputs, spec.get("input"), preprocess, kind)
+        ds = SamplePhotosDataset(spec["count"], split, name, preprocess, _int(spec, "seed", 0))
+    elif kind == "images":
+        preprocess = spec.get("preprocess", "efficientnet")
+        name = _image_input(inputs, spec.get("input"), preprocess, kind)
+        ds = ImageFolderDataset(_path(spec, kind), name, preprocess, spec.get("limit"), _int(spec, "seed", 0))
+    elif kind == "npz":
+        path = spec["path"]
+        paths = [str(p) for p in path] if isinstance(path, (list, tuple)) else _path(spec, kind)
+        npz = NpzDataset(paths, [i.name for i in inputs])
+        npz.validate(inputs)
+        return npz
+    else:
+        if tokenizer is None:
+            raise DataError(
+                "dataset 'text' needs the model's tokenizer; this model has none (use 'npz' data instead)"
+            )
+        source = spec["source"]
+        if not isinstance(source, (str, list, tuple)):
+            raise DataError(
+                f"dataset 'text': key 'source' must be 'pydoc', a file path or a list of strings; got {source!r}"
+            )
+        ds = TextDataset(
+            source if isinstance(source, str) else [str(s) for s in source],
+            tokenizer,
+            mode=spec.get("mode", "sentences"),
+            seq_len=_int(spec, "seq_len", 128),
+            count=spec.get("count"),
+            seed=_int(spec, "seed", 0),
+            split=split,
+            offset=_int(spec, "offset", 0),
+            input_names=[i.name for i in inputs],
+        )
+    check_batch(next(iter(ds.batches(1))), inputs, where=f"dataset {kind!r}")
+    return ds
+
+
+def _int(spec: Mapping[str, Any], key: str, default: int) -> int:
+    value = spec.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DataError(f"dataset {spec.get('kind')!r}: key {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _path(spec: Mapping[str, Any], kind: str) -> str:
+    value = spec["path"]
+    if not isinstance(value, (str, os.PathLike)):
+        raise DataError(f"dataset {kind!r}: key 'path' must be a path string, got {value!r}")
+    return os.fspath(value)
+
+
+def as_dataset(
+    obj: Any, inputs: list[InputInfo], tokenizer: Any = None, *, split: str = "calibration"
+) -> Dataset:
+    """Turn what a Python API user passes as data into a :class:`Dataset`.
+
+    Accepted:
+
+    * a :class:`Dataset` -- returned as is;
+    * a recipe-style dict with ``kind`` -- :func:`make_dataset`;
+    * a dict ``{input name: array}`` with a leading sample dim, or one ndarray for a
+      single-input model (a single sample without the batch dim is accepted too);
+    * a path to a ``.npz`` file or a folder of them;
+    * a list of strings, with a tokenizer -- a sentences :class:`TextDataset` (seq_len
+      from the model's static sequence dim, else 128);
+    * any other iterable (or a callable returning one) of dicts, arrays or tuples --
+      :class:`IterableDataset`; whether items are samples or batches is inferred by
+      comparing the first item's rank with the model input's rank.
+
+    Raises:
+        DataError: the object is of none of these kinds or does not match the inputs.
+    """
+    names = [i.name for i in inputs]
+    if isinstance(obj, Dataset) and hasattr(obj, "batches") and hasattr(obj, "fingerprint"):
+        return obj
+    if isinstance(obj, Mapping) and "kind" in obj:
+        return make_dataset(obj, inputs=inputs, tokenizer=tokenizer, split=split)
+    if isinstance(obj, Mapping):
+        arrays = {str(k): np.asarray(v) for k, v in obj.items()}
+        return _arrays(arrays, inputs)
+    if isinstance(obj, np.ndarray):
+        if len(inputs) != 1:
+            raise DataError(f"a single array can only feed a single-input model; this one has inputs {names}")
+        return _arrays({names[0]: obj}, inputs)
+    if isinstance(obj, (str, os.PathLike)):
+        path = Path(obj).expanduser()
+        if path.suffix == ".npz" or path.is_dir():
+            ds = NpzDataset(path, names)
+            ds.validate(inputs)
+            return ds
+        raise DataError(
+            f"data path {str(path)!r} is not a .npz file or folder; for images or text pass a spec such as "
+            "{'kind': 'images', 'path': ..., 'preprocess': 'efficientnet'}"
+        )
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, str) for t in obj):
+        if tokenizer is None:
+            raise DataError("a list of strings needs the model's tokenizer; this model has none")
+        ids = next((i for i in inputs if i.name == "input_ids"), None)
+        seq = ids.shape[1] if ids is not None and ids.shape is not None and len(ids.shape) == 2 else None
+        return TextDataset(list(obj), tokenizer, mode="sentences", seq_len=seq or 128, input_names=names)
+    if callable(obj) or isinstance(obj, Iterable):
+        return _iterable(obj, inputs)
+    raise DataError(
+        f"cannot use an object of type {type(obj).__name__} as data; pass a Dataset, a dict of arrays, an "
+        "ndarray, a .npz path, a list of strings, an iterable or a callable returning an iterator"
+    )
+
+
+def _arrays(arrays: dict[str, np.ndarray], inputs: list[InputInfo]) -> ArrayDataset:
+    """An ArrayDataset, adding a batch dim to single samples, checked against ``inputs``."""
+    for info in inputs:
+        a = arrays.get(info.name)
+        if a is not None and info.rank is not None and a.ndim == info.rank - 1:
+            arrays[info.name] = a[None]
+    check_batch(arrays, inputs, where="data")
+    return ArrayDataset({i.name: arrays[i.name] for i in inputs})
+
+
+def _iterable(obj: Iterable[Any] | Callable[[], Iterable[Any]], inputs: list[InputInfo]) -> IterableDataset:
+    """IterableDataset with ``batched`` inferred from the first item (peeked, then replayed)."""
+    names = [i.name for i in inputs]
+    probe = IterableDataset([], names)
+    source: Any = obj
+    if isinstance(obj, Iterator):
+        try:
+            first = next(obj)
+        except StopIteration:
+            raise DataError("the data iterator is empty") from None
+        source = itertools.chain([first], obj)
+    else:
+        it = iter(obj() if callable(obj) and not isinstance(obj, Iterable) else obj)
+        try:
+            first = next(it)
+        except StopIteration:
+            raise DataError("the data iterable is empty") from None
+    sample = probe._as_dict(first, 0)
+    batched: bool | None = None
+    for info in inputs:
+        if info.rank is None:
+            continue
+        got = sample[info.name].ndim
+        if got == info.rank:
+            this = True
+        elif got == info.rank - 1:
+            this = False
+        else:
+            raise DataError(
+                f"data item 0: input {info.name!r} expects {info.describe()} (or one sample without the batch "
+                f"dim), received shape {list(sample[info.name].shape)}"
+            )
+        if batched is not None and batched != this:
+            raise DataError("data item 0 mixes batched and unbatched arrays")
+        batched = this
+    return IterableDataset(source, names, batched=bool(batched))

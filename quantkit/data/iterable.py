@@ -1,0 +1,230 @@
+"""Wrap arbitrary Python iterables (of dicts, arrays or tuples) as a :class:`Dataset`.
+
+A plain iterator can be consumed only once; pass a *callable* returning a fresh
+iterator (or a re-iterable such as a list) to iterate several times (calibration,
+then evaluation, then fingerprinting).
+
+``fingerprint()`` hashes content as it streams: it is a sha256 over the input names
+and every sample's arrays -- or only the first ``fingerprint_samples`` samples when
+that is set.  For a re-iterable source it is computed by one streaming pass (no
+samples are kept).  For a one-shot iterator, calling ``fingerprint()`` before the data
+is consumed buffers the first ``fingerprint_samples`` samples (default 64 in that
+case) and replays them in the following ``batches()``; after a completed
+``batches()`` pass it is available without buffering.  Either way the same data gives
+the same digest.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from quantkit.data.base import check_batch_size, hash_array, new_hasher
+from quantkit.errors import DataError
+
+__all__ = ["IterableDataset"]
+
+_ONE_SHOT_FINGERPRINT_SAMPLES = 64
+
+
+class IterableDataset:
+    """Samples (or batches, with ``batched=True``) from a Python iterable or a callable."""
+
+    def __init__(
+        self,
+        iterable_or_callable: Iterable[Any] | Callable[[], Iterable[Any]],
+        input_names: Sequence[str],
+        *,
+        batched: bool = False,
+        fingerprint_samples: int | None = None,
+    ) -> None:
+        """Wrap the source.
+
+        Args:
+            iterable_or_callable: items are ``{name: array}`` dicts, bare arrays (one-input
+                models) or tuples/lists of arrays in ``input_names`` order.
+            input_names: the model inputs the items feed.
+            batched: items already carry a leading batch dim (they are re-chunked to the
+                requested batch size); otherwise each item is one sample.
+            fingerprint_samples: hash only the first N samples (default all; 64 for a
+                one-shot iterator fingerprinted before use).
+
+        Raises:
+            DataError: no input names or a bad ``fingerprint_samples``.
+        """
+        if not input_names:
+            raise DataError("IterableDataset needs at least one input name")
+        if fingerprint_samples is not None and (
+            isinstance(fingerprint_samples, bool)
+            or not isinstance(fingerprint_samples, int)
+            or fingerprint_samples < 1
+        ):
+            raise DataError(
+                f"fingerprint_samples must be a positive integer or None, got {fingerprint_samples!r}"
+            )
+        self.input_names = list(input_names)
+        self.batched = batched
+        self.fingerprint_samples = fingerprint_samples
+        self._factory: Callable[[], Iterable[Any]] | None = None
+        self._once: Iterator[Any] | None = None
+        if callable(iterable_or_callable) and not isinstance(iterable_or_callable, Iterable):
+            self._factory = iterable_or_callable
+        elif isinstance(iterable_or_callable, Iterator):
+            self._once = iterable_or_callable
+        elif isinstance(iterable_or_callable, (Iterable, np.ndarray)):
+            source = iterable_or_callable
+            self._factory = lambda: source
+        else:
+            raise DataError(
+                f"IterableDataset needs an iterable or a callable returning one, got {type(iterable_or_callable).__name__}"
+            )
+        self._consumed = False
+        self._replay: list[dict[str, np.ndarray]] = []  # samples buffered by an early fingerprint()
+        self._pending: Iterator[dict[str, np.ndarray]] | None = None
+        self._len: int | None = None
+        if self._factory is not None and isinstance(iterable_or_callable, Sequence | np.ndarray):
+            self._len = None if batched else len(iterable_or_callable)
+        self._fp: str | None = None
+
+    # ------------------------------------------------------------------ items -> samples
+    def _as_dict(self, item: Any, index: int) -> dict[str, np.ndarray]:
+        if isinstance(item, Mapping):
+            missing = [n for n in self.input_names if n not in item]
+            if missing:
+                raise DataError(
+                    f"item {index}: missing input(s) {missing}; the item has keys {sorted(map(str, item))}"
+                )
+            return {n: np.asarray(item[n]) for n in self.input_names}
+        if isinstance(item, (tuple, list)):
+            if len(item) != len(self.input_names):
+                raise DataError(
+                    f"item {index}: a tuple of {len(item)} arrays for {len(self.input_names)} inputs {self.input_names}"
+                )
+            return {n: np.asarray(a) for n, a in zip(self.input_names, item, strict=True)}
+        if len(self.input_names) != 1:
+            raise DataError(
+                f"item {index}: a bare {type(item).__name__} can only feed a single-input model; "
+                f"this one has inputs {self.input_names} (yield dicts or tuples)"
+            )
+        return {self.input_names[0]: np.asarray(item)}
+
+    def _source(self) -> Iterator[Any]:
+        if self._factory is not None:
+            return iter(self._factory())
+        if self._consumed or self._once is None:
+            raise DataError(
+                "this IterableDataset wraps a one-shot iterator that was already consumed; "
+                "pass a list or a callable returning a fresh iterator to iterate again"
+            )
+        self._consumed = True
+        return self._once
+
+    def samples(self) -> Iterator[dict[str, np.ndarray]]:
+        """One feed dict per sample (no batch dim)."""
+        if self._pending is not None:
+            # Left over from an early fingerprint() of a one-shot iterator.
+            replay, pending = self._replay, self._pending
+            self._replay, self._pending = [], None
+            yield from replay
+            yield from pending
+            return
+        for index, item in enumerate(self._source()):
+            d = self._as_dict(item, index)
+            if not self.batched:
+                yield d
+                continue
+            sizes = {n: (a.shape[0] if a.ndim else None) for n, a in d.items()}
+            if None in sizes.values() or len(set(sizes.values())) != 1:
+                raise DataError(f"batched item {index}: arrays need a common leading batch dim; got {sizes}")
+            for row in range(next(iter(sizes.values())) or 0):
+                yield {n: a[row] for n, a in d.items()}
+
+    def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+        """Stack ``batch_size`` samples at a time; hashes the content on the way."""
+        check_batch_size(batch_size)
+        h = self._hasher() if self._fp is None else None
+        limit = self.fingerprint_samples
+        count = 0
+        chunk: list[dict[str, np.ndarray]] = []
+        for sample in self.samples():
+            if h is not None and (limit is None or count < limit):
+                self._hash_sample(h, sample)
+            count += 1
+            chunk.append(sample)
+            if len(chunk) == batch_size:
+                yield self._stack(chunk)
+                chunk = []
+        if chunk:
+            yield self._stack(chunk)
+        self._len = count
+        if h is not None:
+            self._fp = self._finish(h, count)
+
+    def _stack(self, chunk: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for n in self.input_names:
+            shapes = {s[n].shape for s in chunk}
+            if len(shapes) != 1:
+                raise DataError(f"input {n!r}: samples in one batch have different shapes {sorted(shapes)}")
+            out[n] = np.stack([s[n] for s in chunk])
+        return out
+
+    # ------------------------------------------------------------------ fingerprint
+    def _hasher(self) -> Any:
+        return new_hasher("iterable", {"inputs": self.input_names, "limit": self.fingerprint_samples})
+
+    def _hash_sample(self, h: Any, sample: Mapping[str, np.ndarray]) -> None:
+        for n in self.input_names:
+            hash_array(h, n, sample[n])
+
+    def _finish(self, h: Any, count: int) -> str:
+        # The count is part of the digest only when every sample was hashed.
+        if self.fingerprint_samples is None:
+            h.update(f"|count={count}".encode())
+        return str(h.hexdigest())
+
+    def fingerprint(self) -> str:
+        """sha256 over the (first ``fingerprint_samples``) samples; see the module docstring."""
+        if self._fp is not None:
+            return self._fp
+        h = self._hasher()
+        if self._factory is not None:
+            count = 0
+            for sample in self.samples():
+                if self.fingerprint_samples is not None and count >= self.fingerprint_samples:
+                    break
+                self._hash_sample(h, sample)
+                count += 1
+            if self.fingerprint_samples is None:
+                self._len = count
+            self._fp = self._finish(h, count)
+            return self._fp
+        # One-shot iterator not consumed yet: buffer a bounded prefix and replay it later.
+        if self.fingerprint_samples is None:
+            self.fingerprint_samples = _ONE_SHOT_FINGERPRINT_SAMPLES
+        stream = self.samples()
+        prefix = list(itertools.islice(stream, self.fingerprint_samples))
+        for sample in prefix:
+            self._hash_sample(h, sample)
+        self._replay = prefix
+        self._pending = stream
+        self._fp = self._finish(h, len(prefix))
+        return self._fp
+
+    def __len__(self) -> int:
+        """Number of samples; counted by one streaming pass if not known yet.
+
+        Raises:
+            DataError: a one-shot iterator that has not been consumed yet.
+        """
+        if self._len is None:
+            if self._factory is None:
+                raise DataError(
+                    "the length of a one-shot iterator is unknown until it has been consumed; "
+                    "pass a list or a callable returning a fresh iterator"
+                )
+            self._len = sum(1 for _ in self.samples())
+        return self._len

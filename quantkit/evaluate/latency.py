@@ -1,0 +1,109 @@
+"""Latency of ONNX Runtime sessions, measured the same way for every model in one run."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Wall-clock latency of ``session.run`` on one fixed feed (milliseconds)."""
+
+    median_ms: float
+    p90_ms: float
+    mean_ms: float
+    min_ms: float
+    runs: int
+    warmup: int
+    threads: int
+    shape: str
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def make_session(
+    model: bytes | str, *, threads: int | None = None, level: str = "all"
+) -> ort.InferenceSession:
+    """A CPU session with all graph optimizations (what a deployment would use)."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = {
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    }[level]
+    if threads:
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def measure_latency(
+    session: ort.InferenceSession,
+    feed: Mapping[str, np.ndarray],
+    *,
+    warmup: int = 5,
+    repeat: int = 30,
+    threads: int = 0,
+) -> Latency:
+    """Median / p90 over ``repeat`` timed runs after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        session.run(None, dict(feed))
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        session.run(None, dict(feed))
+        times.append((time.perf_counter() - t0) * 1e3)
+    arr = np.asarray(times)
+    shape = ", ".join(f"{k}={list(v.shape)}" for k, v in feed.items())
+    return Latency(
+        median_ms=float(np.median(arr)),
+        p90_ms=float(np.percentile(arr, 90)),
+        mean_ms=float(arr.mean()),
+        min_ms=float(arr.min()),
+        runs=repeat,
+        warmup=warmup,
+        threads=threads,
+        shape=shape,
+    )
+
+
+def compare_latency(
+    sessions: Mapping[str, ort.InferenceSession],
+    feed: Mapping[str, np.ndarray],
+    *,
+    warmup: int = 5,
+    repeat: int = 30,
+    threads: int = 0,
+    rounds: int = 3,
+) -> dict[str, Latency]:
+    """Time several sessions on the same feed, interleaved in ``rounds`` so that
+    machine noise (another process, frequency changes) hits all of them alike; each
+    session's runs are pooled before taking the median."""
+    pooled: dict[str, list[float]] = {k: [] for k in sessions}
+    for s in sessions.values():
+        for _ in range(warmup):
+            s.run(None, dict(feed))
+    per_round = max(1, repeat // rounds)
+    for _ in range(rounds):
+        for k, s in sessions.items():
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                s.run(None, dict(feed))
+                pooled[k].append((time.perf_counter() - t0) * 1e3)
+    shape = ", ".join(f"{k}={list(v.shape)}" for k, v in feed.items())
+    out = {}
+    for k, ts in pooled.items():
+        arr = np.asarray(ts)
+        out[k] = Latency(
+            median_ms=float(np.median(arr)), p90_ms=float(np.percentile(arr, 90)), mean_ms=float(arr.mean()),
+            min_ms=float(arr.min()), runs=len(ts), warmup=warmup, threads=threads, shape=shape,
+        )
+    return out

@@ -1,0 +1,273 @@
+"""Export a local Hugging Face model folder (optionally a sentence-transformers one) to ONNX.
+
+Encoders (``BertModel`` ...) become a graph with inputs ``input_ids``,
+``attention_mask`` (and ``token_type_ids`` when the model takes them), symbolic
+``batch`` and ``seq`` dims, and output ``last_hidden_state``.  When the folder is a
+sentence-transformers model (``modules.json`` with a ``Pooling`` module) the graph also
+outputs ``sentence_embedding``, computed exactly as sentence-transformers does:
+
+* mean:  ``e = sum_t m_t h_t / max(sum_t m_t, 1e-9)``  (``m`` = attention mask)
+* mean_sqrt_len: ``e = sum_t m_t h_t / sqrt(max(sum_t m_t, 1e-9))``
+* cls:   ``e = h_0``
+* max:   ``e = max_t (h_t if m_t else -1e9)``
+
+several enabled modes are concatenated in the order cls, max, mean, mean_sqrt_len; a
+``Normalize`` module then applies ``e / max(||e||_2, 1e-12)``.
+
+Causal LMs (``*ForCausalLM``) export ``logits`` for the whole sequence from
+``input_ids`` and ``attention_mask`` (no KV cache).
+
+Attention is exported with the ``eager`` implementation: with ``sdpa`` the graph gains
+IsNaN/Where guards and extra Slice/Reshape nodes around every attention block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import onnx_ir as ir
+
+from quantkit.errors import ModelError
+from quantkit.frontends.torch_module import DEFAULT_OPSET, from_torch
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["HF_TASKS", "detect_task", "from_hf_folder", "load_hf_tokenizer", "sentence_transformers_config"]
+
+HF_TASKS = ("auto", "encoder", "causal-lm")
+_POOLING_ORDER = ("cls", "max", "mean", "mean_sqrt_len")
+_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+_EXAMPLE_TEXTS = (
+    "The quick brown fox jumps over the lazy dog near the quiet river bank.",
+    "Quantization maps floating point weights to small integers with a scale.",
+)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot read {str(path)!r}: {e}") from e
+
+
+def _check_folder(path: str | os.PathLike[str]) -> Path:
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ModelError(f"Hugging Face model folder {str(folder)!r} does not exist or is not a folder")
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{str(folder)!r} is not a Hugging Face model folder: it has no config.json")
+    return folder
+
+
+def detect_task(path: str | os.PathLike[str]) -> str:
+    """``"causal-lm"`` if config.json's ``architectures`` name a ``*ForCausalLM``, else ``"encoder"``."""
+    config = _read_json(_check_folder(path) / "config.json")
+    archs = config.get("architectures") or []
+    return "causal-lm" if any(str(a).endswith("ForCausalLM") for a in archs) else "encoder"
+
+
+def sentence_transformers_config(path: str | os.PathLike[str]) -> tuple[tuple[str, ...], bool] | None:
+    """Pooling modes and whether to L2-normalise, or None if not a sentence-transformers folder.
+
+    Raises:
+        ModelError: modules.json lists a module we cannot export (e.g. ``Dense``) or the
+            pooling config enables an unsupported mode.
+    """
+    folder = Path(path)
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        if (folder / "1_Pooling" / "config.json").is_file():
+            return ("mean",), False
+        return None
+    modules = _read_json(modules_file)
+    pooling_dir: Path | None = None
+    normalize = False
+    for m in modules:
+        kind = str(m.get("type", ""))
+        if kind == _ST_TRANSFORMER:
+            continue
+        if kind == _ST_POOLING:
+            pooling_dir = folder / str(m.get("path", ""))
+        elif kind == _ST_NORMALIZE:
+            normalize = True
+        else:
+            raise ModelError(
+                f"{str(modules_file)!r}: sentence-transformers module {kind!r} is not supported; "
+                f"supported: {_ST_TRANSFORMER}, {_ST_POOLING}, {_ST_NORMALIZE}"
+            )
+    if pooling_dir is None:
+        return None
+    cfg = _read_json(pooling_dir / "config.json")
+    flags = {
+        "cls": "pooling_mode_cls_token",
+        "max": "pooling_mode_max_tokens",
+        "mean": "pooling_mode_mean_tokens",
+        "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens",
+    }
+    for key in ("pooling_mode_weightedmean_tokens", "pooling_mode_lasttoken"):
+        if cfg.get(key):
+            raise ModelError(
+                f"{str(pooling_dir)!r}: pooling mode {key!r} is not supported; supported: {list(flags.values())}"
+            )
+    modes = tuple(m for m in _POOLING_ORDER if cfg.get(flags[m]))
+    if not modes:
+        raise ModelError(
+            f"{str(pooling_dir)!r}: no pooling mode is enabled; expected one of {list(flags.values())}"
+        )
+    return modes, normalize
+
+
+def load_hf_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """The folder's tokenizer via ``AutoTokenizer`` (local files only)."""
+    from transformers import AutoTokenizer
+
+    folder = _check_folder(path)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:
+        raise ModelError(f"cannot load a tokenizer from {str(folder)!r}: {type(e).__name__}: {e}") from e
+
+
+def _encoder_wrapper(model: torch.nn.Module, pooling: tuple[tuple[str, ...], bool] | None) -> torch.nn.Module:
+    import torch
+
+    class EncoderExport(torch.nn.Module):
+        """``forward(input_ids, attention_mask[, token_type_ids])`` -> hidden state [+ embedding]."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(
+            self,
+            input_ids: torch.Tensor,
+            attention_mask: torch.Tensor,
+            token_type_ids: torch.Tensor | None = None,
+        ) -> Any:
+            extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+            h = self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+            if pooling is None:
+                return h
+            modes, normalize = pooling
+            mask = attention_mask.unsqueeze(-1).to(h.dtype)
+            parts = []
+            for mode in modes:
+                if mode == "cls":
+                    parts.append(h[:, 0])
+                elif mode == "max":
+                    parts.append(torch.where(mask > 0, h, torch.full_like(h, -1e9)).max(dim=1).values)
+                else:
+                    total = (h * mask).sum(dim=1)
+                    count = mask.sum(dim=1).clamp(min=1e-9)
+                    parts.append(total / (count if mode == "mean" else count.sqrt()))
+            e = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+            if normalize:
+                e = torch.nn.functional.normalize(e, p=2.0, dim=-1)
+            return h, e
+
+    return EncoderExport()
+
+
+def _causal_wrapper(model: torch.nn.Module) -> torch.nn.Module:
+    import torch
+
+    class CausalLMExport(torch.nn.Module):
+        """``forward(input_ids, attention_mask)`` -> full-sequence logits, no KV cache."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    return CausalLMExport()
+
+
+def from_hf_folder(
+    path: str | os.PathLike[str],
+    *,
+    task: str = "auto",
+    seq_len: int = 128,
+    opset: int = DEFAULT_OPSET,
+) -> tuple[ir.Model, Any]:
+    """Export the model in a local Hugging Face folder; return ``(model, tokenizer)``.
+
+    Args:
+        path: folder containing ``config.json``, weights and tokenizer files.
+        task: ``"auto"`` (from config.json's architectures), ``"encoder"`` or ``"causal-lm"``.
+        seq_len: sequence length of the tracing example (the exported ``seq`` dim is dynamic).
+        opset: default-domain opset.
+
+    Raises:
+        ModelError: not a model folder, unknown task, unsupported sentence-transformers
+            module, or the export fails.
+    """
+    folder = _check_folder(path)
+    if task not in HF_TASKS:
+        raise ModelError(f"unknown Hugging Face task {task!r}; allowed: {', '.join(HF_TASKS)}")
+    if seq_len < 2:
+        raise ModelError(f"seq_len must be >= 2 so that the sequence dim stays dynamic, got {seq_len}")
+    if task == "auto":
+        task = detect_task(folder)
+
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    tokenizer = load_hf_tokenizer(folder)
+    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModel
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # weight-loading progress bar
+            hf_model = auto.from_pretrained(
+                str(folder), local_files_only=True, dtype=torch.float32, attn_implementation="eager"
+            )
+    except Exception as e:
+        raise ModelError(f"cannot load a {task} model from {str(folder)!r}: {type(e).__name__}: {e}") from e
+    hf_model.eval()
+
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    enc = tokenizer(
+        list(_EXAMPLE_TEXTS), padding="max_length", truncation=True, max_length=seq_len, return_tensors="pt"
+    )
+    seq_dims = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
+    if task == "causal-lm":
+        wrapper = _causal_wrapper(hf_model)
+        names = ["input_ids", "attention_mask"]
+        outputs = ["logits"]
+    else:
+        accepted = set(_forward_names(hf_model))
+        names = ["input_ids", "attention_mask"]
+        if "token_type_ids" in accepted and "token_type_ids" in tokenizer.model_input_names:
+            names.append("token_type_ids")
+            seq_dims["token_type_ids"] = {1: "seq"}
+            if "token_type_ids" not in enc:
+                enc["token_type_ids"] = torch.zeros_like(enc["input_ids"])
+        pooling = sentence_transformers_config(folder)
+        wrapper = _encoder_wrapper(hf_model, pooling)
+        outputs = ["last_hidden_state"] + (["sentence_embedding"] if pooling is not None else [])
+    example = [enc[n].to(torch.int64) for n in names]
+    model = from_torch(
+        wrapper,
+        example,
+        input_names=names,
+        output_names=outputs,
+        dynamic_batch=True,
+        dynamic_dims=seq_dims,
+        opset=opset,
+    )
+    return model, tokenizer
+
+
+def _forward_names(model: torch.nn.Module) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(model.forward).parameters)

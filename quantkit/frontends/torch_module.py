@@ -1,0 +1,212 @@
+"""Export a ``torch.nn.Module`` to ONNX with ``torch.onnx.export`` and load it as ``onnx_ir``.
+
+Exporter choice: the dynamo exporter (``dynamo=True``).  On EfficientNet-Lite0 it
+produces a classic graph -- ``Conv`` (BatchNorm folded, "same" padding folded into
+``pads``), ``Clip`` (ReLU6), ``Add``, ``ReduceMean`` (rewritten here to
+``GlobalAveragePool``), ``Reshape``, ``Gemm`` -- whereas the TorchScript exporter
+leaves 17 dynamic ``Pad`` subgraphs (Shape/Slice/Concat/ConstantOfShape/Transpose/Cast,
+~380 extra nodes).  On BERT both are comparable, with dynamo slightly cleaner.  The
+price is export time (~8 s vs ~0.6 s on EfficientNet-Lite0), which the built-in
+model cache hides.
+
+Trap: ``torch.export`` specialises a dimension whose example size is 0 or 1, so a
+dynamic batch needs an example batch of at least 2; :func:`from_torch` repeats a
+batch of one along dim 0 for tracing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import tempfile
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import onnx_ir as ir
+import onnx_ir.external_data
+
+from quantkit.errors import ModelError
+from quantkit.frontends._canonicalize import ReduceMeanToGlobalAveragePoolPass
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DEFAULT_OPSET", "from_torch"]
+
+#: The dynamo exporter's native opset in torch 2.13; asking for a lower one triggers a
+#: version conversion that fails on ``Pad`` (17), a higher one a conversion we do not need.
+DEFAULT_OPSET = 18
+
+
+@contextlib.contextmanager
+def _quiet_export(log: io.StringIO) -> Iterator[None]:
+    """Capture the exporter's progress prints, warnings and log lines into ``log``."""
+    handler = logging.StreamHandler(log)
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript")]
+    saved = [(lg, lg.level, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.ERROR)
+        lg.propagate = False
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level, propagate in saved:
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+            lg.propagate = propagate
+
+
+def _forward_param_names(module: torch.nn.Module) -> list[str] | None:
+    """Names of ``module.forward``'s positional parameters, or None if it takes ``*args``."""
+    names: list[str] = []
+    for p in inspect.signature(module.forward).parameters.values():
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            return None
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+    return names
+
+
+def _at_least_two(t: torch.Tensor) -> torch.Tensor:
+    """Repeat a batch of one along dim 0 so that ``torch.export`` keeps dim 0 dynamic."""
+    if t.dim() >= 1 and t.shape[0] == 1:
+        return t.expand(2, *t.shape[1:]).contiguous()
+    return t
+
+
+def from_torch(
+    module: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    dynamic_batch: bool = True,
+    dynamic_dims: Mapping[str, Mapping[int, str]] | None = None,
+    opset: int = DEFAULT_OPSET,
+    canonicalize: bool = True,
+) -> ir.Model:
+    """Export ``module`` with the dynamo ONNX exporter and return the graph as an ``ir.Model``.
+
+    Args:
+        module: the network; it is exported in eval mode under ``torch.no_grad()`` and its
+            training flag is restored afterwards.
+        example_inputs: a tensor, a sequence of tensors (positional arguments of
+            ``forward``) or a mapping ``name -> tensor`` (keyword arguments).
+        input_names: ONNX graph input names; default the ``forward`` parameter names
+            (or the mapping keys).
+        output_names: ONNX graph output names; default the exporter's.
+        dynamic_batch: make dim 0 of every input (and so of the outputs) symbolic ``"batch"``.
+        dynamic_dims: further symbolic dims per input name, e.g. ``{"input_ids": {1: "seq"}}``.
+        opset: default-domain opset of the exported graph.
+        canonicalize: run the small canonicalisation passes (see ``_canonicalize``).
+
+    Raises:
+        ModelError: the inputs are malformed or the exporter fails (its log is included).
+    """
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        raise ModelError(f"from_torch expects a torch.nn.Module, got {type(module).__name__}")
+
+    # Normalise the example inputs into (positional args, keyword args) with names.
+    args: tuple[torch.Tensor, ...] = ()
+    kwargs: dict[str, torch.Tensor] = {}
+    if isinstance(example_inputs, torch.Tensor):
+        args = (example_inputs,)
+    elif isinstance(example_inputs, Mapping):
+        kwargs = dict(example_inputs)
+    elif isinstance(example_inputs, Sequence) and not isinstance(example_inputs, str):
+        args = tuple(example_inputs)
+    else:
+        raise ModelError(
+            "example_inputs must be a torch.Tensor, a sequence of tensors or a mapping "
+            f"name -> tensor; got {type(example_inputs).__name__}"
+        )
+    for key, t in [*enumerate(args), *kwargs.items()]:
+        if not isinstance(t, torch.Tensor):
+            raise ModelError(f"example input {key!r} must be a torch.Tensor, got {type(t).__name__}")
+
+    if kwargs:
+        names = list(kwargs)
+    else:
+        params = _forward_param_names(module)
+        names = params[: len(args)] if params is not None and len(params) >= len(args) else []
+        if len(names) != len(args):
+            names = [f"input_{i}" for i in range(len(args))]
+    if input_names is not None:
+        if len(input_names) != len(names):
+            raise ModelError(
+                f"input_names has {len(input_names)} names but there are {len(names)} example inputs"
+            )
+        onnx_names = list(input_names)
+    else:
+        onnx_names = names
+    extra = dict(dynamic_dims or {})
+    unknown = sorted(set(extra) - set(onnx_names))
+    if unknown:
+        raise ModelError(f"dynamic_dims names unknown inputs {unknown}; the inputs are {onnx_names}")
+
+    def dims_for(onnx_name: str, t: torch.Tensor) -> dict[int, str] | None:
+        dims: dict[int, str] = {}
+        if dynamic_batch and t.dim() >= 1:
+            dims[0] = "batch"
+        for axis, label in extra.get(onnx_name, {}).items():
+            if not -t.dim() <= axis < t.dim():
+                raise ModelError(
+                    f"dynamic_dims[{onnx_name!r}] axis {axis} is out of range for rank {t.dim()}"
+                )
+            dims[axis % t.dim()] = label
+        return dims or None
+
+    if dynamic_batch:
+        args = tuple(_at_least_two(t) for t in args)
+        kwargs = {k: _at_least_two(t) for k, t in kwargs.items()}
+    dynamic_shapes: Any
+    if kwargs:
+        dynamic_shapes = {k: dims_for(n, t) for (k, t), n in zip(kwargs.items(), onnx_names, strict=True)}
+    else:
+        dynamic_shapes = tuple(dims_for(n, t) for t, n in zip(args, onnx_names, strict=True))
+    if all(d is None for d in (dynamic_shapes.values() if kwargs else dynamic_shapes)):
+        dynamic_shapes = None
+
+    was_training = module.training
+    module.eval()
+    log = io.StringIO()
+    try:
+        with tempfile.TemporaryDirectory(prefix="quantkit-export-") as tmp:
+            path = Path(tmp) / "model.onnx"
+            try:
+                with torch.no_grad(), _quiet_export(log):
+                    torch.onnx.export(
+                        module,
+                        args,
+                        str(path),
+                        kwargs=kwargs or None,
+                        input_names=onnx_names,
+                        output_names=list(output_names) if output_names is not None else None,
+                        opset_version=opset,
+                        dynamo=True,
+                        external_data=True,
+                        dynamic_shapes=dynamic_shapes,
+                    )
+            except Exception as e:
+                tail = log.getvalue()[-4000:]
+                raise ModelError(
+                    f"torch.onnx.export failed for {type(module).__name__}: {type(e).__name__}: {e}\n"
+                    f"exporter log (tail):\n{tail}"
+                ) from e
+            model = ir.load(path)
+            # Pull external data into memory before the temporary folder disappears.
+            model = onnx_ir.external_data.load_to_model(model)
+    finally:
+        module.train(was_training)
+    if canonicalize:
+        ReduceMeanToGlobalAveragePoolPass()(model)
+    return model

@@ -1,0 +1,55 @@
+"""Which ONNX operators quantkit lowers to INT8 QDQ, and in which role.
+
+The roles follow what ONNX Runtime's CPU provider fuses (see shared/RUNTIME.md):
+
+* **weighted** ops carry a constant weight that is stored as int8 and read through a
+  per-channel ``DequantizeLinear``; their activation input gets ``Q -> DQ``.
+  ``Conv`` needs a quantized output to become ``QLinearConv``; ``MatMul``/``Gemm``
+  may keep a float output (``MatMulIntegerToFloat`` / ``QGemm`` with float output).
+* **glue** ops (``Add``, pooling, ``Concat``, ``Mul``) have QLinear kernels of their own;
+  they are only worth quantizing inside an int8 chain (inputs already quantized,
+  every consumer quantized) - quantizing a transformer's residual ``Add`` just adds
+  error, quantizing a CNN's keeps the whole block in int8.
+* **passthrough** ops move data without changing values; ONNX Runtime drops a
+  ``DQ -> op -> Q`` around them when both sides share scale and zero point, so their
+  output inherits the input's quantization parameters.
+* **absorbable** activations (``Relu``, ``Clip``) disappear when the quantized range of
+  their output already enforces them; their output range is folded into the producer's
+  quantization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WeightedOp:
+    """Where the weight/bias sit and which weight axis holds the output channels."""
+
+    weight_input: int
+    bias_input: int | None
+    float_output_ok: bool
+
+
+WEIGHTED: dict[str, WeightedOp] = {
+    "Conv": WeightedOp(weight_input=1, bias_input=2, float_output_ok=False),
+    "Gemm": WeightedOp(weight_input=1, bias_input=2, float_output_ok=True),
+    "MatMul": WeightedOp(weight_input=1, bias_input=None, float_output_ok=True),
+}
+GLUE: frozenset[str] = frozenset({"Add", "Mul", "GlobalAveragePool", "AveragePool", "Concat"})
+PASSTHROUGH: frozenset[str] = frozenset({"Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "MaxPool"})
+ABSORBABLE: frozenset[str] = frozenset({"Relu", "Clip"})
+QUANTIZABLE_OPS: frozenset[str] = frozenset(WEIGHTED) | GLUE | PASSTHROUGH
+
+# ONNX Runtime kernels a fused QDQ group of each op type turns into (for reports).
+FUSED_KERNELS: dict[str, tuple[str, ...]] = {
+    "Conv": ("QLinearConv", "ConvInteger"),
+    "MatMul": ("QLinearMatMul", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "MatMulInteger"),
+    "Gemm": ("QGemm", "QLinearMatMul", "MatMulIntegerToFloat"),
+    "Add": ("QLinearAdd",),
+    "Mul": ("QLinearMul",),
+    "GlobalAveragePool": ("QLinearGlobalAveragePool",),
+    "AveragePool": ("QLinearAveragePool",),
+    "Concat": ("QLinearConcat",),
+}

@@ -1,0 +1,312 @@
+"""INT8 static QDQ lowering: insert QuantizeLinear/DequantizeLinear as planned.
+
+Given a :class:`~quantkit.lowering.select.QuantPlan` and calibrated ranges, edit the
+``onnx_ir`` model in place:
+
+* every planned activation tensor ``T`` gets one ``QuantizeLinear`` (``T -> T_q``) and a
+  dedicated ``DequantizeLinear`` per consumer (ONNX Runtime's QDQ selectors need a DQ
+  with a single consumer).  When ``T`` is produced by a quantized node, *all* of its
+  consumers read through a DQ, so the producer's only consumer is its Q - which is what
+  lets ONNX Runtime fuse ``DQ -> op -> Q`` into one QLinear kernel;
+* every quantized weight is stored as an integer initializer (per output channel,
+  symmetric by default) read by ``DequantizeLinear(axis=c)``; the float copy is dropped;
+* a Conv/Gemm bias becomes int32 with scale ``s_x * s_w[c]`` and zero point 0, read by
+  ``DequantizeLinear(axis=0)`` - the form ``QLinearConv``/``QGemm`` consume;
+* folded ``Relu``/``Clip(lo, hi)`` outputs use a range inside ``[lo, hi]``; when the
+  float32 product ``scale * (qmax - zp)`` would exceed ``hi`` by rounding, the scale is
+  stepped down one ulp at a time, since ONNX Runtime removes the activation only if the
+  quantized range lies within the clip range (to 1 float epsilon).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+from quantkit.errors import CalibrationError
+from quantkit.lowering.ops import WEIGHTED
+from quantkit.lowering.select import QuantPlan, TensorQuant, constant_array
+from quantkit.scheme.dtypes import int_type
+from quantkit.scheme.qparams import QuantSpec, bias_int32, compute_qparams, quantize, weight_qparams
+
+
+@dataclass(frozen=True)
+class TensorParams:
+    """Final quantization parameters of one activation tensor."""
+
+    name: str
+    scale: float
+    zero_point: int
+    dtype: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class WeightParams:
+    """Final quantization parameters of one layer's weight."""
+
+    layer: str
+    dtype: str
+    symmetric: bool
+    axis: int | None
+    scale_min: float
+    scale_max: float
+    zero_point_range: tuple[int, int]
+    weight_sqnr_db: float
+
+
+@dataclass
+class LoweringResult:
+    tensors: dict[str, TensorParams] = field(default_factory=dict)
+    weights: dict[str, WeightParams] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+class _Namer:
+    """Unique value/node names derived from a base name."""
+
+    def __init__(self, graph: ir.Graph) -> None:
+        self.used: set[str] = set()
+        for node in graph.all_nodes() if hasattr(graph, "all_nodes") else graph:
+            if node.name:
+                self.used.add(node.name)
+            for v in node.outputs:
+                if v.name:
+                    self.used.add(v.name)
+        for v in graph.inputs:
+            if v.name:
+                self.used.add(v.name)
+        self.used.update(graph.initializers)
+
+    def __call__(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.used:
+            i += 1
+            name = f"{base}_{i}"
+        self.used.add(name)
+        return name
+
+
+def _sqnr_db(ref: np.ndarray, approx: np.ndarray) -> float:
+    num = float(np.sum(ref.astype(np.float64) ** 2))
+    den = float(np.sum((ref.astype(np.float64) - approx) ** 2))
+    if den == 0.0:
+        return float("inf")
+    return 10.0 * np.log10(max(num, 1e-30) / den)
+
+
+def activation_params(tq: TensorQuant, lo: float, hi: float) -> TensorParams:
+    """Scale / zero point of one activation tensor from its calibrated range."""
+    it = int_type(tq.dtype)
+    note = ""
+    if tq.clip is not None:
+        clo, chi = tq.clip
+        lo, hi = max(lo, clo), min(hi, chi)
+        if clo == 0.0:
+            # Fold Relu/Clip(0, hi): zero point at the grid minimum makes Q's saturation the activation.
+            lo = 0.0
+            scale_arr, zp_arr = compute_qparams(np.float32(0.0), np.float32(max(hi, 0.0)), tq.dtype, symmetric=False)
+            scale = np.float32(scale_arr)
+            if np.isfinite(chi):
+                span = np.float32(it.qmax - it.qmin)
+                while np.float32(scale * span) > np.float32(chi) and scale > 0:
+                    scale = np.nextafter(scale, np.float32(0.0), dtype=np.float32)
+            note = f"folded {'Relu' if not np.isfinite(chi) else f'Clip(0, {chi:g})'} (zero point at grid minimum)"
+            if tq.symmetric:
+                note += "; symmetric request overridden for this tensor so the activation folds exactly"
+            return TensorParams(tq.name, float(scale), int(zp_arr), tq.dtype, note)
+    scale_arr, zp_arr = compute_qparams(np.float32(lo), np.float32(hi), tq.dtype, symmetric=tq.symmetric)
+    return TensorParams(tq.name, float(scale_arr), int(zp_arr), tq.dtype, note)
+
+
+def lower_int8(
+    model: ir.Model,
+    plan: QuantPlan,
+    ranges: Mapping[str, tuple[np.ndarray, np.ndarray]],
+) -> LoweringResult:
+    """Insert Q/DQ and quantize weights in ``model`` (in place); return the parameters used."""
+    graph = model.graph
+    if model.opset_imports.get("", 0) < 13:
+        model.opset_imports[""] = 13  # per-axis QuantizeLinear/DequantizeLinear
+    namer = _Namer(graph)
+    result = LoweringResult()
+
+    # 1. activation qparams
+    for name, tq in plan.tensors.items():
+        if tq.inherit_from is not None:
+            continue
+        if name not in ranges:
+            raise CalibrationError(f"no calibrated range for tensor {name!r} (consumers: {', '.join(tq.consumers)})")
+        lo, hi = ranges[name]
+        result.tensors[name] = activation_params(tq, float(np.min(lo)), float(np.max(hi)))
+    pending = {k: v for k, v in plan.tensors.items() if v.inherit_from is not None}
+    while pending:
+        progressed = False
+        for name, tq in list(pending.items()):
+            src = result.tensors.get(tq.inherit_from or "")
+            if src is not None:
+                result.tensors[name] = TensorParams(name, src.scale, src.zero_point, src.dtype, f"inherits {src.name}")
+                del pending[name]
+                progressed = True
+        if not progressed:
+            missing = ", ".join(sorted(pending))
+            raise CalibrationError(f"cannot resolve inherited quantization parameters for {missing}")
+
+    values: dict[str, ir.Value] = {}
+    for node in graph:
+        for v in node.outputs:
+            if v.name:
+                values[v.name] = v
+    for v in graph.inputs:
+        if v.name:
+            values[v.name] = v
+
+    def const(name: str, arr: np.ndarray) -> ir.Value:
+        val = ir.Value(name=namer(name), const_value=ir.tensor(arr, name=None))
+        val.const_value.name = val.name  # type: ignore[union-attr]
+        graph.register_initializer(val)
+        return val
+
+    # the activation tensor each weighted layer reads (for its bias scale), before edits
+    act_inputs = {
+        n.name or "": (n.inputs[0].name or "")
+        for n in graph
+        if n.name in plan.layers and n.op_type in WEIGHTED and n.inputs[0] is not None
+    }
+
+    # 2. activation Q / DQ
+    for name, tp in result.tensors.items():
+        v = values.get(name)
+        if v is None:
+            raise CalibrationError(f"planned tensor {name!r} is not in the graph")
+        it = int_type(tp.dtype)
+        scale_v = const(f"{name}_scale", np.array(tp.scale, dtype=np.float32))
+        zp_v = const(f"{name}_zero_point", np.array(tp.zero_point, dtype=it.numpy_dtype))
+        producer = v.producer()
+        producer_quantized = producer is not None and (producer.name in plan.layers or _folded(producer, plan))
+        uses = list(v.uses())
+        q_node = ir.node(
+            "QuantizeLinear", [v, scale_v, zp_v], name=namer(f"{name}_QuantizeLinear"),
+            outputs=[ir.Value(name=namer(f"{name}_quantized"))],
+        )
+        if producer is not None:
+            graph.insert_after(producer, q_node)
+        else:
+            graph.insert_before(next(iter(graph)), q_node)
+        tq = plan.tensors[name]
+        for use in uses:
+            consumer, idx = use.node, use.idx
+            if not producer_quantized and consumer.name not in plan.layers:
+                continue
+            dq = ir.node(
+                "DequantizeLinear", [q_node.outputs[0], scale_v, zp_v],
+                name=namer(f"{name}_DequantizeLinear"), outputs=[ir.Value(name=namer(f"{name}_dequantized"))],
+            )
+            graph.insert_before(consumer, dq)
+            consumer.replace_input_with(idx, dq.outputs[0])
+        if v.is_graph_output() and producer_quantized:
+            dq = ir.node(
+                "DequantizeLinear", [q_node.outputs[0], scale_v, zp_v],
+                name=namer(f"{name}_DequantizeLinear_output"), outputs=[ir.Value(name=None)],
+            )
+            graph.insert_after(q_node, dq)
+            for i, out in enumerate(graph.outputs):
+                if out is v:
+                    v.name = namer(f"{name}_prequant")
+                    dq.outputs[0].name = name
+                    dq.outputs[0].type = v.type
+                    dq.outputs[0].shape = v.shape
+                    graph.outputs[i] = dq.outputs[0]
+        del tq
+
+    # 3. weights and biases
+    weight_cache: dict[int, tuple[ir.Value, ir.Value, ir.Value, int, np.ndarray, np.ndarray]] = {}
+    for node in list(graph):
+        lp = plan.layers.get(node.name or "")
+        if lp is None or node.op_type not in WEIGHTED:
+            continue
+        spec_w = WEIGHTED[node.op_type]
+        w_val = node.inputs[spec_w.weight_input]
+        assert w_val is not None
+        w = constant_array(w_val)
+        assert w is not None
+        if node.op_type == "Conv":
+            axis = 0
+        elif node.op_type == "Gemm":
+            tb = node.attributes.get("transB")
+            axis = 0 if (tb is not None and tb.as_int() == 1) else 1
+        else:
+            axis = 1
+        per_channel = lp.weight_granularity == "channel"
+        key = id(w_val)
+        if key not in weight_cache:
+            spec = QuantSpec(
+                dtype=lp.weight_dtype, symmetric=lp.weight_symmetric,
+                granularity="channel" if per_channel else "tensor", axis=axis if per_channel else None,
+            )
+            w_scale, w_zp = weight_qparams(w, spec)
+            wq = quantize(w, w_scale, w_zp, axis=axis if per_channel else None)
+            base = w_val.name or node.name or "weight"
+            wq_v = const(f"{base}_quantized", wq)
+            ws_v = const(f"{base}_scale", np.asarray(w_scale, dtype=np.float32))
+            wz_v = const(f"{base}_zero_point", np.asarray(w_zp, dtype=wq.dtype))
+            weight_cache[key] = (wq_v, ws_v, wz_v, axis, np.asarray(w_scale, np.float32), np.asarray(w_zp))
+            from quantkit.scheme.qparams import dequantize
+
+            deq = dequantize(wq, w_scale, w_zp, axis=axis if per_channel else None)
+            zr = np.asarray(w_zp)
+            result.weights[node.name or ""] = WeightParams(
+                layer=node.name or "", dtype=lp.weight_dtype, symmetric=lp.weight_symmetric,
+                axis=axis if per_channel else None,
+                scale_min=float(np.min(w_scale)), scale_max=float(np.max(w_scale)),
+                zero_point_range=(int(zr.min()), int(zr.max())), weight_sqnr_db=_sqnr_db(w, deq),
+            )
+        wq_v, ws_v, wz_v, axis, w_scale_arr, _ = weight_cache[key]
+        attrs = {"axis": axis} if w_scale_arr.ndim == 1 else {}
+        dq = ir.node(
+            "DequantizeLinear", [wq_v, ws_v, wz_v], attributes=attrs,
+            name=namer(f"{node.name}_weight_DequantizeLinear"), outputs=[ir.Value(name=namer(f"{w_val.name}_dequantized"))],
+        )
+        graph.insert_before(node, dq)
+        node.replace_input_with(spec_w.weight_input, dq.outputs[0])
+
+        if spec_w.bias_input is not None and len(node.inputs) > spec_w.bias_input:
+            b_val = node.inputs[spec_w.bias_input]
+            b = constant_array(b_val)
+            tp = result.tensors.get(act_inputs.get(node.name or "", ""))
+            if b is not None and b_val is not None and tp is not None:
+                ws = w_scale_arr if w_scale_arr.ndim == 1 else np.full(b.shape, w_scale_arr, np.float32)
+                b_scale = (np.float32(tp.scale) * ws).astype(np.float32)
+                bq = bias_int32(b, np.float32(tp.scale), ws)
+                bq_v = const(f"{b_val.name or node.name}_quantized", bq)
+                bs_v = const(f"{b_val.name or node.name}_scale", np.asarray(b_scale, np.float32))
+                bz_v = const(f"{b_val.name or node.name}_zero_point", np.zeros(bq.shape, np.int32))
+                bdq = ir.node(
+                    "DequantizeLinear", [bq_v, bs_v, bz_v], attributes={"axis": 0},
+                    name=namer(f"{node.name}_bias_DequantizeLinear"),
+                    outputs=[ir.Value(name=namer(f"{b_val.name}_dequantized"))],
+                )
+                graph.insert_before(node, bdq)
+                node.replace_input_with(spec_w.bias_input, bdq.outputs[0])
+
+    _drop_unused_initializers(graph)
+    return result
+
+
+def _folded(node: ir.Node, plan: QuantPlan) -> bool:
+    """Whether ``node`` is a Relu/Clip folded into a quantized producer's output."""
+    if node.op_type not in ("Relu", "Clip") or node.inputs[0] is None:
+        return False
+    p = node.inputs[0].producer()
+    return p is not None and p.name in plan.layers and len(list(node.inputs[0].uses())) == 1
+
+
+def _drop_unused_initializers(graph: ir.Graph) -> None:
+    graph_inputs = {id(v) for v in graph.inputs}
+    for name in list(graph.initializers):
+        v = graph.initializers[name]
+        if not list(v.uses()) and id(v) not in graph_inputs and not v.is_graph_output():
+            del graph.initializers[name]

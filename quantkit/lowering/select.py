@@ -1,0 +1,277 @@
+"""Decide which nodes run in INT8 and where Q/DQ pairs go (no graph edits here).
+
+Input: a prepared ``onnx_ir`` model and a recipe.  Output: a :class:`QuantPlan` that
+lists the quantized layers (with their resolved :class:`~quantkit.recipe.LayerPlan`) and
+every activation tensor that gets a ``QuantizeLinear``, with the tensor whose
+statistics set its range.  The same plan drives calibration (which tensors to observe)
+and lowering (where to insert Q/DQ), so what is calibrated is what ships.
+
+Rules (see :mod:`quantkit.lowering.ops` for the op roles):
+
+1. A *weighted* node is quantized when the recipe resolves it to ``int8`` and its weight
+   is a constant of the expected rank.
+2. *Glue* and *passthrough* nodes are quantized only inside an int8 chain: every
+   activation input is produced by a quantized node (directly or through a foldable
+   ``Relu``/``Clip``) and every consumer of its output is quantized.  This is found as a
+   greatest fixed point (start with all candidates, drop violators until stable).
+3. The output of a quantized node is quantized when its kernel needs it (Conv, glue,
+   passthrough) or when a quantized node consumes it.  MatMul/Gemm outputs that only
+   feed float ops stay float (``MatMulIntegerToFloat``) - no pointless requantization.
+4. A quantized output whose only consumer is ``Relu``/``Clip(lo, hi)`` is not quantized
+   itself; the activation's output is, on a range clipped to ``[lo, hi]`` with the zero
+   point at the grid minimum when ``lo == 0`` (so Q's saturation *is* the activation and
+   ONNX Runtime removes it: exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+from quantkit.lowering.ops import ABSORBABLE, GLUE, PASSTHROUGH, QUANTIZABLE_OPS, WEIGHTED
+from quantkit.recipe.plan import LayerPlan, resolve_layer
+from quantkit.recipe.schema import RecipeModel
+
+
+@dataclass(frozen=True)
+class TensorQuant:
+    """One activation tensor that gets a QuantizeLinear."""
+
+    name: str
+    dtype: str  # "uint8" | "int8"
+    symmetric: bool
+    calibrator: str
+    clip: tuple[float, float] | None = None  # folded Relu/Clip bounds
+    inherit_from: str | None = None  # passthrough output: reuse this tensor's qparams
+    consumers: tuple[str, ...] = ()
+    producer: str | None = None
+    note: str = ""
+
+
+@dataclass
+class QuantPlan:
+    """The result of selection: layers and tensors to quantize, and why others were not."""
+
+    layers: dict[str, LayerPlan] = field(default_factory=dict)
+    tensors: dict[str, TensorQuant] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # node name -> reason it stays float
+
+    def calibrated_tensors(self) -> dict[str, TensorQuant]:
+        """Tensors whose range comes from calibration (not inherited)."""
+        return {k: v for k, v in self.tensors.items() if v.inherit_from is None}
+
+
+def constant_array(value: ir.Value | None) -> np.ndarray | None:
+    """The numpy value of a constant (initializer or ``Constant`` node output), else None."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    prod = value.producer()
+    if prod is not None and prod.op_type == "Constant" and prod.domain == "":
+        attr = prod.attributes.get("value")
+        if attr is not None:
+            return attr.as_tensor().numpy()
+    return None
+
+
+def clip_bounds(node: ir.Node) -> tuple[float, float] | None:
+    """(lo, hi) of a Relu or a Clip with constant bounds, else None."""
+    if node.op_type == "Relu":
+        return (0.0, float("inf"))
+    if node.op_type != "Clip":
+        return None
+    lo, hi = -float("inf"), float("inf")
+    if "min" in node.attributes:  # opset < 11
+        lo = node.attributes["min"].as_float()
+    if "max" in node.attributes:
+        hi = node.attributes["max"].as_float()
+    ins = list(node.inputs)
+    if len(ins) > 1 and ins[1] is not None:
+        a = constant_array(ins[1])
+        if a is None:
+            return None
+        lo = float(a)
+    if len(ins) > 2 and ins[2] is not None:
+        a = constant_array(ins[2])
+        if a is None:
+            return None
+        hi = float(a)
+    return (lo, hi)
+
+
+def _activation_inputs(node: ir.Node) -> list[int]:
+    """Indices of the inputs of a quantized node that carry activations (need Q/DQ)."""
+    if node.op_type in WEIGHTED:
+        return [0]
+    if node.op_type in PASSTHROUGH:
+        return [0]
+    return [i for i, v in enumerate(node.inputs) if v is not None and constant_array(v) is None]
+
+
+def _weighted_ok(node: ir.Node) -> str | None:
+    """None if the weighted node can be quantized, else the reason it cannot."""
+    spec = WEIGHTED[node.op_type]
+    ins = list(node.inputs)
+    if len(ins) <= spec.weight_input or ins[spec.weight_input] is None:
+        return "no weight input"
+    w = constant_array(ins[spec.weight_input])
+    if w is None:
+        return "weight is not a constant (activation x activation product stays float)"
+    if w.dtype != np.float32:
+        return f"weight dtype {w.dtype} is not float32"
+    if constant_array(ins[0]) is not None:
+        return "activation input is a constant"
+    if node.op_type == "Conv" and w.ndim not in (3, 4, 5):
+        return f"Conv weight rank {w.ndim}"
+    if node.op_type in ("Gemm", "MatMul") and w.ndim != 2:
+        return f"{node.op_type} weight rank {w.ndim} (only 2-D weights are quantized)"
+    if node.op_type == "Gemm":
+        if node.attributes.get("transA") is not None and node.attributes["transA"].as_int() != 0:
+            return "Gemm with transA=1"
+    if spec.bias_input is not None and len(ins) > spec.bias_input and ins[spec.bias_input] is not None:
+        b = constant_array(ins[spec.bias_input])
+        if b is None or b.ndim != 1:
+            return "bias is not a constant vector"
+    return None
+
+
+def select(model: ir.Model, recipe: RecipeModel) -> QuantPlan:
+    """Build the :class:`QuantPlan` of ``model`` under ``recipe``."""
+    graph = model.graph
+    q = recipe.quantization
+    allowed_ops = QUANTIZABLE_OPS if q.op_types == "auto" else frozenset(q.op_types)
+    plan = QuantPlan()
+    nodes: dict[str, ir.Node] = {}
+    for node in graph:
+        if node.op_type not in QUANTIZABLE_OPS or node.domain not in ("", "ai.onnx"):
+            continue
+        name = node.name or ""
+        nodes[name] = node
+        lp = resolve_layer(recipe, name, node.op_type)
+        if node.op_type not in allowed_ops:
+            plan.skipped[name] = f"op type {node.op_type} not in quantization.op_types"
+            continue
+        if lp.format != "int8":
+            plan.skipped[name] = f"recipe keeps it {lp.format} ({lp.rule})"
+            continue
+        if node.op_type in WEIGHTED:
+            why = _weighted_ok(node)
+            if why:
+                plan.skipped[name] = why
+                continue
+        plan.layers[name] = lp
+
+    graph_outputs = {id(v) for v in graph.outputs}
+
+    def consumers(v: ir.Value) -> list[ir.Node]:
+        return [u.node for u in v.uses()]
+
+    def q_producer(v: ir.Value) -> ir.Node | None:
+        """The quantized node whose (possibly activation-folded) output is ``v``."""
+        p = v.producer()
+        if p is None:
+            return None
+        if p.name in plan.layers:
+            return p
+        if p.op_type in ABSORBABLE and clip_bounds(p) is not None and p.inputs[0] is not None:
+            pp = p.inputs[0].producer()
+            if pp is not None and pp.name in plan.layers and len(consumers(p.inputs[0])) == 1:
+                return pp
+        return None
+
+    # Rule 2: greatest fixed point for glue / passthrough nodes.
+    changed = True
+    while changed:
+        changed = False
+        for name, lp in list(plan.layers.items()):
+            node = nodes[name]
+            if node.op_type not in GLUE and node.op_type not in PASSTHROUGH:
+                continue
+            reason = None
+            for i in _activation_inputs(node):
+                v = node.inputs[i]
+                if v is None or q_producer(v) is None:
+                    reason = "an input comes from a float op (quantizing it would add a Q/DQ round trip)"
+                    break
+            if reason is None:
+                for out in node.outputs:
+                    users = consumers(out)
+                    folded: list[ir.Node] = []
+                    for u in users:
+                        if u.op_type in ABSORBABLE and len(users) == 1:
+                            folded.extend(consumers(u.outputs[0]))
+                        else:
+                            folded.append(u)
+                    if id(out) in graph_outputs or not folded or any(u.name not in plan.layers for u in folded):
+                        reason = "its output feeds a float op or the graph output"
+                        break
+            if reason:
+                del plan.layers[name]
+                plan.skipped[name] = f"not in an int8 chain: {reason}"
+                changed = True
+
+    # Rules 3 and 4: which tensors get Q.
+    def add_tensor(v: ir.Value, lp: LayerPlan, consumer: str | None, **kw: object) -> None:
+        name = v.name or ""
+        prev = plan.tensors.get(name)
+        cons = tuple(sorted({*(prev.consumers if prev else ()), *((consumer,) if consumer else ())}))
+        if prev is not None:
+            plan.tensors[name] = TensorQuant(**{**prev.__dict__, "consumers": cons})
+            return
+        prod = v.producer()
+        plan.tensors[name] = TensorQuant(
+            name=name,
+            dtype=lp.act_dtype,
+            symmetric=lp.act_symmetric,
+            calibrator=lp.calibrator,
+            consumers=cons,
+            producer=prod.name if prod is not None else None,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    def output_target(node: ir.Node) -> tuple[ir.Value, tuple[float, float] | None]:
+        """The tensor that carries this quantized node's output Q (after a folded activation)."""
+        out = node.outputs[0]
+        users = consumers(out)
+        if q.fold_clip_ranges and len(users) == 1 and id(out) not in graph_outputs:
+            act = users[0]
+            bounds = clip_bounds(act)
+            if act.op_type in ABSORBABLE and bounds is not None and bounds[0] <= 0.0 <= bounds[1]:
+                return act.outputs[0], bounds
+        return out, None
+
+    order = [n for n in graph if n.name in plan.layers]
+    for node in order:
+        lp = plan.layers[node.name or ""]
+        for i in _activation_inputs(node):
+            v = node.inputs[i]
+            if v is None:
+                continue
+            p = v.producer()
+            if node.op_type in PASSTHROUGH:
+                continue  # its input is quantized by its producer (it is in an int8 chain)
+            if p is not None and p.op_type in ABSORBABLE and q_producer(v) is not None and q.fold_clip_ranges:
+                add_tensor(v, plan.layers[q_producer(v).name or ""], node.name, clip=clip_bounds(p))  # type: ignore[union-attr]
+            else:
+                add_tensor(v, lp, node.name)
+        target, bounds = output_target(node)
+        users = consumers(target)
+        needs = node.op_type not in WEIGHTED or not WEIGHTED[node.op_type].float_output_ok
+        feeds_q = any(u.name in plan.layers for u in users)
+        is_out = id(target) in graph_outputs
+        if needs or (feeds_q and not (is_out and not q.quantize_outputs)) or (is_out and q.quantize_outputs):
+            if node.op_type in PASSTHROUGH:
+                src = node.inputs[0]
+                add_tensor(target, lp, None, inherit_from=src.name if src is not None else None)
+            else:
+                add_tensor(target, lp, None, clip=bounds)
+    return plan
+
+
+def layer_names(plan: QuantPlan) -> Mapping[str, str]:
+    """Quantized layer name -> op type."""
+    return {k: v.op_type for k, v in plan.layers.items()}

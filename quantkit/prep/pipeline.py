@@ -1,0 +1,159 @@
+"""Prepare a float ONNX model for calibration and quantization.
+
+Rule
+----
+``prepare`` runs, in this order, on the ``onnx_ir`` model (in place):
+
+1. ``name_nodes`` — every node gets a unique non-empty name (before any other
+   pass, so that names given later by library passes never replace ours).
+2. ``shape_inference`` — ONNX shape inference (``onnx_ir`` ``ShapeInferencePass``,
+   non-strict: a node it cannot infer keeps its old type/shape).
+3. ``constant_folding`` (optional) — ``onnxscript.optimizer`` constant folding
+   (subgraphs whose inputs are all constant are evaluated once; Q/DQ are never
+   folded), then every ``Constant`` node is lifted to an initializer.
+4. ``fold_batchnorm`` — ``BatchNormalization`` folded into the preceding
+   Conv / Gemm / MatMul(+Add) (see :mod:`quantkit.prep.fold_batchnorm` for the math),
+   then ``fold_pad`` — a zero ``Pad`` folded into the ``Conv`` it feeds
+   (:mod:`quantkit.prep.fold_pad`), so no Pad sits between a DQ and its Conv.
+5. ``identity_elimination``, ``unused_removal`` (dead nodes and initializers).
+6. ``topological_sort``, ``name_nodes`` again (for nodes created above), value
+   names made unique, and a last shape inference so every value a calibrator
+   might observe has a type and, where inferable, a shape.
+
+The opset imports are left as they are. Every transform preserves the model's
+function: ``f_prepared(x) == f(x)`` up to float rounding (BN folding reorders
+a multiply and an add).
+
+``PrepResult.applied`` counts per transform: nodes removed for the folding and
+elimination passes (``unused_removal`` also counts removed initializers),
+rule applications for ``fold_batchnorm``, renamed nodes for ``name_nodes``, and
+1/0 (changed or not) for shape inference and the topological sort.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+from onnxscript.optimizer import _constant_folding
+
+from quantkit.errors import ModelError
+from quantkit.prep.fold_batchnorm import fold_batchnorm_rules
+from quantkit.prep.fold_pad import fold_pad_rules
+from quantkit.prep.name_nodes import NameNodesPass
+
+__all__ = ["PrepResult", "prepare"]
+
+
+@dataclass
+class PrepResult:
+    """The prepared model and how many times each transform changed it."""
+
+    model: ir.Model
+    applied: dict[str, int] = field(default_factory=dict)
+
+
+def _node_count(model: ir.Model) -> int:
+    return sum(1 for _ in ir.traversal.RecursiveGraphIterator(model.graph))
+
+
+def _run(step: str, pass_: Callable[[ir.Model], ir.passes.PassResult], model: ir.Model) -> bool:
+    """Run one in-place pass; turn library failures into a ModelError naming the step."""
+    try:
+        result = pass_(model)
+    except (ir.passes.PassError, ValueError, TypeError, RuntimeError) as exc:
+        raise ModelError(
+            f"graph preparation step {step!r} failed on graph {model.graph.name!r}: {exc}"
+        ) from exc
+    return bool(result.modified)
+
+
+def _run_counting_nodes(step: str, pass_: Callable[[ir.Model], ir.passes.PassResult], model: ir.Model) -> int:
+    before = _node_count(model)
+    _run(step, pass_, model)
+    return max(before - _node_count(model), 0)
+
+
+# ONNX exporters compute small constants (e.g. the pads of TF-style "same" padding) with
+# ConstantOfShape, which onnxscript never folds by default so as not to materialize large
+# tensors; up to this many elements folding it is harmless and lets the rest of the chain fold.
+_SMALL_CONSTANT_OF_SHAPE = 4096
+
+
+def _should_fold(node: ir.Node) -> bool | None:
+    """Also fold small ``ConstantOfShape`` nodes; defer to onnxscript's rules for everything else."""
+    if node.op_type == "ConstantOfShape" and node.domain in ("", "ai.onnx"):
+        shape = node.inputs[0].const_value if node.inputs and node.inputs[0] is not None else None
+        if shape is not None and int(np.prod(shape.numpy(), dtype=np.int64)) <= _SMALL_CONSTANT_OF_SHAPE:
+            return True
+    return None
+
+
+def _shape_inference(step: str, model: ir.Model) -> int:
+    return int(_run(step, common_passes.ShapeInferencePass(strict_mode=False), model))
+
+
+def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
+    """Prepare ``model`` (modified in place) for quantization and return it with per-transform counts.
+
+    Args:
+        model: the float model, as ``onnx_ir.Model`` (``onnx_ir.load(path)`` or
+            ``onnx_ir.serde.deserialize_model(proto)``).
+        fold_constants: run constant folding (step 3); turn off to keep constant
+            subgraphs as they are.
+
+    Raises:
+        ModelError: if ``model`` is not an ``onnx_ir.Model`` or a library pass fails on it.
+    """
+    if not isinstance(model, ir.Model):
+        raise ModelError(f"prepare() expects an onnx_ir.Model, got {type(model).__name__}")
+    applied: dict[str, int] = {}
+    namer = NameNodesPass()
+    _run("name_nodes", namer, model)
+    renamed = namer.renamed
+
+    applied["shape_inference"] = _shape_inference("shape_inference", model)
+
+    if fold_constants:
+        folder = _constant_folding.FoldConstantsPass(
+            shape_inference=True,
+            input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
+            output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
+            should_fold=_should_fold,
+        )
+        folded = _run_counting_nodes("constant_folding", folder, model)
+        # Folding leaves Constant nodes behind; drop the dead ones before counting the lift.
+        folded += _run_counting_nodes("constant_folding", common_passes.RemoveUnusedNodesPass(), model)
+        applied["constant_folding"] = folded
+    # Weights must be initializers for the BN rules' checks (and for quantization).
+    _run(
+        "lift_constants",
+        common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        model,
+    )
+
+    try:
+        applied["fold_batchnorm"] = fold_batchnorm_rules().apply_to_model(model)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ModelError(f"graph preparation step 'fold_batchnorm' failed: {exc}") from exc
+    try:
+        applied["fold_pad"] = fold_pad_rules().apply_to_model(model)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ModelError(f"graph preparation step 'fold_pad' failed: {exc}") from exc
+
+    applied["identity_elimination"] = _run_counting_nodes(
+        "identity_elimination", common_passes.IdentityEliminationPass(), model
+    )
+    initializers_before = len(model.graph.initializers)
+    removed_nodes = _run_counting_nodes("unused_removal", common_passes.RemoveUnusedNodesPass(), model)
+    applied["unused_removal"] = removed_nodes + max(initializers_before - len(model.graph.initializers), 0)
+
+    applied["topological_sort"] = int(_run("topological_sort", common_passes.TopologicalSortPass(), model))
+    _run("name_nodes", namer, model)
+    applied["name_nodes"] = renamed + namer.renamed
+    _run("name_values", common_passes.NameFixPass(), model)
+    _shape_inference("shape_inference", model)
+    return PrepResult(model=model, applied=applied)

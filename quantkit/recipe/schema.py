@@ -1,0 +1,158 @@
+"""The recipe schema (version 1): what a user may write in a recipe YAML file.
+
+Validated at the edge with pydantic (``extra="forbid"``) and turned once into the
+frozen :class:`quantkit.recipe.plan.Recipe`.  Every validation failure is raised as a
+:class:`~quantkit.errors.RecipeError` whose message names the key path, the value
+received and what is allowed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+
+ActDType = Literal["uint8", "int8"]
+WeightDType = Literal["int8", "uint8"]
+Format = Literal["int8", "fp32"]
+Calibrator = str  # validated against the calibrator registry when the plan is built
+Metric = Literal["auto", "classification", "embedding", "sqnr"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Strict):
+    """Where the model comes from: a built-in name, an ONNX file or a Hugging Face folder."""
+
+    source: str = Field(min_length=1)
+    seq_len: int = Field(128, ge=1, le=8192, description="sequence length used to export text models")
+
+
+class DataSection(_Strict):
+    """A dataset description handed to :func:`quantkit.data.make_dataset` (``kind`` plus its options)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    kind: Literal["sample_photos", "images", "npz", "text"]
+
+
+class CalibrationSection(_Strict):
+    data: DataSection
+    batch_size: int = Field(1, ge=1, le=4096)
+    calibrator: Calibrator = "minmax"
+    calibrator_options: dict[str, Any] = Field(default_factory=dict)
+    max_batch_output_bytes: int = Field(
+        512 * 2**20, ge=2**20, description="memory budget for exposed activations per pass (chunking)"
+    )
+
+
+class WeightScheme(_Strict):
+    dtype: WeightDType = "int8"
+    symmetric: bool = True
+    granularity: Literal["channel", "tensor"] = "channel"
+
+
+class ActivationScheme(_Strict):
+    dtype: ActDType = "uint8"
+    symmetric: bool = False
+
+
+class LayerScheme(_Strict):
+    """The scheme of one layer (the default, or one override)."""
+
+    format: Format = "int8"
+    weights: WeightScheme = WeightScheme()
+    activations: ActivationScheme = ActivationScheme()
+    calibrator: Calibrator | None = None
+
+
+class Override(_Strict):
+    """A per-layer override.  Exactly one of ``layer`` (exact node name) and ``pattern`` (regex)."""
+
+    layer: str | None = None
+    pattern: str | None = None
+    op_type: str | None = None
+    format: Format | None = None
+    weights: WeightScheme | None = None
+    activations: ActivationScheme | None = None
+    calibrator: Calibrator | None = None
+
+    @model_validator(mode="after")
+    def _one_selector(self) -> Override:
+        given = [k for k in ("layer", "pattern", "op_type") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"an override needs exactly one of 'layer', 'pattern', 'op_type'; got {given or 'none'}"
+            )
+        if self.pattern is not None:
+            import re
+
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                raise ValueError(f"pattern {self.pattern!r} is not a valid regular expression: {exc}") from None
+        return self
+
+
+class QuantizationSection(_Strict):
+    default: LayerScheme = LayerScheme()
+    op_types: Literal["auto"] | list[str] = "auto"
+    overrides: list[Override] = Field(default_factory=list)
+    fold_clip_ranges: bool = Field(
+        True,
+        description="quantize Relu/Clip outputs on [lo, hi] so ONNX Runtime can drop the activation (exact)",
+    )
+    quantize_outputs: bool = Field(
+        False, description="also quantize graph outputs of MatMul/Gemm (False keeps logits in float)"
+    )
+
+    @field_validator("op_types")
+    @classmethod
+    def _known_ops(cls, v: Any) -> Any:
+        from quantkit.lowering.ops import QUANTIZABLE_OPS
+
+        if isinstance(v, list):
+            bad = [o for o in v if o not in QUANTIZABLE_OPS]
+            if bad:
+                raise ValueError(f"unsupported op types {bad}; allowed: {sorted(QUANTIZABLE_OPS)}")
+        return v
+
+
+class EvaluationSection(_Strict):
+    data: DataSection | None = None
+    metric: Metric = "auto"
+    batch_size: int = Field(8, ge=1, le=4096)
+
+
+class LatencySection(_Strict):
+    enabled: bool = True
+    batch_size: int = Field(1, ge=1)
+    seq_len: int | None = Field(None, ge=1)
+    warmup: int = Field(5, ge=0)
+    repeat: int = Field(30, ge=1)
+    threads: int | None = Field(None, ge=1)
+
+
+class ExportSection(_Strict):
+    external_data: Literal["auto", "always", "never"] = "auto"
+
+
+class ReportSection(_Strict):
+    formats: list[Literal["json", "md", "html"]] = Field(default_factory=lambda: ["json", "md"])
+    latency: LatencySection = LatencySection()
+
+
+class RecipeModel(_Strict):
+    """The whole recipe file."""
+
+    version: Literal[1]
+    name: str = "recipe"
+    model: ModelSection
+    calibration: CalibrationSection
+    quantization: QuantizationSection = QuantizationSection()
+    evaluation: EvaluationSection = EvaluationSection()
+    export: ExportSection = ExportSection()
+    report: ReportSection = ReportSection()

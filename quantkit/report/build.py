@@ -1,0 +1,286 @@
+"""Build and write the quantization report (JSON is the source; Markdown/HTML render it)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnxruntime as ort
+
+from quantkit.lowering.ops import FUSED_KERNELS
+from quantkit.lowering.qdq import LoweringResult
+from quantkit.lowering.select import QuantPlan
+from quantkit.lowering.verify import Census
+from quantkit.recipe import RecipeModel
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine facts, so every number can be traced to where it came from."""
+    import numpy as np
+
+    from quantkit import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "quantkit": __version__,
+        "onnxruntime": ort.__version__,
+        "onnx": onnx.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _finite(x: float) -> float | str:
+    return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+def build_report(
+    *,
+    recipe: RecipeModel,
+    source: str,
+    float_proto: onnx.ModelProto,
+    quant_proto: onnx.ModelProto,
+    plan: QuantPlan,
+    lowering: LoweringResult,
+    census: Census,
+    fidelity: dict[str, Any],
+    per_layer_sqnr: dict[str, float],
+    latency: dict[str, Any],
+    timings: dict[str, float],
+    calibration_samples: int,
+    evaluation_samples: int,
+) -> dict[str, Any]:
+    """Assemble the report dictionary (JSON-serialisable)."""
+    layers = []
+    act_of: dict[str, list[str]] = {}
+    for t in plan.tensors.values():
+        for c in t.consumers:
+            act_of.setdefault(c, []).append(t.name)
+    unfused = []
+    for name, lp in plan.layers.items():
+        fusion = census.per_layer.get(name)
+        w = lowering.weights.get(name)
+        acts = [lowering.tensors[t] for t in act_of.get(name, []) if t in lowering.tensors]
+        row: dict[str, Any] = {
+            "layer": name,
+            "op": lp.op_type,
+            "format": lp.format,
+            "rule": lp.rule,
+            "calibrator": lp.calibrator,
+            "weights": None
+            if w is None
+            else {
+                "dtype": w.dtype,
+                "symmetric": w.symmetric,
+                "axis": w.axis,
+                "scale_min": w.scale_min,
+                "scale_max": w.scale_max,
+                "zero_point_range": list(w.zero_point_range),
+                "weight_sqnr_db": _finite(w.weight_sqnr_db),
+            },
+            "inputs": [{"tensor": a.name, "dtype": a.dtype, "scale": a.scale, "zero_point": a.zero_point,
+                        "note": a.note} for a in acts],
+            "output_sqnr_db": _finite(per_layer_sqnr[name]) if name in per_layer_sqnr else None,
+            "fused": None if fusion is None else fusion.fused,
+            "kernel": None if fusion is None else fusion.kernel,
+            "note": "" if fusion is None else fusion.note,
+        }
+        layers.append(row)
+        if fusion is not None and not fusion.fused:
+            unfused.append(
+                {
+                    "layer": name,
+                    "op": lp.op_type,
+                    "expected": list(FUSED_KERNELS.get(lp.op_type, ())),
+                    "note": fusion.note,
+                    "cost": "runs in float between a DequantizeLinear and a QuantizeLinear: the conversions "
+                    "are pure overhead, so this layer is slower than in the FP32 model",
+                }
+            )
+    f_size = float_proto.ByteSize()
+    q_size = quant_proto.ByteSize()
+    warnings = []
+    if unfused:
+        warnings.append(
+            f"{len(unfused)} of {len(plan.layers)} quantized layers were NOT fused by ONNX Runtime "
+            "(see 'unfused'); expect them to run slower than FP32"
+        )
+    if census.leftover_q or census.leftover_dq:
+        warnings.append(
+            f"{census.leftover_q} QuantizeLinear and {census.leftover_dq} DequantizeLinear nodes remain in "
+            "ONNX Runtime's optimized graph"
+        )
+    if latency and latency.get("speedup", 1.0) < 1.0:
+        warnings.append(f"the quantized model is slower than FP32 (speedup {latency['speedup']:.2f}x)")
+    return {
+        "recipe": recipe.name,
+        "model": source,
+        "environment": environment(),
+        "settings": recipe.model_dump(mode="json"),
+        "samples": {"calibration": calibration_samples, "evaluation": evaluation_samples},
+        "size": {"fp32_bytes": f_size, "quantized_bytes": q_size, "ratio": q_size / max(f_size, 1)},
+        "latency": latency,
+        "fidelity": fidelity,
+        "timings": timings,
+        "census": {
+            "op_counts": dict(census.op_counts),
+            "quantized_kernels": dict(census.quantized_kernels),
+            "leftover_quantize_linear": census.leftover_q,
+            "leftover_dequantize_linear": census.leftover_dq,
+            "leftover_qdq_nodes": list(census.leftover_qdq_nodes),
+        },
+        "layers": layers,
+        "unfused": unfused,
+        "float_layers": [{"layer": k, "reason": v} for k, v in plan.skipped.items()],
+        "warnings": warnings,
+    }
+
+
+def _fmt(x: Any, nd: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "**no**"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}" if abs(x) >= 1e-3 or x == 0 else f"{x:.3e}"
+    return str(x)
+
+
+def render_markdown(rep: dict[str, Any]) -> str:
+    """A human-readable Markdown rendering of the report."""
+    lines = [f"# quantkit report: {rep['recipe']}", "", f"Model: `{rep['model']}`", ""]
+    env = rep["environment"]
+    lines.append(
+        f"Environment: quantkit {env['quantkit']}, onnxruntime {env['onnxruntime']}, onnx {env['onnx']}, "
+        f"{env['cpu']} ({env['cores']} cores), {env['date']}"
+    )
+    lines.append(f"Samples: {rep['samples']['calibration']} calibration, {rep['samples']['evaluation']} evaluation")
+    lines.append("")
+    if rep["warnings"]:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in rep["warnings"]] + [""]
+    s = rep["size"]
+    lines += ["## Size", "", "| FP32 | quantized | ratio |", "|---|---|---|",
+              f"| {s['fp32_bytes'] / 2**20:.2f} MiB | {s['quantized_bytes'] / 2**20:.2f} MiB | {s['ratio']:.3f} |", ""]
+    lat = rep.get("latency") or {}
+    if lat:
+        f, q = lat["fp32"], lat["quantized"]
+        lines += ["## Latency (same run, interleaved)", "", f"Input: {f['shape']}; {f['runs']} runs after {f['warmup']} warm-up, "
+                  f"threads: {f['threads'] or 'ORT default'}", "",
+                  "| model | median ms | p90 ms |", "|---|---|---|",
+                  f"| FP32 | {f['median_ms']:.3f} | {f['p90_ms']:.3f} |",
+                  f"| quantized | {q['median_ms']:.3f} | {q['p90_ms']:.3f} |", "",
+                  f"Speedup (median): **{lat['speedup']:.2f}x**", ""]
+    if rep["fidelity"]:
+        lines += ["## Fidelity vs FP32", ""]
+        keys = sorted({k for d in rep["fidelity"].values() for k in d})
+        lines += ["| output | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+        for name, d in rep["fidelity"].items():
+            lines.append(f"| {name} | " + " | ".join(_fmt(d.get(k), 4) for k in keys) + " |")
+        lines.append("")
+    c = rep["census"]
+    lines += ["## ONNX Runtime census (optimized graph)", "",
+              "Quantized kernels: " + (", ".join(f"{k} x{v}" for k, v in sorted(c["quantized_kernels"].items())) or "none"),
+              "", f"Leftover QuantizeLinear: {c['leftover_quantize_linear']}, DequantizeLinear: "
+              f"{c['leftover_dequantize_linear']}", ""]
+    if c["leftover_qdq_nodes"]:
+        lines += ["Leftover Q/DQ nodes: " + ", ".join(f"`{n}`" for n in c["leftover_qdq_nodes"][:30]), ""]
+    if rep["unfused"]:
+        lines += ["## Unfused layers", "", "| layer | op | expected kernel | note | cost |", "|---|---|---|---|---|"]
+        for u in rep["unfused"]:
+            lines.append(f"| `{u['layer']}` | {u['op']} | {', '.join(u['expected'])} | {u['note']} | {u['cost']} |")
+        lines.append("")
+    lines += ["## Layers", "", "| layer | op | format | rule | weight scale (min..max) | weight SQNR dB | input scale / zp "
+              "| output SQNR dB | kernel | fused |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rep["layers"]:
+        w = r["weights"]
+        ws = "-" if w is None else f"{w['scale_min']:.2e}..{w['scale_max']:.2e} ({w['dtype']}{', sym' if w['symmetric'] else ''})"
+        wq = "-" if w is None else _fmt(w["weight_sqnr_db"], 1)
+        ins = "; ".join(f"{a['scale']:.3e}/{a['zero_point']} {a['dtype']}" for a in r["inputs"]) or "-"
+        lines.append(f"| `{r['layer']}` | {r['op']} | {r['format']} | {r['rule']} | {ws} | {wq} | {ins} | "
+                     f"{_fmt(r['output_sqnr_db'], 1)} | {r['kernel'] or '-'} | {_fmt(r['fused'])} |")
+    lines.append("")
+    if rep["float_layers"]:
+        lines += ["## Layers kept in float", "", "| layer | reason |", "|---|---|"]
+        lines += [f"| `{f['layer']}` | {f['reason']} |" for f in rep["float_layers"]]
+        lines.append("")
+    t = rep["timings"]
+    lines += ["## Timings", "", " | ".join(f"{k}: {v:.2f}" for k, v in t.items()), ""]
+    return "\n".join(lines)
+
+
+def render_html(rep: dict[str, Any]) -> str:
+    """A minimal standalone HTML page wrapping the Markdown tables (no external assets)."""
+    import html
+
+    md = render_markdown(rep)
+    body = []
+    in_table = False
+    for line in md.splitlines():
+        if line.startswith("|"):
+            cells = [html.escape(c.strip()) for c in line.strip("|").split("|")]
+            if set("".join(cells)) <= set("-"):
+                continue
+            if not in_table:
+                body.append("<table>")
+                in_table = True
+                body.append("<tr>" + "".join(f"<th>{c}</th>" for c in cells) + "</tr>")
+            else:
+                body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+            continue
+        if in_table:
+            body.append("</table>")
+            in_table = False
+        if line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            body.append(f"<h{level}>{html.escape(line.lstrip('#').strip())}</h{level}>")
+        elif line.strip():
+            body.append(f"<p>{html.escape(line)}</p>")
+    if in_table:
+        body.append("</table>")
+    style = "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}"
+    return f"<!doctype html><html><head><meta charset='utf-8'><title>quantkit report</title><style>{style}</style></head><body>{''.join(body)}</body></html>"
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_report(rep: dict[str, Any], directory: Path, formats: list[str]) -> dict[str, Path]:
+    """Write the report in each requested format; returns format -> path."""
+    out: dict[str, Path] = {}
+    if "json" in formats:
+        out["report.json"] = atomic_write_text(directory / "report.json", json.dumps(rep, indent=2, default=str))
+    if "md" in formats:
+        out["report.md"] = atomic_write_text(directory / "report.md", render_markdown(rep))
+    if "html" in formats:
+        out["report.html"] = atomic_write_text(directory / "report.html", render_html(rep))
+    return out

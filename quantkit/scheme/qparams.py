@@ -1,0 +1,351 @@
+"""All scale / zero-point math of quantkit: choose qparams, quantize, dequantize.
+
+Conventions (shared with ONNX ``QuantizeLinear`` / ``DequantizeLinear``, opset 21):
+
+* **Quantize**: ``q = saturate(round_half_even(x / scale) + zero_point)`` onto the full
+  grid ``[qmin, qmax]`` of the integer type.  ``x / scale`` is ONE IEEE float32
+  division — ONNX Runtime's CPU kernel (MLAS, all integer types incl. int4) divides,
+  it does NOT multiply by a reciprocal (``x * (1/scale)`` differs on ~10 % of
+  values next to a .5 tie; pinned by ``tests/numerics``).  The rounding is applied
+  *before* adding the zero point, so ``x/scale = 0.5`` with ``zero_point = 3`` gives 3,
+  not 4.  NaN quantizes to ``qmin``; ``±inf`` saturates.
+* **Dequantize**: ``x = float32(int32(q) - int32(zero_point)) * scale`` (one float32 multiply).
+* **Granularity** (``axis`` / ``block_size`` as in ONNX): per-tensor (scalar scale),
+  per-axis (1-D scale of length ``x.shape[axis]``), blocked (scale has ``x``'s shape
+  except ``ceil(x.shape[axis] / block_size)`` along ``axis``; element ``i`` along
+  ``axis`` uses scale index ``i // block_size``).
+
+Choosing qparams (:func:`compute_qparams`), with ``[qmin, qmax]`` the grid and the
+range first widened to contain 0 (``lo = min(min, 0)``, ``hi = max(max, 0)``) so that
+0.0 — padding, ReLU zeros — is represented exactly:
+
+* **asymmetric**: ``scale = (hi - lo) / (qmax - qmin)``,
+  ``zero_point = clip(round_half_even(qmin - lo / scale), qmin, qmax)``.
+* **symmetric**: ``scale = max(|lo|, |hi|) / ((qmax - qmin) / 2)`` and the zero point is the
+  grid midpoint ``(qmin + qmax + 1) // 2``: 0 for signed types, 128 for uint8, 8 for
+  uint4, 32768 for uint16.  So int8 symmetric uses ``absmax / 127.5`` (the same as
+  torchao; ONNX Runtime's own quantizer narrows int8 to ``[-127, 127]`` and uses
+  ``/ 127``).  Chosen because it is one formula for every type and because a uint8
+  symmetric tensor is then exactly the int8 one shifted by +128 (what ORT does
+  internally when it converts int8 activations to uint8).  ``±absmax`` maps to
+  ``±(qmax - qmin)/2``, i.e. at most half a step outside the grid, so the error at the
+  edges is still ``<= scale / 2``.
+* **zero range** (``hi == lo == 0``): ``scale = 1.0`` (every value is 0 and maps to the
+  zero point exactly).  A positive range so small that the float32 scale would be
+  below the smallest normal float32 (``2**-126``) is given that smallest normal
+  scale.  The scale is therefore always finite and > 0; a non-finite ``min`` / ``max``
+  raises :class:`~quantkit.errors.CalibrationError`.
+
+Scales are computed in float64 and stored as float32; the zero point is derived
+from the stored float32 scale so the pair is self-consistent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from quantkit.errors import CalibrationError, RecipeError
+from quantkit.scheme.dtypes import INT_TYPES, IntType, int_type
+
+__all__ = [
+    "GRANULARITIES",
+    "QuantSpec",
+    "bias_int32",
+    "bias_scale",
+    "compute_qparams",
+    "dequantize",
+    "quantize",
+    "weight_qparams",
+]
+
+Granularity = Literal["tensor", "channel", "group"]
+GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group")
+_SMALLEST_SCALE = float(np.finfo(np.float32).tiny)  # 2**-126, smallest normal float32
+_INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+
+FloatArray = npt.NDArray[np.float32]
+IntArray = npt.NDArray[np.integer]
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one tensor is quantized.  Validated on construction (raises :class:`RecipeError`).
+
+    Attributes:
+        dtype: integer grid name, one of :data:`quantkit.scheme.dtypes.INT_TYPES`.
+        symmetric: symmetric (zero point at the grid midpoint) or asymmetric (min-max).
+        granularity: ``"tensor"`` (one scale), ``"channel"`` (one scale per index of
+            ``axis``) or ``"group"`` (one scale per ``group_size`` consecutive elements along ``axis``).
+        axis: ONNX ``QuantizeLinear`` meaning.  For ``"channel"`` the axis that keeps its own
+            scales (Conv weight ``[O, I, kh, kw]``: 0; MatMul weight ``[K, N]``: 1).  For
+            ``"group"`` the axis along which blocks run (MatMul weight ``[K, N]`` grouped
+            along K: 0).  Must be ``None`` for ``"tensor"``.  Negative values count from the end.
+        group_size: block length for ``"group"``; ``None`` otherwise.
+        reduce_range: use a grid one bit narrower (see :meth:`IntType.grid`).
+    """
+
+    dtype: str
+    symmetric: bool
+    granularity: Granularity = "tensor"
+    axis: int | None = None
+    group_size: int | None = None
+    reduce_range: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the fields against each other; raise :class:`RecipeError` naming field, value, allowed."""
+        if self.dtype not in INT_TYPES:
+            raise RecipeError(
+                f"quant spec: dtype={self.dtype!r} is not allowed; allowed: {sorted(INT_TYPES)}"
+            )
+        if not isinstance(self.symmetric, bool):
+            raise RecipeError(f"quant spec: symmetric={self.symmetric!r} must be true or false")
+        if self.granularity not in GRANULARITIES:
+            raise RecipeError(
+                f"quant spec: granularity={self.granularity!r} is not allowed; allowed: {list(GRANULARITIES)}"
+            )
+        if self.granularity == "tensor":
+            if self.axis is not None:
+                raise RecipeError(
+                    f"quant spec: axis={self.axis!r} is not allowed with granularity='tensor'; use null"
+                )
+        elif not isinstance(self.axis, int) or isinstance(self.axis, bool):
+            raise RecipeError(
+                f"quant spec: axis={self.axis!r} is not allowed with granularity={self.granularity!r}; "
+                "an integer axis is required"
+            )
+        if self.granularity == "group":
+            if (
+                not isinstance(self.group_size, int)
+                or isinstance(self.group_size, bool)
+                or self.group_size < 1
+            ):
+                raise RecipeError(
+                    f"quant spec: group_size={self.group_size!r} is not allowed with granularity='group'; "
+                    "a positive integer is required"
+                )
+        elif self.group_size is not None:
+            raise RecipeError(
+                f"quant spec: group_size={self.group_size!r} is only allowed with granularity='group' "
+                f"(got granularity={self.granularity!r})"
+            )
+
+    @property
+    def int_type(self) -> IntType:
+        """The :class:`IntType` of :attr:`dtype`."""
+        return int_type(self.dtype)
+
+    def resolve_axis(self, ndim: int) -> int | None:
+        """``axis`` normalised to ``[0, ndim)`` for a tensor of rank ``ndim``; ``RecipeError`` if out of range."""
+        if self.axis is None:
+            return None
+        if not -ndim <= self.axis < ndim:
+            raise RecipeError(
+                f"quant spec: axis={self.axis} is out of range for a tensor of rank {ndim}; "
+                f"allowed: {-ndim}..{ndim - 1}"
+            )
+        return self.axis % ndim
+
+
+def _as_int_type(dtype: str | IntType) -> IntType:
+    return dtype if isinstance(dtype, IntType) else int_type(dtype)
+
+
+def compute_qparams(
+    min_val: npt.ArrayLike,
+    max_val: npt.ArrayLike,
+    dtype: str | IntType,
+    *,
+    symmetric: bool,
+    reduce_range: bool = False,
+) -> tuple[FloatArray, IntArray]:
+    """Scale and zero point covering ``[min_val, max_val]`` (elementwise; see the module docstring).
+
+    Returns ``(scale, zero_point)`` with the broadcast shape of the inputs: ``scale`` float32
+    (finite, > 0), ``zero_point`` in the container dtype of ``dtype`` (``int8`` for int4).
+    """
+    it = _as_int_type(dtype)
+    qmin, qmax = it.grid(reduce_range)
+    mn, mx = np.broadcast_arrays(np.asarray(min_val, np.float64), np.asarray(max_val, np.float64))
+    if not (np.all(np.isfinite(mn)) and np.all(np.isfinite(mx))):
+        raise CalibrationError(
+            f"cannot compute a scale from a non-finite range: min={mn.min() if mn.size else mn}, "
+            f"max={mx.max() if mx.size else mx} (inf/NaN in the calibration data or weights)"
+        )
+    if np.any(mn > mx):
+        raise ValueError("compute_qparams: min_val > max_val somewhere; the range is inverted")
+    lo = np.minimum(mn, 0.0)
+    hi = np.maximum(mx, 0.0)
+    if symmetric:
+        width = np.maximum(-lo, hi)
+        scale64 = width / ((qmax - qmin) / 2.0)
+    else:
+        width = hi - lo
+        scale64 = width / float(qmax - qmin)
+    scale = scale64.astype(np.float32)
+    scale = np.where(width == 0.0, np.float32(1.0), np.maximum(scale, np.float32(_SMALLEST_SCALE)))
+    scale = scale.astype(np.float32)
+    if not np.all(np.isfinite(scale)):
+        raise CalibrationError(f"range [{lo.min()}, {hi.max()}] is too wide for a float32 scale")
+    if symmetric:
+        zp = np.full(scale.shape, (qmin + qmax + 1) // 2, np.int64)
+    else:
+        zp = np.clip(np.rint(qmin - lo / scale.astype(np.float64)), qmin, qmax).astype(np.int64)
+    return scale, zp.astype(it.numpy_dtype)
+
+
+def _infer_int_type(zero_point: np.ndarray | None, dtype: str | IntType | None) -> IntType:
+    if dtype is not None:
+        return _as_int_type(dtype)
+    if zero_point is None:
+        return INT_TYPES["uint8"]  # ONNX default when the zero point is omitted
+    name = str(zero_point.dtype)  # numpy / ml_dtypes names coincide with ours
+    if name not in INT_TYPES:
+        raise ValueError(f"cannot infer the integer type from a zero point of dtype {name}; pass dtype=")
+    return INT_TYPES[name]
+
+
+def _expand(
+    param: np.ndarray, shape: tuple[int, ...], axis: int | None, block_size: int | None, what: str
+) -> np.ndarray:
+    """Broadcast a scale / zero point to ``shape`` following ONNX per-tensor / per-axis / blocked rules."""
+    ndim = len(shape)
+    if block_size is None and param.size == 1 and param.ndim <= 1:
+        return param.reshape(())
+    if axis is None:
+        raise ValueError(f"{what} has shape {param.shape}; a per-axis or blocked {what} needs axis=")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} out of range for rank {ndim}")
+    a = axis % ndim
+    if block_size is None:
+        if param.ndim != 1 or param.shape[0] != shape[a]:
+            raise ValueError(
+                f"per-axis {what} must be 1-D of length {shape[a]} (axis {a}), got {param.shape}"
+            )
+        return param.reshape([shape[a] if i == a else 1 for i in range(ndim)])
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    expected = tuple(-(-d // block_size) if i == a else d for i, d in enumerate(shape))
+    if param.shape != expected:
+        raise ValueError(f"blocked {what} must have shape {expected}, got {param.shape}")
+    idx = np.arange(shape[a]) // block_size
+    return np.take(param, idx, axis=a)
+
+
+def quantize(
+    x: npt.ArrayLike,
+    scale: npt.ArrayLike,
+    zero_point: npt.ArrayLike | None = None,
+    *,
+    axis: int | None = None,
+    block_size: int | None = None,
+    dtype: str | IntType | None = None,
+) -> IntArray:
+    """ONNX ``QuantizeLinear``, bit-exact with ONNX Runtime's CPU kernel.
+
+    ``q = clip(round_half_even(float32(x) / scale) + zero_point, qmin, qmax)``, NaN -> ``qmin``.
+    The integer type is ``dtype`` if given, else that of ``zero_point`` (int4 / uint4 need
+    ``dtype=`` because they are held in int8 / uint8 containers), else uint8 (ONNX default).
+    Returns unpacked values in the type's container dtype.
+    """
+    zp_arr = None if zero_point is None else np.asarray(zero_point)
+    it = _infer_int_type(zp_arr, dtype)
+    xs = np.asarray(x, dtype=np.float32)
+    s = _expand(np.asarray(scale, np.float32), xs.shape, axis, block_size, "scale")
+    z = (
+        np.zeros((), np.int32)
+        if zp_arr is None
+        else _expand(zp_arr.astype(np.int32), xs.shape, axis, block_size, "zero point")
+    )
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        v = np.rint(xs / s)  # float32 / float32: one IEEE division, like MLAS
+    lo = (it.qmin - z).astype(np.float32)
+    hi = (it.qmax - z).astype(np.float32)
+    v = np.clip(v, lo, hi)
+    v = np.where(np.isnan(v), lo, v)
+    return (v.astype(np.int32) + z).astype(it.numpy_dtype)
+
+
+def dequantize(
+    q: npt.ArrayLike,
+    scale: npt.ArrayLike,
+    zero_point: npt.ArrayLike | None = None,
+    *,
+    axis: int | None = None,
+    block_size: int | None = None,
+) -> FloatArray:
+    """ONNX ``DequantizeLinear``: ``float32(int32(q) - int32(zero_point)) * scale``, bit-exact with ORT."""
+    qi = np.asarray(q).astype(np.int32)
+    s = _expand(np.asarray(scale, np.float32), qi.shape, axis, block_size, "scale")
+    z = (
+        np.zeros((), np.int32)
+        if zero_point is None
+        else _expand(np.asarray(zero_point).astype(np.int32), qi.shape, axis, block_size, "zero point")
+    )
+    return ((qi - z).astype(np.float32) * s).astype(np.float32)
+
+
+def _block_reduce(w: np.ndarray, axis: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    starts = np.arange(0, w.shape[axis], block)
+    return np.minimum.reduceat(w, starts, axis=axis), np.maximum.reduceat(w, starts, axis=axis)
+
+
+def weight_qparams(w: npt.ArrayLike, spec: QuantSpec) -> tuple[FloatArray, IntArray]:
+    """Min-max qparams of a weight under ``spec``, shaped for ONNX ``DequantizeLinear``.
+
+    * ``"tensor"``: ``min(w)``, ``max(w)`` -> scalar scale / zero point.
+    * ``"channel"``: min / max over every axis but ``spec.axis`` -> shape ``(w.shape[axis],)``.
+    * ``"group"``: min / max over each run of ``group_size`` consecutive elements along
+      ``spec.axis`` (last run may be shorter) -> ``w.shape`` with that axis replaced by
+      ``ceil(w.shape[axis] / group_size)`` (the blocked ``DequantizeLinear`` layout; e.g. a
+      MatMul weight ``[K, N]`` grouped along K=axis 0 gives ``[ceil(K/g), N]``).
+
+    Then :func:`compute_qparams` with ``spec.symmetric`` / ``spec.reduce_range``.
+    """
+    arr = np.asarray(w)
+    if arr.dtype.kind != "f":
+        raise ValueError(f"weight_qparams expects a floating-point weight, got dtype {arr.dtype}")
+    if arr.size == 0:
+        raise ValueError("weight_qparams: empty weight")
+    arr = arr.astype(np.float32, copy=False)
+    axis = spec.resolve_axis(arr.ndim)
+    if spec.granularity == "tensor" or axis is None:
+        mn, mx = arr.min(), arr.max()
+    elif spec.granularity == "channel":
+        others = tuple(i for i in range(arr.ndim) if i != axis)
+        mn, mx = arr.min(axis=others), arr.max(axis=others)
+    else:
+        assert spec.group_size is not None  # guaranteed by QuantSpec.validate
+        mn, mx = _block_reduce(arr, axis, spec.group_size)
+    return compute_qparams(mn, mx, spec.dtype, symmetric=spec.symmetric, reduce_range=spec.reduce_range)
+
+
+def bias_scale(input_scale: npt.ArrayLike, weight_scale: npt.ArrayLike) -> FloatArray:
+    """``input_scale * weight_scale`` as one float32 multiply (the scale of an int32 bias)."""
+    return (np.asarray(input_scale, np.float32) * np.asarray(weight_scale, np.float32)).astype(np.float32)
+
+
+def bias_int32(
+    bias: npt.ArrayLike, input_scale: npt.ArrayLike, weight_scale: npt.ArrayLike
+) -> npt.NDArray[np.int32]:
+    """Quantize a bias to int32 with scale ``bias_scale(input_scale, weight_scale)`` and zero point 0.
+
+    ``q = clip(round_half_even(float64(bias) / float64(bias_scale)), int32 min, int32 max)``
+    (float64 so that large biases keep all their bits), as QLinearConv / QGemm and a
+    ``DequantizeLinear(int32)`` bias in a QDQ graph expect.
+    """
+    bs = bias_scale(input_scale, weight_scale).astype(np.float64)
+    if np.any(bs <= 0) or not np.all(np.isfinite(bs)):
+        raise CalibrationError(
+            f"bias scale input_scale * weight_scale must be finite and > 0, got values in [{bs.min()}, {bs.max()}]"
+        )
+    b = np.asarray(bias, np.float64)
+    if not np.all(np.isfinite(b)):
+        raise CalibrationError("bias contains inf or NaN")
+    return np.clip(np.rint(b / bs), _INT32_MIN, _INT32_MAX).astype(np.int32)
