@@ -43,7 +43,7 @@ def _datasets(recipe_path: str, n_cal: int | None, n_eval: int | None) -> tuple[
     from quantkit.recipe import load_recipe
 
     rec = load_recipe(recipe_path)
-    loaded = load_model(rec.model.source, seq_len=rec.model.seq_len)
+    loaded = load_model(rec.model.source)
     fmodel = prepare(loaded.model).model
     inputs = model_inputs(fmodel)
     cal_spec = rec.calibration.data.model_dump()
@@ -75,7 +75,7 @@ def worker(method: str, recipe_path: str, n_cal: int | None, out_dir: str) -> No
         if n_cal:
             spec["count"] = n_cal
         rec2 = rec.model_copy(update={"calibration": rec.calibration.model_copy(update={"data": type(rec.calibration.data)(**spec)})})
-        res = quantize(fmodel, None, rec2, progress=False, measure_latency=False, evaluation_data=[])
+        res = quantize(fmodel, None, rec2, progress=False, measure_latency=False, evaluate=False)
         wall = time.perf_counter() - t
         res.save(out / "quantkit", report=True)
         info = {"wall_s": wall, "quantized_layers": len(res.plan.layers)}

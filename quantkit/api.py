@@ -119,6 +119,7 @@ def quantize(
     example_inputs: Any = None,
     progress: bool = True,
     measure_latency: bool | None = None,
+    evaluate: bool = True,
 ) -> QuantizeResult:
     """Quantize ``model`` with ``calibration_data`` as ``recipe`` says.
 
@@ -133,6 +134,9 @@ def quantize(
     ``recipe``: a YAML path, a mapping, a :class:`RecipeModel`, or ``None`` for the
     defaults (INT8 per-channel symmetric weights, uint8 asymmetric activations, min-max),
     in which case ``model`` and ``calibration_data`` are required.
+
+    ``evaluate=False`` skips the fidelity evaluation; ``measure_latency`` overrides the
+    recipe's ``report.latency.enabled``.
     """
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
@@ -143,8 +147,13 @@ def quantize(
                   "calibration": {"data": {"kind": "npz", "path": "<api>"}}}
     rec = load_recipe(recipe)
     t = time.perf_counter()
-    loaded = load_model(model if model is not None else rec.model.source, example_inputs=example_inputs,
-                        seq_len=rec.model.seq_len)
+    source = model if model is not None else rec.model.source
+    load_kw: dict[str, Any] = {}
+    if example_inputs is not None:
+        load_kw["example_inputs"] = example_inputs
+    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+        load_kw["seq_len"] = rec.model.seq_len
+    loaded = load_model(source, **load_kw)
     timings["load_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -194,7 +203,7 @@ def quantize(
     cen = census(qproto, quantizable=list(plan.layers))
     timings["verify_s"] = time.perf_counter() - t
 
-    ev = _eval_dataset(rec, loaded, evaluation_data, inputs)
+    ev = _eval_dataset(rec, loaded, evaluation_data, inputs) if evaluate else None
     fidelity: dict[str, Any] = {}
     per_layer_sqnr: dict[str, float] = {}
     latency: dict[str, Any] = {}

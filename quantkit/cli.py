@@ -61,7 +61,12 @@ def _override(rec_path: str, args: argparse.Namespace) -> dict[str, Any] | str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="quantkit: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("quantkit: %(message)s"))
+    qlog = logging.getLogger("quantkit")
+    qlog.addHandler(handler)
+    qlog.setLevel(logging.INFO)
+    qlog.propagate = False
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if args.version:

