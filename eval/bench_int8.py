@@ -75,7 +75,7 @@ def worker(method: str, recipe_path: str, n_cal: int | None, out_dir: str) -> No
         if n_cal:
             spec["count"] = n_cal
         rec2 = rec.model_copy(update={"calibration": rec.calibration.model_copy(update={"data": type(rec.calibration.data)(**spec)})})
-        res = quantize(fmodel, None, rec2, progress=False, measure_latency=False, evaluate=False)
+        res = quantize(None, None, rec2, progress=False, measure_latency=False, evaluate=False)
         wall = time.perf_counter() - t
         res.save(out / "quantkit", report=True)
         info = {"wall_s": wall, "quantized_layers": len(res.plan.layers)}

@@ -140,18 +140,19 @@ def quantize(
     """
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
-    if recipe is None:
-        if model is None or calibration_data is None:
-            raise QuantkitError("quantize() needs a recipe, or both a model and calibration_data")
-        recipe = {"version": 1, "name": "api", "model": {"source": "<api>"},
-                  "calibration": {"data": {"kind": "npz", "path": "<api>"}}}
-    rec = load_recipe(recipe)
+    rec = load_recipe(recipe if recipe is not None else {"version": 1, "name": "api"})
+    if model is None and rec.model is None:
+        raise QuantkitError("quantize() needs a model: pass one, or name it in the recipe's model.source")
+    if calibration_data is None and rec.calibration.data is None:
+        raise QuantkitError(
+            "quantize() needs calibration data: pass calibration_data, or set the recipe's calibration.data"
+        )
     t = time.perf_counter()
-    source = model if model is not None else rec.model.source
+    source = model if model is not None else rec.model.source  # type: ignore[union-attr]
     load_kw: dict[str, Any] = {}
     if example_inputs is not None:
         load_kw["example_inputs"] = example_inputs
-    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir() and rec.model is not None:
         load_kw["seq_len"] = rec.model.seq_len
     loaded = load_model(source, **load_kw)
     timings["load_s"] = time.perf_counter() - t
@@ -165,6 +166,7 @@ def quantize(
     if calibration_data is not None:
         cal = as_dataset(calibration_data, inputs, tokenizer=loaded.tokenizer)
     else:
+        assert rec.calibration.data is not None  # checked above
         cal = make_dataset(rec.calibration.data.model_dump(), inputs=inputs, tokenizer=loaded.tokenizer,
                            split="calibration")
     if len(cal) == 0:
@@ -191,7 +193,7 @@ def quantize(
 
     t = time.perf_counter()
     qmodel = _clone(float_model)
-    lowering = lower_int8(qmodel, plan, ranges)
+    lowering = lower_int8(qmodel, plan, ranges, activation_storage=rec.export.activation_storage)
     qproto = ir.to_proto(qmodel)
     try:
         onnx.checker.check_model(qproto, full_check=False)
@@ -200,7 +202,11 @@ def quantize(
     timings["lower_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    cen = census(qproto, quantizable=list(plan.layers))
+    from quantkit.lowering.ops import PASSTHROUGH
+
+    # passthrough ops (Reshape, Transpose, ...) have no quantized kernel: ORT drops their DQ/Q
+    # pair; stray Q/DQ around them would show up in the census' leftovers instead.
+    cen = census(qproto, quantizable=[k for k, lp in plan.layers.items() if lp.op_type not in PASSTHROUGH])
     timings["verify_s"] = time.perf_counter() - t
 
     ev = _eval_dataset(rec, loaded, evaluation_data, inputs) if evaluate else None
@@ -281,11 +287,20 @@ def layer_sqnr(
     the same tensor of the FP32 model, over the first ``limit`` evaluation samples."""
     names: dict[str, str] = {}
     q_values = {o for n in quant_proto.graph.node for o in n.output}
-    f_values = {o for n in float_proto.graph.node for o in n.output}
-    for layer in plan.layers:
-        for n in float_proto.graph.node:
-            if n.name == layer and n.output and n.output[0] in q_values and n.output[0] in f_values:
-                names[layer] = n.output[0]
+    users: dict[str, list[onnx.NodeProto]] = {}
+    for n in float_proto.graph.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+    for n in float_proto.graph.node:
+        if n.name not in plan.layers or not n.output:
+            continue
+        out = n.output[0]
+        # report the tensor that is actually quantized: after a folded Relu/Clip if there is one
+        nxt = users.get(out, [])
+        if len(nxt) == 1 and nxt[0].op_type in ("Relu", "Clip") and nxt[0].output[0] in plan.tensors:
+            out = nxt[0].output[0]
+        if out in q_values:
+            names[n.name] = out
     if not names:
         return {}
 

@@ -122,12 +122,32 @@ def activation_params(tq: TensorQuant, lo: float, hi: float) -> TensorParams:
     return TensorParams(tq.name, float(scale_arr), int(zp_arr), tq.dtype, note)
 
 
+def as_uint8_storage(tp: TensorParams) -> TensorParams:
+    """The same int8 grid stored as uint8: ``q_u8 = q_s8 + 128``, zero point + 128, same scale.
+
+    ``round(x/s) + zp`` saturated to [-128, 127] plus 128 equals ``round(x/s) + zp + 128``
+    saturated to [0, 255], so the dequantized values are bit-identical.  ONNX Runtime's CPU
+    provider does this conversion itself, but only for a Q with a single DQ consumer; a
+    shared int8 Q leaves its consumers with mixed int8/uint8 inputs and unfused.
+    """
+    if tp.dtype != "int8":
+        return tp
+    note = (tp.note + "; " if tp.note else "") + "int8 grid stored as uint8 (zero point + 128) for the CPU provider"
+    return TensorParams(tp.name, tp.scale, tp.zero_point + 128, "uint8", note)
+
+
 def lower_int8(
     model: ir.Model,
     plan: QuantPlan,
     ranges: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    *,
+    activation_storage: str = "uint8",
 ) -> LoweringResult:
-    """Insert Q/DQ and quantize weights in ``model`` (in place); return the parameters used."""
+    """Insert Q/DQ and quantize weights in ``model`` (in place); return the parameters used.
+
+    ``activation_storage="uint8"`` stores int8-grid activations as uint8 (see
+    :func:`as_uint8_storage`, exact); ``"as_requested"`` keeps the recipe's type.
+    """
     graph = model.graph
     if model.opset_imports.get("", 0) < 13:
         model.opset_imports[""] = 13  # per-axis QuantizeLinear/DequantizeLinear
@@ -141,7 +161,8 @@ def lower_int8(
         if name not in ranges:
             raise CalibrationError(f"no calibrated range for tensor {name!r} (consumers: {', '.join(tq.consumers)})")
         lo, hi = ranges[name]
-        result.tensors[name] = activation_params(tq, float(np.min(lo)), float(np.max(hi)))
+        tp = activation_params(tq, float(np.min(lo)), float(np.max(hi)))
+        result.tensors[name] = as_uint8_storage(tp) if activation_storage == "uint8" else tp
     pending = {k: v for k, v in plan.tensors.items() if v.inherit_from is not None}
     while pending:
         progressed = False
@@ -188,6 +209,7 @@ def lower_int8(
         producer = v.producer()
         producer_quantized = producer is not None and (producer.name in plan.layers or _folded(producer, plan))
         uses = list(v.uses())
+        readers = [u for u in uses if producer_quantized or u.node.name in plan.layers]
         q_node = ir.node(
             "QuantizeLinear", [v, scale_v, zp_v], name=namer(f"{name}_QuantizeLinear"),
             outputs=[ir.Value(name=namer(f"{name}_quantized"))],
@@ -196,11 +218,8 @@ def lower_int8(
             graph.insert_after(producer, q_node)
         else:
             graph.insert_before(next(iter(graph)), q_node)
-        tq = plan.tensors[name]
-        for use in uses:
+        for use in readers:
             consumer, idx = use.node, use.idx
-            if not producer_quantized and consumer.name not in plan.layers:
-                continue
             dq = ir.node(
                 "DequantizeLinear", [q_node.outputs[0], scale_v, zp_v],
                 name=namer(f"{name}_DequantizeLinear"), outputs=[ir.Value(name=namer(f"{name}_dequantized"))],
@@ -220,7 +239,6 @@ def lower_int8(
                     dq.outputs[0].type = v.type
                     dq.outputs[0].shape = v.shape
                     graph.outputs[i] = dq.outputs[0]
-        del tq
 
     # 3. weights and biases
     weight_cache: dict[int, tuple[ir.Value, ir.Value, ir.Value, int, np.ndarray, np.ndarray]] = {}
@@ -246,6 +264,7 @@ def lower_int8(
             spec = QuantSpec(
                 dtype=lp.weight_dtype, symmetric=lp.weight_symmetric,
                 granularity="channel" if per_channel else "tensor", axis=axis if per_channel else None,
+                narrow=True,  # weights: [-127, 127] grid, the largest weight exact (see compute_qparams)
             )
             w_scale, w_zp = weight_qparams(w, spec)
             wq = quantize(w, w_scale, w_zp, axis=axis if per_channel else None)

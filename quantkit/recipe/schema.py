@@ -40,7 +40,7 @@ class DataSection(_Strict):
 
 
 class CalibrationSection(_Strict):
-    data: DataSection
+    data: DataSection | None = None  # may be omitted when the Python API is given the data
     batch_size: int = Field(1, ge=1, le=4096)
     calibrator: Calibrator = "minmax"
     calibrator_options: dict[str, Any] = Field(default_factory=dict)
@@ -138,6 +138,11 @@ class LatencySection(_Strict):
 
 class ExportSection(_Strict):
     external_data: Literal["auto", "always", "never"] = "auto"
+    activation_storage: Literal["uint8", "as_requested"] = Field(
+        "uint8",
+        description="store int8-grid activations as uint8 (zero point + 128, bit-identical) - what ONNX "
+        "Runtime's CPU kernels compute in; 'as_requested' keeps int8 Q/DQ for other execution providers",
+    )
 
 
 class ReportSection(_Strict):
@@ -150,8 +155,8 @@ class RecipeModel(_Strict):
 
     version: Literal[1]
     name: str = "recipe"
-    model: ModelSection
-    calibration: CalibrationSection
+    model: ModelSection | None = None  # may be omitted when the Python API is given the model
+    calibration: CalibrationSection = CalibrationSection()
     quantization: QuantizationSection = QuantizationSection()
     evaluation: EvaluationSection = EvaluationSection()
     export: ExportSection = ExportSection()

@@ -14,7 +14,7 @@ from typing import Any
 import onnx
 import onnxruntime as ort
 
-from quantkit.lowering.ops import FUSED_KERNELS
+from quantkit.lowering.ops import FUSED_KERNELS, PASSTHROUGH
 from quantkit.lowering.qdq import LoweringResult
 from quantkit.lowering.select import QuantPlan
 from quantkit.lowering.verify import Census
@@ -101,7 +101,8 @@ def build_report(
             "output_sqnr_db": _finite(per_layer_sqnr[name]) if name in per_layer_sqnr else None,
             "fused": None if fusion is None else fusion.fused,
             "kernel": None if fusion is None else fusion.kernel,
-            "note": "" if fusion is None else fusion.note,
+            "note": ("int8 data movement: ONNX Runtime drops the DQ/Q pair around it (same scale)"
+                     if lp.op_type in PASSTHROUGH else "") if fusion is None else fusion.note,
         }
         layers.append(row)
         if fusion is not None and not fusion.fused:
@@ -123,10 +124,12 @@ def build_report(
             f"{len(unfused)} of {len(plan.layers)} quantized layers were NOT fused by ONNX Runtime "
             "(see 'unfused'); expect them to run slower than FP32"
         )
-    if census.leftover_q or census.leftover_dq:
+    leftovers = classify_leftovers(census)
+    stray = [d for d, kind in leftovers if kind == "stray"]
+    if stray:
         warnings.append(
-            f"{census.leftover_q} QuantizeLinear and {census.leftover_dq} DequantizeLinear nodes remain in "
-            "ONNX Runtime's optimized graph"
+            f"{len(stray)} stray QuantizeLinear/DequantizeLinear nodes remain inside ONNX Runtime's optimized "
+            "graph (each is a float<->int8 conversion that costs time): " + "; ".join(stray[:5])
         )
     if latency and latency.get("speedup", 1.0) < 1.0:
         warnings.append(f"the quantized model is slower than FP32 (speedup {latency['speedup']:.2f}x)")
@@ -146,12 +149,39 @@ def build_report(
             "leftover_quantize_linear": census.leftover_q,
             "leftover_dequantize_linear": census.leftover_dq,
             "leftover_qdq_nodes": list(census.leftover_qdq_nodes),
+            "leftover_by_kind": {
+                k: sum(1 for _, kind in leftovers if kind == k) for k in ("boundary", "feeds_fused_kernel", "stray")
+            },
         },
         "layers": layers,
         "unfused": unfused,
         "float_layers": [{"layer": k, "reason": v} for k, v in plan.skipped.items()],
         "warnings": warnings,
     }
+
+
+def classify_leftovers(census: Census) -> list[tuple[str, str]]:
+    """Each leftover Q/DQ of the census with its kind:
+
+    * ``boundary``: quantizes a graph input or dequantizes a graph output (expected);
+    * ``feeds_fused_kernel``: a ``QuantizeLinear`` whose every consumer is a quantized kernel -
+      the one quantization of an activation that a float op produced (expected, needed);
+    * ``stray``: anything else - a float<->int8 round trip that buys nothing.
+    """
+    from quantkit.lowering.verify import QUANTIZED_KERNELS
+
+    out = []
+    for item in census.leftovers:
+        if item.at_graph_input or item.at_graph_output:
+            kind = "boundary"
+        elif item.op_type.endswith("QuantizeLinear") and not item.op_type.endswith("DequantizeLinear") and (
+            item.consumers and all(c.split(" ", 1)[0].split(".")[-1] in QUANTIZED_KERNELS for c in item.consumers)
+        ):
+            kind = "feeds_fused_kernel"
+        else:
+            kind = "stray"
+        out.append((item.describe(), kind))
+    return out
 
 
 def _fmt(x: Any, nd: int = 3) -> str:
@@ -199,7 +229,8 @@ def render_markdown(rep: dict[str, Any]) -> str:
     lines += ["## ONNX Runtime census (optimized graph)", "",
               "Quantized kernels: " + (", ".join(f"{k} x{v}" for k, v in sorted(c["quantized_kernels"].items())) or "none"),
               "", f"Leftover QuantizeLinear: {c['leftover_quantize_linear']}, DequantizeLinear: "
-              f"{c['leftover_dequantize_linear']}", ""]
+              f"{c['leftover_dequantize_linear']} (by kind: "
+              + ", ".join(f"{k} {v}" for k, v in c["leftover_by_kind"].items()) + ")", ""]
     if c["leftover_qdq_nodes"]:
         lines += ["Leftover Q/DQ nodes: " + ", ".join(f"`{n}`" for n in c["leftover_qdq_nodes"][:30]), ""]
     if rep["unfused"]:

@@ -86,6 +86,8 @@ class QuantSpec:
             along K: 0).  Must be ``None`` for ``"tensor"``.  Negative values count from the end.
         group_size: block length for ``"group"``; ``None`` otherwise.
         reduce_range: use a grid one bit narrower (see :meth:`IntType.grid`).
+        narrow: symmetric only: the restricted grid ``[-(2^(b-1) - 1), 2^(b-1) - 1]`` scale
+            (``absmax / 127`` for int8), the usual choice for weights.
     """
 
     dtype: str
@@ -94,6 +96,7 @@ class QuantSpec:
     axis: int | None = None
     group_size: int | None = None
     reduce_range: bool = False
+    narrow: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -164,8 +167,14 @@ def compute_qparams(
     *,
     symmetric: bool,
     reduce_range: bool = False,
+    narrow: bool = False,
 ) -> tuple[FloatArray, IntArray]:
     """Scale and zero point covering ``[min_val, max_val]`` (elementwise; see the module docstring).
+
+    ``narrow`` (symmetric only) maps ``absmax`` to ``(qmax - qmin - 1) / 2`` (127 for int8,
+    7 for int4): the restricted ``[-127, 127]`` weight grid that ONNX Runtime, TensorRT and
+    PyTorch use for weights, where the largest weight is represented exactly instead of
+    saturating half a step, and where ``u8 x s8`` products cannot overflow int16 pairs.
 
     Returns ``(scale, zero_point)`` with the broadcast shape of the inputs: ``scale`` float32
     (finite, > 0), ``zero_point`` in the container dtype of ``dtype`` (``int8`` for int4).
@@ -184,7 +193,7 @@ def compute_qparams(
     hi = np.maximum(mx, 0.0)
     if symmetric:
         width = np.maximum(-lo, hi)
-        scale64 = width / ((qmax - qmin) / 2.0)
+        scale64 = width / ((qmax - qmin - (1 if narrow else 0)) / 2.0)
     else:
         width = hi - lo
         scale64 = width / float(qmax - qmin)
@@ -323,7 +332,10 @@ def weight_qparams(w: npt.ArrayLike, spec: QuantSpec) -> tuple[FloatArray, IntAr
     else:
         assert spec.group_size is not None  # guaranteed by QuantSpec.validate
         mn, mx = _block_reduce(arr, axis, spec.group_size)
-    return compute_qparams(mn, mx, spec.dtype, symmetric=spec.symmetric, reduce_range=spec.reduce_range)
+    return compute_qparams(
+        mn, mx, spec.dtype, symmetric=spec.symmetric, reduce_range=spec.reduce_range,
+        narrow=spec.narrow and spec.symmetric,
+    )
 
 
 def bias_scale(input_scale: npt.ArrayLike, weight_scale: npt.ArrayLike) -> FloatArray:

@@ -1,0 +1,112 @@
+"""Shared fixtures: tiny graphs built in code (no files, no downloads)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _init(name: str, arr: np.ndarray) -> onnx.TensorProto:
+    return numpy_helper.from_array(arr, name)
+
+
+def tiny_cnn(seed: int = 0, clip: bool = True) -> onnx.ModelProto:
+    """input[N,3,16,16] -> Conv3x3 -> Clip(0,6) -> depthwise Conv -> Clip -> Conv1x1 -> (+ residual)
+    -> GlobalAveragePool -> Flatten -> Gemm -> logits[N,10]  (an EfficientNet block in miniature)."""
+    rng = np.random.default_rng(seed)
+    c = 16
+    inits = [
+        _init("w0", (rng.standard_normal((c, 3, 3, 3)) * 0.3).astype(np.float32)),
+        _init("b0", (rng.standard_normal(c) * 0.1).astype(np.float32)),
+        _init("w1", (rng.standard_normal((c, 1, 3, 3)) * 0.3).astype(np.float32)),
+        _init("b1", (rng.standard_normal(c) * 0.1).astype(np.float32)),
+        _init("w2", (rng.standard_normal((c, c, 1, 1)) * 0.2).astype(np.float32)),
+        _init("b2", (rng.standard_normal(c) * 0.1).astype(np.float32)),
+        _init("fc_w", (rng.standard_normal((10, c)) * 0.3).astype(np.float32)),
+        _init("fc_b", (rng.standard_normal(10) * 0.1).astype(np.float32)),
+        _init("lo", np.array(0.0, np.float32)),
+        _init("hi", np.array(6.0, np.float32)),
+    ]
+    act = "Clip" if clip else "Relu"
+    extra = ["lo", "hi"] if clip else []
+    nodes = [
+        helper.make_node("Conv", ["input", "w0", "b0"], ["c0"], name="conv0", pads=[1, 1, 1, 1]),
+        helper.make_node(act, ["c0", *extra], ["a0"], name="act0"),
+        helper.make_node("Conv", ["a0", "w1", "b1"], ["c1"], name="dwconv", pads=[1, 1, 1, 1], group=c),
+        helper.make_node(act, ["c1", *extra], ["a1"], name="act1"),
+        helper.make_node("Conv", ["a1", "w2", "b2"], ["c2"], name="project"),
+        helper.make_node("Add", ["c2", "a0"], ["r"], name="residual"),
+        helper.make_node("GlobalAveragePool", ["r"], ["p"], name="pool"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "fc_w", "fc_b"], ["logits"], name="fc", transB=1),
+    ]
+    g = helper.make_graph(
+        nodes, "tiny_cnn",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 16, 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])], inits,
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def tiny_encoder(seed: int = 0) -> onnx.ModelProto:
+    """x[N,T,32] -> LayerNorm -> (q = x Wq + bq, k = x Wk + bk) -> scores = q k^T (activation x activation)
+    -> Softmax -> ctx = scores q -> ctx Wo + bo -> + x (residual) -> LayerNorm -> y: a transformer layer's
+    linear/attention structure in miniature."""
+    rng = np.random.default_rng(seed)
+    d = 32
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+
+    inits = [
+        _init("ln_g", np.ones(d, np.float32)), _init("ln_b", np.zeros(d, np.float32)),
+        _init("Wq", w(d, d)), _init("bq", w(d)), _init("Wk", w(d, d)), _init("bk", w(d)),
+        _init("Wo", w(d, d)), _init("bo", w(d)), _init("perm", np.array([0, 2, 1], np.int64)),
+    ]
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "ln_g", "ln_b"], ["h"], name="ln0", axis=-1),
+        helper.make_node("MatMul", ["h", "Wq"], ["q0"], name="q_proj"),
+        helper.make_node("Add", ["q0", "bq"], ["q"], name="q_bias"),
+        helper.make_node("MatMul", ["h", "Wk"], ["k0"], name="k_proj"),
+        helper.make_node("Add", ["k0", "bk"], ["k"], name="k_bias"),
+        helper.make_node("Transpose", ["k"], ["kt"], name="k_t", perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q", "kt"], ["s"], name="scores"),
+        helper.make_node("Softmax", ["s"], ["p"], name="softmax", axis=-1),
+        helper.make_node("MatMul", ["p", "q"], ["ctx"], name="context"),
+        helper.make_node("MatMul", ["ctx", "Wo"], ["o0"], name="o_proj"),
+        helper.make_node("Add", ["o0", "bo"], ["o"], name="o_bias"),
+        helper.make_node("Add", ["o", "x"], ["r"], name="residual"),
+        helper.make_node("LayerNormalization", ["r", "ln_g", "ln_b"], ["y"], name="ln1", axis=-1),
+    ]
+    g = helper.make_graph(
+        nodes, "tiny_encoder",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "T", d])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "T", d])], inits,
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def image_batches(n: int, seed: int = 1, batch: int = 4) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [{"input": rng.uniform(-1, 1, (batch, 3, 16, 16)).astype(np.float32)} for _ in range(n)]
+
+
+@pytest.fixture
+def cnn_model() -> onnx.ModelProto:
+    return tiny_cnn()
+
+
+@pytest.fixture
+def encoder_model() -> onnx.ModelProto:
+    return tiny_encoder()

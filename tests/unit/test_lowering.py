@@ -1,0 +1,164 @@
+"""INT8 QDQ lowering on tiny graphs: what is quantized, what ONNX Runtime fuses, and numerics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from quantkit.api import quantize
+from quantkit.lowering.qdq import activation_params
+from quantkit.lowering.select import TensorQuant, select
+from quantkit.recipe import load_recipe
+from tests.conftest import image_batches, tiny_cnn, tiny_encoder
+
+
+def _recipe(**quant: Any) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "name": "unit",
+        "quantization": quant,
+        "report": {"latency": {"enabled": False}},
+    }
+
+
+def _run(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feed)
+
+
+def test_cnn_uint8_fully_fused(cnn_model: onnx.ModelProto) -> None:
+    data = image_batches(8)
+    res = quantize(cnn_model, data, _recipe(), evaluation_data=image_batches(4, seed=9), progress=False)
+    k = res.census.quantized_kernels
+    # every Conv, the residual Add, the pool and the classifier run as quantized kernels
+    assert k.get("QLinearConv") == 3 and k.get("QLinearAdd") == 1
+    assert k.get("QLinearGlobalAveragePool") == 1 and k.get("QGemm") == 1
+    assert all(f.fused for f in res.census.per_layer.values()), res.census.per_layer
+    assert res.report["census"]["leftover_by_kind"]["stray"] == 0
+    assert not res.report["unfused"]
+    # both Clip(0, 6) were absorbed (their range is folded into the Conv output quantization)
+    assert res.census.op_counts.get("Clip", 0) == 0
+    # the tiny random net is not a real model; 20 dB is a loose sanity floor for 8-bit on it
+    assert res.report["fidelity"]["logits"]["sqnr_db"] > 20
+
+
+def test_symmetric_int8_activations_still_fuse_with_clip_folding(cnn_model: onnx.ModelProto) -> None:
+    """The trap from RUNTIME.md: symmetric int8 (scale 6/127) keeps Clip(0,6) and the Conv unfused.
+    quantkit folds the clip range (zero point -128, exact), so everything fuses."""
+    rec = _recipe(default={"activations": {"dtype": "int8", "symmetric": True}})
+    res = quantize(cnn_model, image_batches(4), rec, evaluate=False, progress=False)
+    assert res.census.quantized_kernels.get("QLinearConv") == 3
+    assert res.census.op_counts.get("Clip", 0) == 0
+    notes = [t.note for t in res.lowering.tensors.values() if t.note.startswith("folded")]
+    assert len(notes) == 2 and all("symmetric request overridden" in n for n in notes)
+    # int8 zero point -128 stored as uint8 zero point 0 (the same grid)
+    assert all(t.zero_point == 0 and t.dtype == "uint8" for t in res.lowering.tensors.values() if t.note.startswith("folded"))
+    assert res.report["census"]["leftover_by_kind"]["stray"] == 0
+
+
+def test_symmetric_int8_without_folding_is_reported_unfused(cnn_model: onnx.ModelProto) -> None:
+    """Pinned: with folding disabled the symmetric int8 graph is NOT fully fused, and the report says so."""
+    rec = _recipe(default={"activations": {"dtype": "int8", "symmetric": True}}, fold_clip_ranges=False)
+    rec["export"] = {"activation_storage": "as_requested"}
+    res = quantize(cnn_model, image_batches(4), rec, evaluate=False, progress=False)
+    kinds = res.report["census"]["leftover_by_kind"]
+    assert kinds["stray"] > 0
+    assert res.census.op_counts.get("Clip", 0) == 2  # the activations run in float between DQ and Q
+    assert any("stray" in w for w in res.report["warnings"])
+
+
+def test_encoder_quantizes_linear_layers_only(encoder_model: onnx.ModelProto) -> None:
+    rng = np.random.default_rng(0)
+    data = [{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)} for _ in range(4)]
+    res = quantize(encoder_model, data, _recipe(), evaluation_data=data, progress=False)
+    assert set(res.plan.layers) == {"q_proj", "k_proj", "o_proj"}
+    # activation x activation products, the residual Add and bias Adds stay float, with reasons
+    assert "weight is not a constant" in res.plan.skipped["scores"]
+    assert "not in an int8 chain" in res.plan.skipped["residual"]
+    assert res.census.quantized_kernels.get("MatMulIntegerToFloat") == 3
+    # q_proj and k_proj share their input: it is quantized once
+    assert len([t for t in res.plan.tensors.values() if t.name == "h"]) == 1
+    assert res.report["fidelity"]["y"]["mean_cosine"] > 0.99
+
+
+def test_override_keeps_layer_float(cnn_model: onnx.ModelProto) -> None:
+    rec = _recipe(overrides=[{"layer": "fc", "format": "fp32"}])
+    res = quantize(cnn_model, image_batches(2), rec, evaluate=False, progress=False)
+    assert "fc" not in res.plan.layers
+    assert res.plan.skipped["fc"].startswith("recipe keeps it fp32")
+    assert "QGemm" not in res.census.quantized_kernels
+
+
+def test_weights_stored_as_int8_and_no_float_copy(cnn_model: onnx.ModelProto) -> None:
+    res = quantize(cnn_model, image_batches(2), _recipe(), evaluate=False, progress=False)
+    proto = ir.to_proto(res.model)
+    names = {i.name: i for i in proto.graph.initializer}
+    for w in ("w0", "w1", "w2", "fc_w"):
+        assert w not in names, f"float copy of {w} left in the file"
+    ints = [i for i in proto.graph.initializer if i.data_type == onnx.TensorProto.INT8 and len(i.dims) > 1]
+    assert len(ints) == 4
+    biases = [i for i in proto.graph.initializer if i.data_type == onnx.TensorProto.INT32 and i.name.endswith("_quantized")]
+    assert len(biases) == 4  # three Conv biases and the Gemm bias as int32
+    onnx.checker.check_model(proto)
+
+
+def test_quantized_outputs_close_to_float_per_sample(cnn_model: onnx.ModelProto) -> None:
+    res = quantize(cnn_model, image_batches(8), _recipe(), evaluate=False, progress=False)
+    feed = image_batches(1, seed=42, batch=2)[0]
+    ref = _run(cnn_model, feed)[0]
+    got = _run(ir.to_proto(res.model), feed)[0]
+    np.testing.assert_allclose(got, ref, atol=0.1 * np.abs(ref).max())
+
+
+def test_clip_fold_scale_never_exceeds_clip_bound() -> None:
+    """ORT removes Clip(0, hi) only if scale * (qmax - zp) <= hi (within one float epsilon)."""
+    for hi in (6.0, 1.0, 0.1, 3.3, 1e-3):
+        for dtype in ("uint8", "int8"):
+            tq = TensorQuant("t", dtype, False, "minmax", clip=(0.0, hi))
+            p = activation_params(tq, -1.0, hi * 2)  # calibrated range wider than the clip
+            qmax = 255 if dtype == "uint8" else 127
+            upper = np.float32(p.scale) * np.float32(qmax - p.zero_point)
+            assert upper <= np.float32(hi) + np.finfo(np.float32).eps
+            assert p.zero_point == (0 if dtype == "uint8" else -128)
+
+
+def test_select_plan_is_what_calibration_observes(cnn_model: onnx.ModelProto) -> None:
+    from quantkit.prep.pipeline import prepare
+
+    model = prepare(ir.from_proto(cnn_model)).model
+    plan = select(model, load_recipe(_recipe()))
+    cal = plan.calibrated_tensors()
+    # folded activations are observed after the Clip, never the raw Conv output
+    assert "a0" in cal and "a1" in cal and "c0" not in cal and "c1" not in cal
+    # Flatten inherits the pool output's parameters: not calibrated separately
+    assert plan.tensors["f"].inherit_from == "p" and "f" not in cal
+
+
+def test_no_calibration_data_is_a_clear_error(cnn_model: onnx.ModelProto) -> None:
+    from quantkit.errors import QuantkitError
+
+    with pytest.raises(QuantkitError, match="needs calibration data"):
+        quantize(cnn_model, None, _recipe(), progress=False)
+
+
+def test_relu_graph_fuses() -> None:
+    res = quantize(tiny_cnn(clip=False), image_batches(2), _recipe(), evaluate=False, progress=False)
+    assert res.census.quantized_kernels.get("QLinearConv") == 3
+    assert res.census.op_counts.get("Relu", 0) == 0
+
+
+def test_encoder_int8_weights_asymmetric_reports_per_layer(encoder_model: onnx.ModelProto) -> None:
+    rng = np.random.default_rng(0)
+    data = [{"x": rng.standard_normal((1, 8, 32)).astype(np.float32)} for _ in range(2)]
+    rec = _recipe(default={"weights": {"dtype": "int8", "symmetric": False}})
+    res = quantize(tiny_encoder(), data, rec, evaluation_data=data, progress=False)
+    rows = {r["layer"]: r for r in res.report["layers"]}
+    assert rows["q_proj"]["weights"]["symmetric"] is False
+    assert rows["q_proj"]["kernel"] == "MatMulIntegerToFloat" and rows["q_proj"]["fused"] is True
+    assert rows["q_proj"]["output_sqnr_db"] is not None
