@@ -178,10 +178,8 @@ def quantize(
     # calibration: one streaming pass (chunked if many tensors) over the data
     t = time.perf_counter()
     rss0 = _rss_mb()
-    factories = {
-        name: (lambda cls=get_calibrator(tq.calibrator), opts=dict(rec.calibration.calibrator_options): cls(**opts))
-        for name, tq in plan.calibrated_tensors().items()
-    }
+    options = dict(rec.calibration.calibrator_options)
+    factories = {name: _factory(tq.calibrator, options) for name, tq in plan.calibrated_tensors().items()}
     float_proto = ir.to_proto(float_model)
     stats = collect_statistics(
         float_proto, cal, factories, batch_size=rec.calibration.batch_size,
@@ -233,6 +231,11 @@ def quantize(
         timings=timings, calibration_samples=len(cal), evaluation_samples=len(ev) if ev is not None else 0,
     )
     return QuantizeResult(qmodel, float_model, plan, lowering, cen, report, rec, timings)
+
+
+def _factory(calibrator: str, options: dict[str, Any]) -> Any:
+    cls = get_calibrator(calibrator)
+    return lambda: cls(**options)
 
 
 def _first_feed(ds: Dataset, batch_size: int) -> dict[str, np.ndarray]:

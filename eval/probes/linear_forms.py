@@ -27,6 +27,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+ort.set_default_logger_severity(3)  # silence "initializer appears in graph inputs" / NCHWc serialisation warnings
+
 OPSET = 17
 F32 = TensorProto.FLOAT
 
@@ -170,12 +172,17 @@ def linear(form: str, g: G, sh: Shared, x: str, L: QLinear, M: int) -> str:
         bq, sb, _ = L.bias_i32()
         bd = g.node("DequantizeLinear", [g.const(bq, "bq"), g.const(sb, "s_b"), g.const(np.zeros(N, np.int32), "zp_b")], axis=0)
         y2 = g.node("Gemm", [xd, wd, bd])
-        return g.node("Reshape", [y2, g.const(np.array([1, -1, N], np.int64), "shp")])
+        if ("shape3", x) not in sh.q:  # original [B, S] taken from x at runtime (dynamic dims)
+            sh.q[("shape3", x)] = g.node("Concat", [g.node("Slice", [g.node("Shape", [x]), g.const(np.array([0], np.int64), "st"),
+                                                                 g.const(np.array([2], np.int64), "en")]),
+                                                  g.const(np.array([-1], np.int64), "m1")], axis=0)
+        return g.node("Reshape", [y2, sh.q[("shape3", x)]])
 
     if form.startswith("mmi"):
         # QuantizeLinear -> MatMulInteger -> Cast -> Mul(scale) [-> Add(bias)]
         # flags in the name: _const (scale product folded into one [N] constant), _nozpw (no B zero point),
-        # _nobias, _ovr (s_x/s_w as overridable initializers = graph inputs), _swap (Mul inputs swapped)
+        # _nobias, _ovr (s_x/s_w as overridable initializers = graph inputs), _swapmul (Mul(scale, cast)),
+        # _swapsc (Mul(s_w, s_x)), _biasfirst (Add(b, y))
         xq, s, zp = q_input(g, sh, x, L)
         ins = [xq, g.const(L.Wq, "Wq"), zp]
         if "_nozpw" not in form:
@@ -186,11 +193,12 @@ def linear(form: str, g: G, sh: Shared, x: str, L: QLinear, M: int) -> str:
         else:
             ovr = "_ovr" in form
             sx = g.const(np.float32(L.s_x), "s_x_sc", overridable=ovr)
-            sc = g.node("Mul", [sx, g.const(L.s_w, "s_w", overridable=ovr)])
-        y = g.node("Mul", [sc, c] if "_swap" in form else [c, sc])
+            sw = g.const(L.s_w, "s_w", overridable=ovr)
+            sc = g.node("Mul", [sw, sx] if "_swapsc" in form else [sx, sw])
+        y = g.node("Mul", [sc, c] if "_swapmul" in form else [c, sc])
         if "_nobias" in form:
             return y
-        return g.node("Add", [y, g.const(L.b, "b")])
+        return g.node("Add", [g.const(L.b, "b"), y] if "_biasfirst" in form else [y, g.const(L.b, "b")])
 
     if form == "contrib_mitf":  # explicit com.microsoft.MatMulIntegerToFloat with bias
         xq, s, zp = q_input(g, sh, x, L)
@@ -215,8 +223,9 @@ def np_gelu(x):
 
 
 class Scenario:
-    def __init__(self, name: str, kind: str, M: int, shapes: list[tuple[int, int]], seed: int = 0):
-        self.name, self.kind, self.M = name, kind, M
+    def __init__(self, name: str, kind: str, M: int, shapes: list[tuple[int, int]], seed: int = 0,
+                 symbolic: bool = True):
+        self.name, self.kind, self.M, self.symbolic = name, kind, M, symbolic
         rng = np.random.default_rng(seed)
         self.K0 = shapes[0][0]
         self.x = rng.standard_normal((1, M, self.K0)).astype(np.float32)
@@ -231,7 +240,8 @@ class Scenario:
 
     def build(self, form: str) -> onnx.ModelProto:
         g, sh = G(), Shared()
-        xin = helper.make_tensor_value_info("x", F32, [1, self.M, self.K0])
+        B, S = ("batch", "seq") if self.symbolic else (1, self.M)
+        xin = helper.make_tensor_value_info("x", F32, [B, S, self.K0])
         if self.kind == "single":
             ys = [linear(form, g, sh, "x", self.layers[0], self.M)]
         elif self.kind == "qkv":
@@ -243,15 +253,15 @@ class Scenario:
             ys = [g.node("LayerNormalization", [r, g.const(self.gamma, "gamma"), g.const(self.beta, "beta")],
                          axis=-1, epsilon=1e-5)]
         if self.kind == "ffn":
-            shapes = [[1, self.M, self.K0]]
+            shapes = [[B, S, self.K0]]
         else:
-            shapes = [[1, self.M, L.N] for L in self.layers]
+            shapes = [[B, S, L.N] for L in self.layers]
         out_vi = [helper.make_tensor_value_info(y, F32, sh_) for y, sh_ in zip(ys, shapes)]
         return g.model([xin], out_vi)
 
     def reference(self, form: str) -> list[np.ndarray]:
         """Float64 reference of the intended integer math for `form` (fp32/dyn: plain float math)."""
-        static = form not in ("fp32", "dyn")
+        static = form not in ("fp32", "dyn", "qdyn_real")
 
         def lin(L, x):
             if not static:
@@ -295,7 +305,8 @@ def fmt_hist(h: collections.Counter) -> str:
 FORMS = [
     # (label, form, disable ConstantFolding at session level)
     ("fp32 MatMul+Add", "fp32", False),
-    ("dynamic (quantize_dynamic pattern)", "dyn", False),
+    ("quantize_dynamic() output", "qdyn_real", False),
+    ("dynamic pattern by hand (shared DQL)", "dyn", False),
     ("1 QDQ MatMul + Add (baseline)", "qdq", False),
     ("2a Q>MMI>Cast>Mul(Mul(s_x,s_w))>Add", "mmi", False),
     ("2b  ... scale product as [N] const", "mmi_const", False),
@@ -303,6 +314,10 @@ FORMS = [
     ("2d  ... Mul node, no zp_w", "mmi_nozpw", False),
     ("2e  ... Mul node, s_x/s_w overridable init", "mmi_ovr", False),
     ("2f  ... Mul node, ConstantFolding disabled", "mmi", True),
+    ("2g  ... ovr, Mul(scale, cast)", "mmi_ovr_swapmul", False),
+    ("2h  ... ovr, Mul(s_w, s_x)", "mmi_ovr_swapsc", False),
+    ("2i  ... ovr, Add(b, y)", "mmi_ovr_biasfirst", False),
+    ("2j  ... ovr, no zp_w", "mmi_ovr_nozpw", False),
     ("3 Reshape>QDQ Gemm(DQ int32 bias)>Reshape", "qdq_gemm", False),
     ("X contrib MatMulIntegerToFloat(+bias)", "contrib_mitf", False),
 ]
@@ -315,7 +330,15 @@ def run_scenario(sc: Scenario, runs: int, tmp: str, forms=FORMS) -> list[dict]:
         tag = f"{sc.name}_{form}_{int(dcf)}".replace(",", "_").replace(" ", "")
         row = {"scenario": sc.name, "label": label, "form": form, "dcf": dcf}
         try:
-            sess, hist = make_session(sc.build(form), tmp, tag, dcf)
+            if form == "qdyn_real":
+                from onnxruntime.quantization import QuantType, quantize_dynamic
+                src, dst = os.path.join(tmp, tag + ".f32.onnx"), os.path.join(tmp, tag + ".qd.onnx")
+                onnx.save(sc.build("fp32"), src)
+                quantize_dynamic(src, dst, per_channel=True, weight_type=QuantType.QInt8)
+                model = onnx.load(dst)
+            else:
+                model = sc.build(form)
+            sess, hist = make_session(model, tmp, tag, dcf)
         except Exception as e:  # noqa: BLE001
             row.update(error=str(e).splitlines()[0][:120])
             rows.append(row)
@@ -357,7 +380,7 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['label']:44s} ERROR: {r['error']}")
             continue
         rel_b = f"{r['ms'] / base:6.2f}x" if base else "   -  "
-        note = " (vs fp32 math)" if r["form"] in ("fp32", "dyn") else ""
+        note = " (err vs fp32 math)" if r["form"] in ("fp32", "dyn", "qdyn_real") else ""
         print(f"{r['label']:44s} {r['ms']:8.3f} {r['p10']:8.3f} {rel_b:>7s} {r['err']:9.2e} {r['rel']:8.1e}  {fmt_hist(r['hist'])}{note}")
 
 
@@ -365,17 +388,26 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--quick", action="store_true", help="only M=128 (384,1536) single + qkv + ffn")
+    ap.add_argument("--static-shapes", choices=["no", "some", "only"], default="some",
+                    help="x is [batch, seq, K] (symbolic, like an exported MiniLM) by default; 'some' adds static-shape "
+                         "copies of single M=128 (384,1536) and the FFN chain; 'only' makes every scenario static")
     a = ap.parse_args()
     print(f"onnxruntime {ort.__version__}  onnx {onnx.__version__}  numpy {np.__version__}  threads=2  runs={a.runs}")
+    sym = a.static_shapes != "only"
+    tag = "[batch,seq,K]" if sym else "static [1,M,K]"
     scen = []
     for M in (128, 1):
         for K, N in ((384, 384), (384, 1536), (1536, 384)):
             if a.quick and (M != 128 or (K, N) != (384, 1536)):
                 continue
-            scen.append(Scenario(f"single M={M} K={K} N={N}", "single", M, [(K, N)]))
+            scen.append(Scenario(f"single M={M} K={K} N={N} x {tag}", "single", M, [(K, N)], symbolic=sym))
     for M in ((128,) if a.quick else (128, 1)):
-        scen.append(Scenario(f"QKV shared input M={M} 3x(384,384)", "qkv", M, [(384, 384)] * 3))
-        scen.append(Scenario(f"FFN chain M={M} L1(384,1536)>GELU>L2(1536,384)>+x>LN", "ffn", M, [(384, 1536), (1536, 384)]))
+        scen.append(Scenario(f"QKV shared input M={M} 3x(384,384) x {tag}", "qkv", M, [(384, 384)] * 3, symbolic=sym))
+        scen.append(Scenario(f"FFN chain M={M} L1(384,1536)>GELU>L2(1536,384)>+x>LN x {tag}", "ffn", M,
+                             [(384, 1536), (1536, 384)], symbolic=sym))
+    if a.static_shapes == "some":
+        scen.append(Scenario("single M=128 K=384 N=1536 x static [1,128,384]", "single", 128, [(384, 1536)], symbolic=False))
+        scen.append(Scenario("FFN chain M=128 x static [1,128,384]", "ffn", 128, [(384, 1536), (1536, 384)], symbolic=False))
     all_rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for sc in scen:

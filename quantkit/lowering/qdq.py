@@ -200,9 +200,10 @@ def lower_int8(
 
     # 2. activation Q / DQ
     for name, tp in result.tensors.items():
-        v = values.get(name)
-        if v is None:
+        found = values.get(name)
+        if found is None:
             raise CalibrationError(f"planned tensor {name!r} is not in the graph")
+        v = found
         it = int_type(tp.dtype)
         scale_v = const(f"{name}_scale", np.array(tp.scale, dtype=np.float32))
         zp_v = const(f"{name}_zero_point", np.array(tp.zero_point, dtype=it.numpy_dtype))
@@ -295,11 +296,11 @@ def lower_int8(
         if spec_w.bias_input is not None and len(node.inputs) > spec_w.bias_input:
             b_val = node.inputs[spec_w.bias_input]
             b = constant_array(b_val)
-            tp = result.tensors.get(act_inputs.get(node.name or "", ""))
-            if b is not None and b_val is not None and tp is not None:
+            x_params = result.tensors.get(act_inputs.get(node.name or "", ""))
+            if b is not None and b_val is not None and x_params is not None:
                 ws = w_scale_arr if w_scale_arr.ndim == 1 else np.full(b.shape, w_scale_arr, np.float32)
-                b_scale = (np.float32(tp.scale) * ws).astype(np.float32)
-                bq = bias_int32(b, np.float32(tp.scale), ws)
+                b_scale = (np.float32(x_params.scale) * ws).astype(np.float32)
+                bq = bias_int32(b, np.float32(x_params.scale), ws)
                 bq_v = const(f"{b_val.name or node.name}_quantized", bq)
                 bs_v = const(f"{b_val.name or node.name}_scale", np.asarray(b_scale, np.float32))
                 bz_v = const(f"{b_val.name or node.name}_zero_point", np.zeros(bq.shape, np.int32))

@@ -187,7 +187,7 @@ def select(model: ir.Model, recipe: RecipeModel) -> QuantPlan:
     changed = True
     while changed:
         changed = False
-        for name, lp in list(plan.layers.items()):
+        for name in list(plan.layers):
             node = nodes[name]
             if node.op_type not in GLUE and node.op_type not in PASSTHROUGH:
                 continue

@@ -146,7 +146,7 @@ class ExportSection(_Strict):
 
 
 class ReportSection(_Strict):
-    formats: list[Literal["json", "md", "html"]] = Field(default_factory=lambda: ["json", "md"])
+    formats: list[Literal["json", "md", "html"]] = Field(default_factory=lambda: ["json", "md"])  # type: ignore[arg-type]
     latency: LatencySection = LatencySection()
 
 

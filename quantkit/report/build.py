@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -164,18 +165,20 @@ def classify_leftovers(census: Census) -> list[tuple[str, str]]:
     """Each leftover Q/DQ of the census with its kind:
 
     * ``boundary``: quantizes a graph input or dequantizes a graph output (expected);
-    * ``feeds_fused_kernel``: a ``QuantizeLinear`` whose every consumer is a quantized kernel -
-      the one quantization of an activation that a float op produced (expected, needed);
+    * ``feeds_fused_kernel``: a ``QuantizeLinear`` whose every consumer is a quantized kernel or
+      int8 data movement (ORT's QDQ propagation moves a Q above Transpose/Reshape) - the one
+      quantization of an activation that a float op produced (expected, needed);
     * ``stray``: anything else - a float<->int8 round trip that buys nothing.
     """
     from quantkit.lowering.verify import QUANTIZED_KERNELS
 
+    ok = QUANTIZED_KERNELS | PASSTHROUGH
     out = []
     for item in census.leftovers:
         if item.at_graph_input or item.at_graph_output:
             kind = "boundary"
         elif item.op_type.endswith("QuantizeLinear") and not item.op_type.endswith("DequantizeLinear") and (
-            item.consumers and all(c.split(" ", 1)[0].split(".")[-1] in QUANTIZED_KERNELS for c in item.consumers)
+            item.consumers and all(c.split(" ", 1)[0].split(".")[-1] in ok for c in item.consumers)
         ):
             kind = "feeds_fused_kernel"
         else:
@@ -305,7 +308,7 @@ def atomic_write_text(path: Path, text: str) -> Path:
     return path
 
 
-def write_report(rep: dict[str, Any], directory: Path, formats: list[str]) -> dict[str, Path]:
+def write_report(rep: dict[str, Any], directory: Path, formats: Sequence[str]) -> dict[str, Path]:
     """Write the report in each requested format; returns format -> path."""
     out: dict[str, Path] = {}
     if "json" in formats:
