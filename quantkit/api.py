@@ -191,7 +191,8 @@ def quantize(
 
     t = time.perf_counter()
     qmodel = _clone(float_model)
-    lowering = lower_int8(qmodel, plan, ranges, activation_storage=rec.export.activation_storage)
+    lowering = lower_int8(qmodel, plan, ranges, activation_storage=rec.export.activation_storage,
+                          matmul_form=rec.export.matmul_form)
     qproto = ir.to_proto(qmodel)
     try:
         onnx.checker.check_model(qproto, full_check=False)
@@ -302,6 +303,9 @@ def layer_sqnr(
         nxt = users.get(out, [])
         if len(nxt) == 1 and nxt[0].op_type in ("Relu", "Clip") and nxt[0].output[0] in plan.tensors:
             out = nxt[0].output[0]
+        nxt = users.get(out, [])
+        if out not in q_values and len(nxt) == 1 and nxt[0].op_type == "Add":
+            out = nxt[0].output[0]  # bias folded into the fused kernel: compare after the bias
         if out in q_values:
             names[n.name] = out
     if not names:

@@ -143,6 +143,11 @@ class ExportSection(_Strict):
         description="store int8-grid activations as uint8 (zero point + 128, bit-identical) - what ONNX "
         "Runtime's CPU kernels compute in; 'as_requested' keeps int8 Q/DQ for other execution providers",
     )
+    matmul_form: Literal["fused", "qdq"] = Field(
+        "fused",
+        description="float-output MatMul layers as one com.microsoft.MatMulIntegerToFloat with the bias "
+        "folded in ('fused', ONNX Runtime) or as standard DQ -> MatMul -> Add ('qdq', any runtime)",
+    )
 
 
 class ReportSection(_Strict):

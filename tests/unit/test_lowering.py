@@ -162,3 +162,21 @@ def test_encoder_int8_weights_asymmetric_reports_per_layer(encoder_model: onnx.M
     assert rows["q_proj"]["weights"]["symmetric"] is False
     assert rows["q_proj"]["kernel"] == "MatMulIntegerToFloat" and rows["q_proj"]["fused"] is True
     assert rows["q_proj"]["output_sqnr_db"] is not None
+
+
+def test_fused_linear_absorbs_bias_and_matches_qdq_form(encoder_model: onnx.ModelProto) -> None:
+    rng = np.random.default_rng(0)
+    data = [{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)} for _ in range(4)]
+    fused = quantize(encoder_model, data, _recipe(), evaluate=False, progress=False)
+    rec = _recipe()
+    rec["export"] = {"matmul_form": "qdq"}
+    qdq = quantize(encoder_model, data, rec, evaluate=False, progress=False)
+    fp = ir.to_proto(fused.model)
+    ops = [n.op_type for n in fp.graph.node]
+    assert ops.count("MatMulIntegerToFloat") == 3 and "q_bias" not in {n.name for n in fp.graph.node}
+    assert not any(n.op_type == "MatMul" and n.name.endswith("proj") for n in fp.graph.node)
+    qp = ir.to_proto(qdq.model)
+    assert [n.op_type for n in qp.graph.node].count("MatMulIntegerToFloat") == 0
+    feed = {"x": rng.standard_normal((1, 8, 32)).astype(np.float32)}
+    # the same integer arithmetic in two forms: equal up to float summation order
+    np.testing.assert_allclose(_run(fp, feed)[0], _run(qp, feed)[0], atol=1e-4)
