@@ -180,3 +180,27 @@ def test_fused_linear_absorbs_bias_and_matches_qdq_form(encoder_model: onnx.Mode
     feed = {"x": rng.standard_normal((1, 8, 32)).astype(np.float32)}
     # the same integer arithmetic in two forms: equal up to float summation order
     np.testing.assert_allclose(_run(fp, feed)[0], _run(qp, feed)[0], atol=1e-4)
+
+
+COMBOS = [(a, s, w, ws) for a, s in (("uint8", False), ("int8", True), ("int8", False))
+          for w, ws in (("int8", True), ("int8", False), ("uint8", False))]
+
+
+@pytest.mark.parametrize(("act", "act_sym", "w", "w_sym"), COMBOS)
+def test_every_type_combination_fuses_or_is_reported(act: str, act_sym: bool, w: str, w_sym: bool) -> None:
+    """Every activation/weight combination a recipe may ask for: with the default storage the CNN and
+    the encoder fuse completely; keeping int8 Q/DQ as requested leaves layers unfused, and then the
+    report names each one (pinned: symmetric int8 / int8)."""
+    quant = {"default": {"activations": {"dtype": act, "symmetric": act_sym}, "weights": {"dtype": w, "symmetric": w_sym}}}
+    res = quantize(tiny_cnn(), image_batches(2), _recipe(**quant), evaluate=False, progress=False)
+    assert not res.report["unfused"] and res.report["census"]["leftover_by_kind"]["stray"] == 0
+    assert res.census.quantized_kernels.get("QLinearConv") == 3
+    rec = _recipe(**quant)
+    rec["export"] = {"activation_storage": "as_requested"}
+    res = quantize(tiny_cnn(), image_batches(2), rec, evaluate=False, progress=False)
+    if act == "uint8":
+        assert not res.report["unfused"]
+    else:
+        unfused = {u["layer"] for u in res.report["unfused"]}
+        assert unfused and all(res.census.per_layer[name].fused is False for name in unfused)
+        assert any("NOT fused" in w for w in res.report["warnings"])
