@@ -1,9 +1,27 @@
 """Built-in calibrators, one per file; importing this package registers them.
 
-Each module imports only :mod:`quantkit.calibrate.base` (never ``quantkit.calibrate``'s
-other modules), so ``import calibrators`` and ``import quantkit.calibrate`` work in either order.
+* ``minmax`` — running (or moving-average) min / max, per-tensor or per-channel;
+* ``percentile`` — clip at a percentile of the histogram;
+* ``mse`` — the range with the least expected quantize-dequantize squared error;
+* ``entropy`` — the KL-divergence threshold (TensorRT).
+
+The last three are per-tensor and work from :class:`quantkit.calibrate.stats.TensorStatistics`;
+every built-in offers ``from_statistics(stats, **options)`` so one cached pass over the data
+serves them all.  Each module imports only :mod:`quantkit.calibrate.base` and the leaf modules
+``quantkit.calibrate.histogram`` / ``quantkit.calibrate.stats`` (never ``quantkit.calibrate.collect``),
+so ``import calibrators`` and ``import quantkit.calibrate`` work in either order.
 """
 
+from calibrators._common import HistogramCalibrator
+from calibrators.entropy import EntropyCalibrator
 from calibrators.minmax import MinMaxCalibrator
+from calibrators.mse import MSECalibrator
+from calibrators.percentile import PercentileCalibrator
 
-__all__ = ["MinMaxCalibrator"]
+__all__ = [
+    "EntropyCalibrator",
+    "HistogramCalibrator",
+    "MSECalibrator",
+    "MinMaxCalibrator",
+    "PercentileCalibrator",
+]

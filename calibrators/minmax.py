@@ -13,15 +13,23 @@ Per batch ``b`` (reducing over every axis except ``axis``, if set)::
 Non-finite values (NaN, ±inf) are ignored and counted (``state()["nonfinite"]``): one
 overflowing activation would otherwise make every scale of the tensor infinite.  A
 channel that never saw a finite value gets the range ``[0, 0]``.  Memory is O(C).
+
+``dtype`` / ``symmetric`` (the grid the range is for) are accepted like every calibrator's and
+validated, but do not change a min-max range.  :meth:`MinMaxCalibrator.from_statistics` builds
+the per-tensor, momentum-free calibrator from collected
+:class:`~quantkit.calibrate.stats.TensorStatistics` (its exact ``min`` / ``max``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
 
+from calibrators._common import check_grid
 from quantkit.calibrate.base import register_calibrator
+from quantkit.calibrate.stats import TensorStatistics
 from quantkit.errors import CalibrationError, RecipeError
 
 __all__ = ["MinMaxCalibrator"]
@@ -33,7 +41,17 @@ class MinMaxCalibrator:
 
     name: ClassVar[str] = "minmax"
 
-    def __init__(self, *, axis: int | None = None, momentum: float | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        axis: int | None = None,
+        dtype: str = "uint8",
+        symmetric: bool = False,
+        momentum: float | None = None,
+    ) -> None:
+        check_grid("minmax", dtype, symmetric)
+        self.dtype = dtype
+        self.symmetric = symmetric
         if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
             raise RecipeError(f"minmax calibrator: axis={axis!r} must be an integer or null")
         if momentum is not None and (
@@ -48,6 +66,35 @@ class MinMaxCalibrator:
         self._max: np.ndarray | None = None
         self._batches = 0
         self._nonfinite = 0
+
+    @classmethod
+    def from_statistics(cls, stats: TensorStatistics, **options: Any) -> MinMaxCalibrator:
+        """A per-tensor calibrator whose range is ``[stats.min, stats.max]`` (``options`` as for ``__init__``).
+
+        ``axis`` and ``momentum`` are refused (:class:`RecipeError`): the statistics are per-tensor
+        and do not keep the per-batch extremes a moving average needs.
+        """
+        cal = cls(**options)
+        for option, value in (("axis", cal.axis), ("momentum", cal.momentum)):
+            if value is not None:
+                raise RecipeError(
+                    f"minmax calibrator: {option}={value!r} cannot be computed from collected per-tensor "
+                    f"statistics; allowed: null"
+                )
+        if stats.count or stats.nonfinite:
+            # +inf / -inf when only non-finite values were seen -> compute_range gives [0, 0], as update does
+            cal._min = np.asarray(stats.min, np.float64)
+            cal._max = np.asarray(stats.max, np.float64)
+        cal._batches = stats.batches
+        cal._nonfinite = stats.nonfinite
+        return cal
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any], **options: Any) -> MinMaxCalibrator:
+        """A calibrator (constructed with ``options``) restored from :meth:`state`."""
+        cal = cls(**options)
+        cal.load_state(dict(state))
+        return cal
 
     def _reduce_axes(self, x: np.ndarray) -> tuple[int, ...] | None:
         if self.axis is None:

@@ -67,18 +67,26 @@ def worker(method: str, recipe_path: str, n_cal: int | None, out_dir: str) -> No
     if method == "fp32":
         ir.save(fmodel, float_path)
         info = {"wall_s": 0.0}
-    elif method == "quantkit":
+    elif method.startswith("quantkit"):
+        # quantkit[:calibrator][+bc]  (bc = bias correction); the statistics cache is off so that
+        # every calibrator pays for its own pass, like ONNX Runtime's do.
         from quantkit.api import quantize
+        from quantkit.recipe import load_recipe
 
-        t = time.perf_counter()
-        spec = rec.calibration.data.model_dump()
+        name, _, calib = method.partition(":")
+        calib, bc = (calib[:-3], True) if calib.endswith("+bc") else (calib, False)
+        d = rec.model_dump(mode="json")
         if n_cal:
-            spec["count"] = n_cal
-        rec2 = rec.model_copy(update={"calibration": rec.calibration.model_copy(update={"data": type(rec.calibration.data)(**spec)})})
-        res = quantize(None, None, rec2, progress=False, measure_latency=False, evaluate=False)
+            d["calibration"]["data"]["count"] = n_cal
+        if calib:
+            d["calibration"]["calibrator"] = calib
+        d["quantization"]["bias_correction"] = bc
+        t = time.perf_counter()
+        res = quantize(None, None, load_recipe(d), progress=False, measure_latency=False, evaluate=False,
+                       use_cache=False)
         wall = time.perf_counter() - t
-        res.save(out / "quantkit", report=True)
-        info = {"wall_s": wall, "quantized_layers": len(res.plan.layers)}
+        res.save(out / _slug(method), report=True)
+        info = {"wall_s": wall, "calibrate_s": res.timings["calibrate_s"], "quantized_layers": len(res.plan.layers)}
     else:
         from onnxruntime.quantization import (
             CalibrationDataReader,
@@ -99,25 +107,37 @@ def worker(method: str, recipe_path: str, n_cal: int | None, out_dir: str) -> No
                 return next(self.it, None)
 
         t = time.perf_counter()
-        target = out / f"{method}.onnx"
+        target = out / f"{_slug(method)}.onnx"
+        base, _, cm = method.partition(":")
+        calibrate_method = getattr(CalibrationMethod, cm or "MinMax")
         with tempfile.TemporaryDirectory() as tmp:
             os.chdir(tmp)  # ORT's calibrator writes augmented models into the working directory
-            if method == "ort_static_u8":
+            if base == "ort_static_u8":
                 quantize_static(str(float_path), str(target), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                                 activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                                calibrate_method=CalibrationMethod.MinMax)
-            elif method == "ort_static_s8":
+                                calibrate_method=calibrate_method)
+            elif base == "ort_static_s8":
                 quantize_static(str(float_path), str(target), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                                 activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
                                 calibrate_method=CalibrationMethod.MinMax,
                                 extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
-            elif method == "ort_dynamic":
+            elif base == "ort_dynamic":
                 quantize_dynamic(str(float_path), str(target), per_channel=True, weight_type=QuantType.QInt8)
             else:
                 raise SystemExit(f"unknown method {method}")
         info = {"wall_s": time.perf_counter() - t}
     info["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    (out / f"{method}.json").write_text(json.dumps(info))
+    (out / f"{_slug(method)}.json").write_text(json.dumps(info))
+
+
+def _slug(method: str) -> str:
+    return method.replace(":", "_").replace("+", "_")
+
+
+def model_path(method: str, out_dir: Path) -> Path:
+    if method.startswith("quantkit"):
+        return out_dir / _slug(method) / "model.onnx"
+    return out_dir / f"{_slug(method)}.onnx"
 
 
 def run_worker(method: str, recipe_path: str, n_cal: int | None, out_dir: Path) -> dict[str, Any]:
@@ -125,7 +145,7 @@ def run_worker(method: str, recipe_path: str, n_cal: int | None, out_dir: Path) 
     if n_cal:
         cmd += ["--calib", str(n_cal)]
     subprocess.run(cmd, check=True, cwd=ROOT)
-    return json.loads((out_dir / f"{method}.json").read_text())
+    return json.loads((out_dir / f"{_slug(method)}.json").read_text())
 
 
 def main() -> None:
@@ -163,12 +183,13 @@ def main() -> None:
         for m in methods:
             print(f"[bench] quantizing with {m} ...", flush=True)
             results[m] = run_worker(m, recipe_path, args.calib, tmp)
-            paths[m] = tmp / "quantkit" / "model.onnx" if m == "quantkit" else tmp / f"{m}.onnx"
+            paths[m] = model_path(m, tmp)
         if args.rss_scaling:
             n2 = 2 * len(cal)
-            print(f"[bench] quantkit with {n2} calibration samples ...", flush=True)
             (tmp / "x2").mkdir()
-            results["quantkit_2x_calib"] = run_worker("quantkit", recipe_path, n2, tmp / "x2")
+            for m in [m for m in methods if m.startswith("quantkit")]:
+                print(f"[bench] {m} with {n2} calibration samples ...", flush=True)
+                results[f"{m} (2x calib)"] = run_worker(m, recipe_path, n2, tmp / "x2")
         fbytes = paths["fp32"].read_bytes()
         results["fp32"] = {"wall_s": 0.0}
         for m, p in paths.items():
@@ -195,7 +216,7 @@ def main() -> None:
     print()
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     print()
-    hdr = f"{'method':<20}{'quant s':>9}{'peak RSS MB':>13}{'size MB':>9}{'lat ms':>9}{'p90 ms':>9}{'x FP32':>8}  fidelity / kernels"
+    hdr = f"{'method':<28}{'quant s':>9}{'peak RSS MB':>13}{'size MB':>9}{'lat ms':>9}{'p90 ms':>9}{'x FP32':>8}  fidelity / kernels"
     print(hdr)
     print("-" * len(hdr))
     for m, r in results.items():
@@ -205,7 +226,7 @@ def main() -> None:
             for d in fid.values()
         )
         extra = f" | {r.get('kernels', '')} leftover Q/DQ={r.get('leftover_q', '-')}/{r.get('leftover_dq', '-')}" if m != "fp32" else ""
-        print(f"{m:<20}{r.get('wall_s', 0):>9.2f}{r.get('peak_rss_mb', 0):>13.0f}{r.get('size_bytes', 0) / 2**20:>9.2f}"
+        print(f"{m:<28}{r.get('wall_s', 0):>9.2f}{r.get('peak_rss_mb', 0):>13.0f}{r.get('size_bytes', 0) / 2**20:>9.2f}"
               f"{r.get('latency_ms', float('nan')):>9.3f}{r.get('latency_p90_ms', float('nan')):>9.3f}"
               f"{r.get('speedup_vs_fp32', float('nan')):>8.2f}  {fs}{extra}")
     if args.out:

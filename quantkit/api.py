@@ -9,6 +9,7 @@ Pipeline (each stage in its own package)::
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -120,6 +121,7 @@ def quantize(
     progress: bool = True,
     measure_latency: bool | None = None,
     evaluate: bool = True,
+    use_cache: bool = True,
 ) -> QuantizeResult:
     """Quantize ``model`` with ``calibration_data`` as ``recipe`` says.
 
@@ -135,6 +137,7 @@ def quantize(
     defaults (INT8 per-channel symmetric weights, uint8 asymmetric activations, min-max),
     in which case ``model`` and ``calibration_data`` are required.
 
+    ``use_cache=False`` ignores the statistics cache (``calibration.cache`` in the recipe too).
     ``evaluate=False`` skips the fidelity evaluation; ``measure_latency`` overrides the
     recipe's ``report.latency.enabled``.
     """
@@ -175,24 +178,21 @@ def quantize(
     plan = select(float_model, rec)
     log.info("quantizing %d layers, %d activation tensors", len(plan.layers), len(plan.tensors))
 
-    # calibration: one streaming pass (chunked if many tensors) over the data
+    # calibration: one streaming pass (chunked if many tensors) over the data, or none if cached
     t = time.perf_counter()
     rss0 = _rss_mb()
-    options = dict(rec.calibration.calibrator_options)
-    factories = {name: _factory(tq.calibrator, options) for name, tq in plan.calibrated_tensors().items()}
     float_proto = ir.to_proto(float_model)
-    stats = collect_statistics(
-        float_proto, cal, factories, batch_size=rec.calibration.batch_size,
-        max_batch_output_bytes=rec.calibration.max_batch_output_bytes, progress=progress,
+    float_bytes = float_proto.SerializeToString()
+    ranges, input_means, cal_info = calibrate_ranges(
+        float_model, float_proto, float_bytes, plan, cal, rec, progress=progress, use_cache=use_cache
     )
-    ranges = {name: c.compute_range() for name, c in stats.items()}
     timings["calibrate_s"] = time.perf_counter() - t
     timings["calibrate_peak_rss_mb"] = max(_rss_mb(), rss0)
 
     t = time.perf_counter()
     qmodel = _clone(float_model)
     lowering = lower_int8(qmodel, plan, ranges, activation_storage=rec.export.activation_storage,
-                          matmul_form=rec.export.matmul_form)
+                          matmul_form=rec.export.matmul_form, input_means=input_means)
     qproto = ir.to_proto(qmodel)
     try:
         onnx.checker.check_model(qproto, full_check=False)
@@ -212,7 +212,6 @@ def quantize(
     fidelity: dict[str, Any] = {}
     per_layer_sqnr: dict[str, float] = {}
     latency: dict[str, Any] = {}
-    float_bytes = float_proto.SerializeToString()
     q_bytes = qproto.SerializeToString()
     if ev is not None:
         t = time.perf_counter()
@@ -229,14 +228,85 @@ def quantize(
     report = build_report(
         recipe=rec, source=loaded.source, float_proto=float_proto, quant_proto=qproto, plan=plan,
         lowering=lowering, census=cen, fidelity=fidelity, per_layer_sqnr=per_layer_sqnr, latency=latency,
-        timings=timings, calibration_samples=len(cal), evaluation_samples=len(ev) if ev is not None else 0,
+        timings=timings, calibration=cal_info, calibration_samples=len(cal), evaluation_samples=len(ev) if ev is not None else 0,
     )
     return QuantizeResult(qmodel, float_model, plan, lowering, cen, report, rec, timings)
 
 
-def _factory(calibrator: str, options: dict[str, Any]) -> Any:
-    cls = get_calibrator(calibrator)
-    return lambda: cls(**options)
+def calibrate_ranges(
+    float_model: ir.Model,
+    float_proto: onnx.ModelProto,
+    float_bytes: bytes,
+    plan: QuantPlan,
+    cal: Dataset,
+    rec: RecipeModel,
+    *,
+    progress: bool,
+    use_cache: bool,
+) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, np.ndarray] | None, dict[str, Any]]:
+    """Ranges of every planned tensor (+ per-channel input means for bias correction).
+
+    Calibrators that can work from collected statistics (``from_statistics``: all built-ins)
+    share one cached pass; others stream in a pass of their own.
+    """
+    from quantkit.algorithms.bias_correction import ChannelMean
+    from quantkit.calibrate.cache import StatsCache, cache_key, model_hash
+    from quantkit.calibrate.gather import Request, gather
+    from quantkit.calibrate.stats import TensorStatistics
+    from quantkit.frontends.cache import cache_dir
+    from quantkit.lowering.ops import WEIGHTED
+
+    bins = rec.calibration.histogram_bins
+    cal_tensors = plan.calibrated_tensors()
+    classes = {name: get_calibrator(tq.calibrator) for name, tq in cal_tensors.items()}
+    requests: dict[str, Request] = {
+        name: Request(name, lambda: TensorStatistics(bins=bins), TensorStatistics.from_state)
+        for name, cls in classes.items()
+        if hasattr(cls, "from_statistics")
+    }
+    mean_keys: dict[str, str] = {}
+    if rec.quantization.bias_correction:
+        for node in float_model.graph:
+            lp = plan.layers.get(node.name or "")
+            if lp is None or node.op_type not in WEIGHTED or node.inputs[0] is None:
+                continue
+            axis = 1 if node.op_type == "Conv" else -1
+            tensor = node.inputs[0].name or ""
+            key = f"{tensor}//mean{axis}"
+            mean_keys[node.name or ""] = key
+            requests[key] = Request(tensor, functools.partial(ChannelMean, axis), ChannelMean.from_state)
+    cache = None
+    if use_cache and rec.calibration.cache:
+        key = cache_key(model_hash(float_bytes), cal.fingerprint(), {"bins": bins})
+        cache = StatsCache(cache_dir(), key)
+    got = gather(float_proto, cal, requests, cache=cache, batch_size=rec.calibration.batch_size,
+                 max_batch_output_bytes=rec.calibration.max_batch_output_bytes, progress=progress)
+    options = dict(rec.calibration.calibrator_options)
+    streaming = {name: _factory(classes[name], tq.dtype, tq.symmetric, options)
+                 for name, tq in cal_tensors.items() if name not in requests}
+    calibrators: dict[str, Any] = {}
+    if streaming:
+        log.info("calibrators without from_statistics (%s) need a pass of their own",
+                 ", ".join(sorted({cal_tensors[n].calibrator for n in streaming})))
+        calibrators.update(collect_statistics(
+            float_proto, cal, streaming, batch_size=rec.calibration.batch_size,
+            max_batch_output_bytes=rec.calibration.max_batch_output_bytes, progress=progress))
+    for name, tq in cal_tensors.items():
+        if name in requests:
+            calibrators[name] = classes[name].from_statistics(  # type: ignore[attr-defined]
+                got.collectors[name], dtype=tq.dtype, symmetric=tq.symmetric,
+                **(options if tq.calibrator == rec.calibration.calibrator else {}))
+    ranges = {name: c.compute_range() for name, c in calibrators.items()}
+    means = None
+    if mean_keys:
+        means = {layer: got.collectors[k].mean for layer, k in mean_keys.items() if got.collectors[k].mean is not None}
+    info = {"reused": got.reused, "collected": got.collected, "cache": got.cache_path,
+            "streamed_separately": len(streaming)}
+    return ranges, means, info
+
+
+def _factory(cls: Any, dtype: str, symmetric: bool, options: dict[str, Any]) -> Any:
+    return lambda: cls(dtype=dtype, symmetric=symmetric, **options)
 
 
 def _first_feed(ds: Dataset, batch_size: int) -> dict[str, np.ndarray]:

@@ -24,6 +24,7 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("--calibration-data", default=None, help="override calibration.data.path")
     c.add_argument("--evaluation-data", default=None, help="override evaluation.data.path")
     c.add_argument("--no-latency", action="store_true", help="skip the latency measurement")
+    c.add_argument("--no-cache", action="store_true", help="ignore cached calibration statistics")
     c.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     v = sub.add_parser("validate", help="validate a recipe and print it resolved")
     v.add_argument("recipe")
@@ -99,7 +100,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     rec = load_recipe(_override(args.recipe, args))
     out = Path(args.output) if args.output else Path("out") / rec.name
-    result = quantize(recipe=rec, progress=not args.quiet, measure_latency=False if args.no_latency else None)
+    result = quantize(recipe=rec, progress=not args.quiet, measure_latency=False if args.no_latency else None,
+                      use_cache=not args.no_cache)
     paths = result.save(out)
     rep = result.report
     print(f"quantized {len(result.plan.layers)} layers; model: {paths['model']}")

@@ -22,15 +22,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
+from quantkit.algorithms.bias_correction import bias_shift
 from quantkit.errors import CalibrationError
 from quantkit.lowering.ops import WEIGHTED
 from quantkit.lowering.select import QuantPlan, TensorQuant, constant_array
 from quantkit.scheme.dtypes import int_type
-from quantkit.scheme.qparams import QuantSpec, bias_int32, compute_qparams, quantize, weight_qparams
+from quantkit.scheme.qparams import (
+    QuantSpec,
+    bias_int32,
+    compute_qparams,
+    dequantize,
+    quantize,
+    weight_qparams,
+)
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,7 @@ def lower_int8(
     *,
     activation_storage: str = "uint8",
     matmul_form: str = "fused",
+    input_means: Mapping[str, np.ndarray] | None = None,
 ) -> LoweringResult:
     """Insert Q/DQ and quantize weights in ``model`` (in place); return the parameters used.
 
@@ -150,6 +160,8 @@ def lower_int8(
     :func:`as_uint8_storage`, exact); ``"as_requested"`` keeps the recipe's type.
     ``matmul_form="fused"`` emits float-output MatMul layers as one ``MatMulIntegerToFloat``
     with the bias inside (:func:`fuse_float_output_linears`); ``"qdq"`` keeps the QDQ form.
+    ``input_means`` (layer -> per-channel mean of its activation input, from calibration)
+    turns on bias correction (:mod:`quantkit.algorithms.bias_correction`).
     """
     graph = model.graph
     if model.opset_imports.get("", 0) < 13:
@@ -276,10 +288,8 @@ def lower_int8(
             wq_v = const(f"{base}_quantized", wq)
             ws_v = const(f"{base}_scale", np.asarray(w_scale, dtype=np.float32))
             wz_v = const(f"{base}_zero_point", np.asarray(w_zp, dtype=wq.dtype))
-            weight_cache[key] = (wq_v, ws_v, wz_v, axis, np.asarray(w_scale, np.float32), np.asarray(w_zp))
-            from quantkit.scheme.qparams import dequantize
-
             deq = dequantize(wq, w_scale, w_zp, axis=axis if per_channel else None)
+            weight_cache[key] = (wq_v, ws_v, wz_v, axis, np.asarray(w_scale, np.float32), deq)
             zr = np.asarray(w_zp)
             result.weights[node.name or ""] = WeightParams(
                 layer=node.name or "", dtype=lp.weight_dtype, symmetric=lp.weight_symmetric,
@@ -287,8 +297,19 @@ def lower_int8(
                 scale_min=float(np.min(w_scale)), scale_max=float(np.max(w_scale)),
                 zero_point_range=(int(zr.min()), int(zr.max())), weight_sqnr_db=_sqnr_db(w, deq),
             )
-        wq_v, ws_v, wz_v, axis, w_scale_arr, _ = weight_cache[key]
+        wq_v, ws_v, wz_v, axis, w_scale_arr, w_hat = weight_cache[key]
         attrs = {"axis": axis} if w_scale_arr.ndim == 1 else {}
+        shift = None
+        if input_means is not None and (node.name or "") in input_means:
+            g = node.attributes.get("group")
+            tb = node.attributes.get("transB")
+            shift = bias_shift(node.op_type, w, w_hat, input_means[node.name or ""],
+                               group=g.as_int() if g is not None else 1, trans_b=tb is not None and tb.as_int() == 1)
+            if shift is not None:
+                _apply_bias_shift(graph, node, spec_w.bias_input, shift, const)
+                result.notes[node.name or ""] = (
+                    f"bias corrected: |shift| mean {float(np.mean(np.abs(shift))):.3g}, max {float(np.max(np.abs(shift))):.3g}"
+                )
         dq = ir.node(
             "DequantizeLinear", [wq_v, ws_v, wz_v], attributes=attrs,
             name=namer(f"{node.name}_weight_DequantizeLinear"), outputs=[ir.Value(name=namer(f"{w_val.name}_dequantized"))],
@@ -388,6 +409,28 @@ def fuse_float_output_linears(model: ir.Model, plan: QuantPlan, result: Lowering
     if done:
         model.opset_imports.setdefault("com.microsoft", 1)
     return done
+
+
+def _apply_bias_shift(graph: ir.Graph, node: ir.Node, bias_input: int | None, shift: np.ndarray, const: Any) -> None:
+    """Subtract ``shift`` from the layer's float bias (creating one for a bias-less Conv/Gemm, or
+    using the constant ``Add`` that follows a MatMul); the int32 quantization comes after."""
+    if bias_input is not None:
+        ins = list(node.inputs)
+        cur = constant_array(ins[bias_input]) if len(ins) > bias_input and ins[bias_input] is not None else None
+        base = np.zeros(shift.shape, np.float32) if cur is None else cur.astype(np.float64)
+        if base.shape != shift.shape:
+            return
+        new = const(f"{node.name}_bias_corrected", (base - shift).astype(np.float32))
+        if len(ins) <= bias_input:
+            node.resize_inputs(bias_input + 1)
+        node.replace_input_with(bias_input, new)
+        return
+    users = list(node.outputs[0].uses())
+    if len(users) == 1 and users[0].node.op_type == "Add":
+        add, idx = users[0].node, 1 - users[0].idx
+        cur = constant_array(add.inputs[idx])
+        if cur is not None and cur.shape == shift.shape:
+            add.replace_input_with(idx, const(f"{node.name}_bias_corrected", (cur - shift).astype(np.float32)))
 
 
 def _folded(node: ir.Node, plan: QuantPlan) -> bool:

@@ -47,6 +47,8 @@ class CalibrationSection(_Strict):
     max_batch_output_bytes: int = Field(
         512 * 2**20, ge=2**20, description="memory budget for exposed activations per pass (chunking)"
     )
+    histogram_bins: int = Field(8192, ge=256, le=1 << 16, description="streaming histogram bins per tensor")
+    cache: bool = Field(True, description="reuse collected statistics from the on-disk cache")
 
 
 class WeightScheme(_Strict):
@@ -104,6 +106,9 @@ class QuantizationSection(_Strict):
     fold_clip_ranges: bool = Field(
         True,
         description="quantize Relu/Clip outputs on [lo, hi] so ONNX Runtime can drop the activation (exact)",
+    )
+    bias_correction: bool = Field(
+        False, description="shift each output channel's bias by the mean error weight quantization introduces"
     )
     quantize_outputs: bool = Field(
         False, description="also quantize graph outputs of MatMul/Gemm (False keeps logits in float)"

@@ -66,6 +66,7 @@ def build_report(
     per_layer_sqnr: dict[str, float],
     latency: dict[str, Any],
     timings: dict[str, float],
+    calibration: dict[str, Any] | None = None,
     calibration_samples: int,
     evaluation_samples: int,
 ) -> dict[str, Any]:
@@ -98,7 +99,9 @@ def build_report(
                 "weight_sqnr_db": _finite(w.weight_sqnr_db),
             },
             "inputs": [{"tensor": a.name, "dtype": a.dtype, "scale": a.scale, "zero_point": a.zero_point,
+                        "calibrator": plan.tensors[a.name].calibrator if a.name in plan.tensors else None,
                         "note": a.note} for a in acts],
+            "lowering_note": lowering.notes.get(name, ""),
             "output_sqnr_db": _finite(per_layer_sqnr[name]) if name in per_layer_sqnr else None,
             "fused": None if fusion is None else fusion.fused,
             "kernel": None if fusion is None else fusion.kernel,
@@ -140,6 +143,7 @@ def build_report(
         "environment": environment(),
         "settings": recipe.model_dump(mode="json"),
         "samples": {"calibration": calibration_samples, "evaluation": evaluation_samples},
+        "calibration": calibration or {},
         "size": {"fp32_bytes": f_size, "quantized_bytes": q_size, "ratio": q_size / max(f_size, 1)},
         "latency": latency,
         "fidelity": fidelity,
@@ -206,6 +210,10 @@ def render_markdown(rep: dict[str, Any]) -> str:
         f"{env['cpu']} ({env['cores']} cores), {env['date']}"
     )
     lines.append(f"Samples: {rep['samples']['calibration']} calibration, {rep['samples']['evaluation']} evaluation")
+    cal = rep.get("calibration") or {}
+    if cal:
+        lines.append(f"Calibration statistics: {cal.get('reused', 0)} reused from cache, {cal.get('collected', 0)} "
+                     f"collected ({cal.get('cache') or 'cache disabled'})")
     lines.append("")
     if rep["warnings"]:
         lines += ["## Warnings", ""] + [f"- {w}" for w in rep["warnings"]] + [""]
@@ -247,9 +255,10 @@ def render_markdown(rep: dict[str, Any]) -> str:
         w = r["weights"]
         ws = "-" if w is None else f"{w['scale_min']:.2e}..{w['scale_max']:.2e} ({w['dtype']}{', sym' if w['symmetric'] else ''})"
         wq = "-" if w is None else _fmt(w["weight_sqnr_db"], 1)
-        ins = "; ".join(f"{a['scale']:.3e}/{a['zero_point']} {a['dtype']}" for a in r["inputs"]) or "-"
+        ins = "; ".join(f"{a['scale']:.3e}/{a['zero_point']} {a['dtype']} ({a['calibrator']})" for a in r["inputs"]) or "-"
+        note = f" {r['lowering_note']}" if r.get("lowering_note") else ""
         lines.append(f"| `{r['layer']}` | {r['op']} | {r['format']} | {r['rule']} | {ws} | {wq} | {ins} | "
-                     f"{_fmt(r['output_sqnr_db'], 1)} | {r['kernel'] or '-'} | {_fmt(r['fused'])} |")
+                     f"{_fmt(r['output_sqnr_db'], 1)} | {r['kernel'] or '-'}{note} | {_fmt(r['fused'])} |")
     lines.append("")
     if rep["float_layers"]:
         lines += ["## Layers kept in float", "", "| layer | reason |", "|---|---|"]

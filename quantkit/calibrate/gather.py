@@ -1,0 +1,99 @@
+"""Gather calibration statistics once, reusing the on-disk cache.
+
+A *request* names a statistic of one tensor (``key -> (tensor, new, restore)``): ``new()``
+makes an empty streaming collector (anything with ``update``/``merge``/``state``) and
+``restore(state)`` rebuilds one from a cached state.  Requests already in the cache are
+restored; the rest are collected in one streaming pass (several statistics of the same
+tensor share the pass through a :class:`_Fanout`), then written back to the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+
+from quantkit.calibrate.cache import StatsCache
+from quantkit.calibrate.collect import collect_statistics
+
+log = logging.getLogger("quantkit")
+
+
+@dataclass(frozen=True)
+class Request:
+    tensor: str
+    new: Callable[[], Any]
+    restore: Callable[[Mapping[str, Any]], Any]
+
+
+class _Fanout:
+    """Feeds one tensor's batches to several collectors."""
+
+    def __init__(self, parts: dict[str, Any]) -> None:
+        self.parts = parts
+
+    def update(self, x: Any) -> None:
+        for p in self.parts.values():
+            p.update(x)
+
+    def merge(self, other: _Fanout) -> None:
+        for k, p in self.parts.items():
+            p.merge(other.parts[k])
+
+
+@dataclass
+class GatherResult:
+    collectors: dict[str, Any]
+    reused: int
+    collected: int
+    cache_path: str | None
+
+
+def gather(
+    model: onnx.ModelProto,
+    dataset: Any,
+    requests: Mapping[str, Request],
+    *,
+    cache: StatsCache | None,
+    batch_size: int,
+    max_batch_output_bytes: int,
+    progress: bool,
+) -> GatherResult:
+    cached = cache.load() if cache is not None else {}
+    out: dict[str, Any] = {}
+    missing: dict[str, dict[str, Any]] = {}
+    for key, req in requests.items():
+        if key in cached:
+            try:
+                out[key] = req.restore(cached[key])
+                continue
+            except (KeyError, ValueError, TypeError) as exc:
+                log.warning("cached statistics %r unusable (%s); collecting again", key, exc)
+        missing.setdefault(req.tensor, {})[key] = req.new()
+    n_missing = sum(len(v) for v in missing.values())
+    if missing:
+        factories: dict[str, Any] = {t: functools.partial(_Fanout, parts) for t, parts in missing.items()}
+        got = collect_statistics(model, dataset, factories, batch_size=batch_size,
+                                 max_batch_output_bytes=max_batch_output_bytes, progress=progress)
+        for fan in got.values():
+            out.update(fan.parts)  # type: ignore[attr-defined]
+        if cache is not None:
+            states = dict(cached)
+            for parts in missing.values():
+                for key in parts:
+                    states[key] = out[key].state()
+            cache.save(states)
+    reused = len(requests) - n_missing
+    where = str(cache.path) if cache is not None else None
+    if cache is None:
+        log.info("calibration statistics: collected %d (cache disabled)", n_missing)
+    elif n_missing == 0:
+        log.info("calibration statistics: reused all %d from cache %s - no pass over the data", reused, where)
+    else:
+        log.info("calibration statistics: reused %d from cache, collected %d in one pass (%s)", reused, n_missing,
+                 where)
+    return GatherResult(out, reused, n_missing, where)
