@@ -17,6 +17,8 @@ Rules (see :mod:`quantkit.lowering.ops` for the op roles):
 3. The output of a quantized node is quantized when its kernel needs it (Conv, glue,
    passthrough) or when a quantized node consumes it.  MatMul/Gemm outputs that only
    feed float ops stay float (``MatMulIntegerToFloat``) - no pointless requantization.
+   A tensor's dtype, symmetry and calibrator come from the quantized layer that produces it,
+   else from its first quantized consumer (graph order).
 4. A quantized output whose only consumer is ``Relu``/``Clip(lo, hi)`` is not quantized
    itself; the activation's output is, on a range clipped to ``[lo, hi]`` with the zero
    point at the grid minimum when ``lo == 0`` (so Q's saturation *is* the activation and
@@ -25,6 +27,7 @@ Rules (see :mod:`quantkit.lowering.ops` for the op roles):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -266,7 +269,12 @@ def select(model: ir.Model, recipe: RecipeModel) -> QuantPlan:
         if needs or (feeds_q and not (is_out and not q.quantize_outputs)) or (is_out and q.quantize_outputs):
             if node.op_type in PASSTHROUGH:
                 src = node.inputs[0]
-                add_tensor(target, lp, None, inherit_from=src.name if src is not None else None)
+                src_name = src.name if src is not None else None
+                src_tq = plan.tensors.get(src_name or "")
+                if src_tq is not None:  # same grid and range as its source: same calibrator too
+                    lp = dataclasses.replace(lp, calibrator=src_tq.calibrator, act_dtype=src_tq.dtype,
+                                             act_symmetric=src_tq.symmetric)
+                add_tensor(target, lp, None, inherit_from=src_name)
             else:
                 add_tensor(target, lp, None, clip=bounds)
     return plan

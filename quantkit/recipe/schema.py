@@ -42,7 +42,9 @@ class DataSection(_Strict):
 class CalibrationSection(_Strict):
     data: DataSection | None = None  # may be omitted when the Python API is given the data
     batch_size: int = Field(1, ge=1, le=4096)
-    calibrator: Calibrator = "minmax"
+    # mse: the range that minimises the expected quantization error on the histogram; measured best
+    # on both a CNN and a transformer encoder (percentile/entropy clip transformer outlier features)
+    calibrator: Calibrator = "mse"
     calibrator_options: dict[str, Any] = Field(default_factory=dict)
     max_batch_output_bytes: int = Field(
         512 * 2**20, ge=2**20, description="memory budget for exposed activations per pass (chunking)"
@@ -108,7 +110,7 @@ class QuantizationSection(_Strict):
         description="quantize Relu/Clip outputs on [lo, hi] so ONNX Runtime can drop the activation (exact)",
     )
     bias_correction: bool = Field(
-        False, description="shift each output channel's bias by the mean error weight quantization introduces"
+        True, description="shift each output channel's bias by the mean error weight quantization introduces"
     )
     quantize_outputs: bool = Field(
         False, description="also quantize graph outputs of MatMul/Gemm (False keeps logits in float)"
