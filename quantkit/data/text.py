@@ -1,8 +1,9 @@
 """Tokenised text datasets: sentences or fixed token windows.
 
 Sources: ``"pydoc"`` (CPython's ``pydoc_data.topics.topics``, values joined in sorted
-key order -- ships with every Python), a path to a UTF-8 ``.txt`` file, or an iterable
-of strings.
+key order -- ships with every Python), ``"austen:<book>"`` (a Jane Austen novel, e.g.
+``"austen:emma"``, see :mod:`quantkit.data.austen`), a path to a UTF-8 ``.txt`` file, or
+an iterable of strings.
 
 ``mode="sentences"``: the text is cut into paragraphs (blank lines), the lines of a
 paragraph are joined, and paragraphs are split into sentences after ``.``, ``!`` or ``?``.
@@ -48,18 +49,22 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[A-Z0-9])")
 
 
 def load_text(source: str | os.PathLike[str]) -> str:
-    """The text of ``"pydoc"`` or of a UTF-8 text file.
+    """The text of ``"pydoc"``, of ``"austen:<book>"`` or of a UTF-8 text file.
 
     Raises:
-        DataError: the file does not exist or cannot be decoded.
+        DataError: the file does not exist or cannot be decoded, or the book is unknown.
     """
     if isinstance(source, str) and source == "pydoc":
         from pydoc_data.topics import topics
 
         return "\n\n".join(topics[k] for k in sorted(topics))
+    if isinstance(source, str) and source.startswith("austen:"):
+        from quantkit.data.austen import austen_text
+
+        return austen_text(source.split(":", 1)[1])
     path = Path(source).expanduser()
     if not path.is_file():
-        raise DataError(f"text source {str(source)!r} is neither 'pydoc' nor an existing text file")
+        raise DataError(f"text source {str(source)!r} is neither 'pydoc', 'austen:<book>' nor an existing text file")
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -104,7 +109,8 @@ class TextDataset:
         """Select the samples (cheap); tokenisation of sentences happens per batch.
 
         Args:
-            texts_or_source: ``"pydoc"``, a text-file path, or an iterable of strings.
+            texts_or_source: ``"pydoc"``, ``"austen:<book>"``, a text-file path, or an
+                iterable of strings.
             tokenizer: a Hugging Face tokenizer (callable, ``pad_token_id``, ``model_input_names``).
             mode: ``"sentences"`` or ``"windows"``.
             seq_len: tokens per sample.

@@ -6,7 +6,7 @@ Each built-in is a :class:`BuiltinModel` registered in :data:`BUILTINS`.  The fi
 version and the versions of torch, transformers, onnx, onnxscript, onnx-ir and quantkit,
 so any upgrade re-exports.  Later loads read the cached file (well under a second).
 
-Adding a model (SmolLM2 will be one): write an ``export() -> ir.Model`` function (and a
+Adding a model (as ``smollm2-135m`` does, see :mod:`quantkit.frontends.llm`): write an ``export() -> ir.Model`` function (and a
 ``tokenizer()`` if it takes text) and register it::
 
     BUILTINS.register("smollm2-135m")(BuiltinModel(
@@ -206,5 +206,29 @@ BUILTINS.register("all-MiniLM-L6-v2")(
         export=_export_minilm,
         tokenizer=_minilm_tokenizer,
         task="sentence-embedding",
+    )
+)
+
+
+def _export_smollm2() -> ir.Model:
+    """SmolLM2-135M-Instruct (FP32, dequantized from the Q4_1 GGUF): ``input_ids``, ``attention_mask``
+    int64 [batch, seq] -> ``logits`` [batch, seq, 49152]; see :mod:`quantkit.frontends.llm`."""
+    from quantkit.frontends.llm import _export_smollm2 as export
+
+    return export()
+
+
+def _smollm2_tokenizer() -> Any:
+    from quantkit.frontends.llm import _smollm2_tokenizer as tokenizer
+
+    return tokenizer()
+
+
+BUILTINS.register("smollm2-135m")(
+    BuiltinModel(
+        name="smollm2-135m",
+        export=_export_smollm2,
+        tokenizer=_smollm2_tokenizer,
+        task="causal-lm",
     )
 )

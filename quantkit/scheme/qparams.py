@@ -58,6 +58,7 @@ __all__ = [
     "bias_scale",
     "compute_qparams",
     "dequantize",
+    "group_weight_codes",
     "quantize",
     "weight_qparams",
 ]
@@ -361,3 +362,47 @@ def bias_int32(
     if not np.all(np.isfinite(b)):
         raise CalibrationError("bias contains inf or NaN")
     return np.clip(np.rint(b / bs), _INT32_MIN, _INT32_MAX).astype(np.int32)
+
+
+def group_weight_codes(
+    w: npt.ArrayLike,
+    bits: int,
+    group_size: int,
+    *,
+    symmetric: bool,
+    narrow: bool = False,
+    min_val: npt.ArrayLike | None = None,
+    max_val: npt.ArrayLike | None = None,
+) -> tuple[FloatArray, npt.NDArray[np.uint8], npt.NDArray[np.uint8]]:
+    """Group-wise qparams and unsigned integer codes of a MatMul weight ``w`` ``[K, N]``.
+
+    Groups are ``group_size`` consecutive rows along K (the last one may be shorter);
+    ``ceil(K / group_size)`` scales per output column.  The codes live on the unsigned
+    grid ``[0, 2^bits - 1]`` (``uint4`` / ``uint8``), the storage ``MatMulNBits`` and
+    ``GatherBlockQuantized`` read: ``w ~ (code - zero_point) * scale``.
+
+    * asymmetric: min-max of each group (widened to contain 0), :func:`compute_qparams`.
+    * symmetric: zero point = grid middle ``2^(bits-1)`` (8 for 4 bits) and
+      ``scale = absmax / (2^(bits-1) - 0.5)`` (full grid, ``absmax / 7.5`` for 4 bits: the
+      GPTQ / llama.cpp-style choice), or ``absmax / (2^(bits-1) - 1)`` with ``narrow``.
+      The symmetric int4 value ``v`` in ``[-8, 7]`` is stored as ``code = v + 8``.
+
+    ``min_val`` / ``max_val`` (``[ceil(K/g), N]``) override the measured group range
+    (clipping searches shrink it); values outside then saturate, as in ``QuantizeLinear``.
+
+    Returns ``(scales float32 [kb, N], codes uint8 [K, N], zero_points uint8 [kb, N])``.
+    """
+    arr = np.asarray(w)
+    if arr.ndim != 2 or arr.dtype.kind != "f":
+        raise ValueError(f"group_weight_codes expects a float [K, N] weight, got {arr.dtype} {arr.shape}")
+    if bits not in (4, 8):
+        raise ValueError(f"group_weight_codes: bits={bits} is not supported; allowed: 4, 8")
+    arr = arr.astype(np.float32, copy=False)
+    dtype = "uint4" if bits == 4 else "uint8"
+    if min_val is None or max_val is None:
+        mn, mx = _block_reduce(arr, 0, group_size)
+    else:
+        mn, mx = np.asarray(min_val), np.asarray(max_val)
+    scale, zp = compute_qparams(mn, mx, dtype, symmetric=symmetric, narrow=narrow and symmetric)
+    codes = quantize(arr, scale, zp, axis=0, block_size=group_size, dtype=dtype)
+    return scale, codes.astype(np.uint8), np.asarray(zp, np.uint8)

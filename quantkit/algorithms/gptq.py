@@ -1,0 +1,161 @@
+"""GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative
+Pre-trained Transformers"), for ``y = x @ W`` with ``W`` ``[K, N]``.
+
+Objective: ``min_{W_hat} ||X W - X W_hat||_F^2 = tr((W - W_hat)^T H (W - W_hat))`` with
+``H = X^T X`` (``[K, K]``, from :class:`~quantkit.calibrate.layer_stats.LayerStats`).  Rows of ``W``
+(input features) are quantized one at a time; after row ``q`` is rounded, the optimal
+(OBS) update of the rows not yet quantized is
+
+    delta_F = -(w_q - quant(w_q)) / [H_F^-1]_qq  *  [H_F^-1]_{q, F}
+
+and the paper's reformulation makes all ``H_F^-1`` rows available at once from the upper
+Cholesky factor ``U`` of ``H^-1`` (``H^-1 = U^T U``): the error of row ``i`` is
+``E_i = (w_i - quant(w_i)) / U_ii`` and rows ``j > i`` get ``W_j -= U_ij E_i``.
+
+Details, as in the reference implementation:
+
+* damping: ``H += percdamp * mean(diag(H)) * I`` (``percdamp = 0.01``); retried with 10x more
+  damping if the Cholesky factorisation fails;
+* dead inputs (``H_ii = 0``, the feature is always 0): ``H_ii = 1`` and the row of ``W`` is set to 0;
+* lazy batch updates: rows are processed in blocks of ``block_size = 128``; inside a
+  block the updates are applied row by row, the rest of ``W`` is updated once per block
+  (``W[i2:] -= U[i1:i2, i2:]^T E``);
+* groups: min-max qparams of each group of ``g`` rows (the grid of
+  :func:`~quantkit.scheme.qparams.group_weight_codes`), computed when the group's first row
+  is reached, i.e. from the weights already updated by all earlier rows;
+* act-order (``act_order=True``): rows are processed in order of decreasing ``H_ii``.
+  Groups must stay contiguous in the original K order (``MatMulNBits`` and blocked
+  ``DequantizeLinear`` groups are contiguous along K), so this uses the "static groups"
+  variant: every group's qparams are computed up front from the (dead-zeroed) original ``W``.
+
+The returned codes and scales are exactly those GPTQ rounded to: nothing is re-quantized
+afterwards (re-fitting scales to the GPTQ output moves every weight again and undoes the
+error compensation).  With ``H = I`` there is nothing to compensate and the result equals RTN.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import scipy.linalg
+
+from quantkit.algorithms.woq import WOQResult, check_weight, register_weight_algorithm, resolve_group_size
+from quantkit.calibrate.layer_stats import LayerStats
+from quantkit.errors import CalibrationError, RecipeError
+from quantkit.scheme.qparams import dequantize, group_weight_codes, quantize
+
+__all__ = ["gptq", "inverse_hessian_cholesky"]
+
+
+def inverse_hessian_cholesky(H: np.ndarray, percdamp: float = 0.01) -> np.ndarray:
+    """Upper Cholesky factor ``U`` of ``(H + damp I)^-1`` (``= U^T U``), ``damp = percdamp * mean(diag H)``.
+
+    If ``H + damp I`` is not positive definite the damping is multiplied by 10 (up to 6 times).
+    """
+    K = H.shape[0]
+    damp = percdamp * float(np.mean(np.diag(H)))
+    if damp <= 0.0:
+        damp = percdamp
+    # With J the reversal permutation, J H J = L L^T gives H = R R^T with R = J L J upper
+    # triangular, so H^-1 = (R^-1)^T R^-1 and U = R^-1 = J L^-1 J: one Cholesky and one
+    # triangular inverse instead of inverse + second Cholesky.
+    Hr = np.ascontiguousarray(H[::-1, ::-1])
+    for _ in range(7):
+        Hd = Hr + damp * np.eye(K)
+        L, info = scipy.linalg.lapack.dpotrf(Hd, lower=1, clean=1)
+        if info == 0:
+            Linv, info = scipy.linalg.lapack.dtrtri(L, lower=1)
+            if info == 0:
+                return np.ascontiguousarray(Linv[::-1, ::-1])
+        damp *= 10.0
+    raise CalibrationError("gptq: the Hessian is not positive definite even with heavy damping")
+
+
+@register_weight_algorithm("gptq")
+def gptq(
+    W: np.ndarray,
+    *,
+    bits: int = 4,
+    group_size: int | None = 128,
+    symmetric: bool = True,
+    stats: LayerStats | None = None,
+    percdamp: float = 0.01,
+    act_order: bool = True,
+    block_size: int = 128,
+    narrow: bool = False,
+    hessian: np.ndarray | None = None,
+    **options: Any,
+) -> WOQResult:
+    """GPTQ-quantize ``W`` ``[K, N]`` using the input second moment from ``stats`` (or ``hessian``).
+
+    Returns the codes / scales GPTQ chose (groups of ``group_size`` rows along K).
+    """
+    if options:
+        raise RecipeError(
+            f"gptq: unknown options {sorted(options)}; allowed: percdamp, act_order, block_size, narrow, hessian"
+        )
+    w32 = check_weight(W, bits)
+    K, N = w32.shape
+    if hessian is not None:
+        H = np.array(hessian, np.float64)
+    elif stats is not None:
+        H = stats.hessian().copy()
+    else:
+        raise CalibrationError("gptq needs calibration statistics (stats=LayerStats) of the layer input")
+    if H.shape != (K, K):
+        raise CalibrationError(f"gptq: Hessian shape {H.shape} does not match the weight's K={K}")
+    g = resolve_group_size(K, group_size)
+    kb = -(-K // g)
+    dtype = "uint4" if bits == 4 else "uint8"
+
+    Wm = w32.astype(np.float64)
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1.0
+    Wm[dead, :] = 0.0
+
+    def group_qparams(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        s, _, z = group_weight_codes(
+            rows.astype(np.float32), bits, rows.shape[0], symmetric=symmetric, narrow=narrow
+        )
+        return s[0], z[0]
+
+    scales = np.zeros((kb, N), np.float32)
+    zeros = np.zeros((kb, N), np.uint8)
+    static = act_order or g == K
+    if static:
+        for b in range(kb):
+            scales[b], zeros[b] = group_qparams(Wm[b * g : (b + 1) * g])
+
+    perm = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(K)
+    Wm = Wm[perm]
+    H = H[np.ix_(perm, perm)]
+    group_of = perm // g  # group (original order) of each processed row
+    U = inverse_hessian_cholesky(H, percdamp)
+
+    # blocks aligned to groups so that a group's rows are up to date when its qparams are taken
+    B = block_size if static or block_size % g == 0 else g * max(1, -(-block_size // g))
+    B = max(B, 1)
+    Q = np.zeros((K, N), np.uint8)
+    for i1 in range(0, K, B):
+        i2 = min(i1 + B, K)
+        W1 = Wm[i1:i2].copy()
+        E1 = np.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            r = i1 + i
+            gi = int(group_of[r])
+            if not static and r % g == 0:
+                scales[gi], zeros[gi] = group_qparams(W1[i : i + g])
+            w = W1[i].astype(np.float32)
+            q = quantize(w, scales[gi], zeros[gi], axis=0, dtype=dtype)
+            dq = dequantize(q, scales[gi], zeros[gi], axis=0)
+            Q[r] = q
+            err = (W1[i] - dq.astype(np.float64)) / U1[i, i]
+            W1[i + 1 :] -= np.outer(U1[i, i + 1 :], err)
+            E1[i] = err
+        Wm[i2:] -= U[i1:i2, i2:].T @ E1
+
+    codes = np.empty_like(Q)
+    codes[perm] = Q
+    return WOQResult(codes, scales, zeros, bits, g, symmetric)

@@ -1,0 +1,217 @@
+"""Prefill and per-token decode latency of causal LM graphs under ONNX Runtime.
+
+Two graph kinds are recognised from their inputs:
+
+* **KV-cache decoders** (inputs ``past_key_values.<i>.key|value``, exported by
+  :func:`quantkit.frontends.llm.export_causal_lm_with_cache`; :func:`decoder_with_cache` gives
+  the cached one of a built-in).  A decode step is one new token attending to ``past_len``
+  cached positions; prefill is ``seq_len`` tokens with an empty (length-0) past.
+* **full-sequence graphs** (``input_ids``, ``attention_mask`` -> ``logits``; the built-ins).
+  Prefill is one forward of ``1 x seq_len`` tokens; "decode" can only be a forward of one
+  token with no context, labelled ``"one-token forward (no KV cache)"``: it measures the
+  weight-streaming cost of a step (what INT4 speeds up) but not attention over a cache.
+
+Feeds are synthetic (random token ids, zero caches): latency does not depend on values.
+Timing goes through :func:`quantkit.evaluate.latency.compare_latency`, so several models given
+together are measured interleaved and suffer the same machine noise.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from quantkit.errors import ModelError
+from quantkit.evaluate.latency import compare_latency, make_session
+
+__all__ = ["StepLatency", "decoder_with_cache", "has_kv_cache", "measure_decode", "measure_prefill"]
+
+ModelSource = bytes | str | os.PathLike[str]
+_PAST = "past_key_values."
+
+
+@dataclass(frozen=True)
+class StepLatency:
+    """Latency of one prefill or decode step (milliseconds).
+
+    Attributes:
+        label: what was timed, e.g. ``"decode step with KV cache (past 128)"`` or
+            ``"one-token forward (no KV cache)"``.
+        kv_cache: whether the graph has a KV cache.
+        tokens: tokens processed per step (1 for decode).
+        tokens_per_s: ``tokens / median``.
+    """
+
+    label: str
+    kv_cache: bool
+    tokens: int
+    median_ms: float
+    p90_ms: float
+    mean_ms: float
+    min_ms: float
+    runs: int
+    tokens_per_s: float
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def decoder_with_cache(name: str = "smollm2-135m", *, refresh: bool = False) -> Path:
+    """Path of the cached KV-cache decoder ``model.onnx`` of built-in ``name`` (exported on first use)."""
+    from quantkit.frontends.llm import causal_lm_with_cache_path
+
+    return causal_lm_with_cache_path(name, refresh=refresh)
+
+
+def has_kv_cache(session: Any) -> bool:
+    """True if the ORT session's graph takes ``past_key_values.*`` inputs."""
+    return any(i.name.startswith(_PAST) for i in session.get_inputs())
+
+
+def _dim(d: Any, what: str, name: str) -> int:
+    if not isinstance(d, int):
+        raise ModelError(f"input {name!r}: dim {what} is symbolic ({d!r}); a KV cache needs static heads/head_dim")
+    return d
+
+
+def _feed(session: Any, *, new_tokens: int, past_len: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Synthetic feed for batch 1: ``new_tokens`` ids after ``past_len`` cached positions."""
+    rng = np.random.default_rng(seed)
+    kv = has_kv_cache(session)
+    past = past_len if kv else 0
+    feed: dict[str, np.ndarray] = {}
+    for inp in session.get_inputs():
+        name = inp.name
+        if name == "input_ids":
+            feed[name] = rng.integers(3, 1000, (1, new_tokens), dtype=np.int64)
+        elif name == "attention_mask":
+            feed[name] = np.ones((1, past + new_tokens), np.int64)
+        elif name == "position_ids":
+            feed[name] = np.arange(past, past + new_tokens, dtype=np.int64)[None]
+        elif name == "token_type_ids":
+            feed[name] = np.zeros((1, new_tokens), np.int64)
+        elif name.startswith(_PAST):
+            shape = inp.shape
+            if len(shape) != 4:
+                raise ModelError(f"input {name!r} has shape {shape}; expected [batch, heads, past_seq, head_dim]")
+            heads, head_dim = _dim(shape[1], "1 (heads)", name), _dim(shape[3], "3 (head_dim)", name)
+            feed[name] = np.zeros((1, heads, past, head_dim), np.float32)
+        else:
+            raise ModelError(
+                f"cannot build a decode feed for input {name!r}; known inputs: input_ids, attention_mask, "
+                f"position_ids, token_type_ids, {_PAST}*"
+            )
+    return feed
+
+
+def _as_mapping(models: ModelSource | Mapping[str, ModelSource]) -> dict[str, ModelSource]:
+    if isinstance(models, Mapping):
+        if not models:
+            raise ModelError("no model to measure")
+        return dict(models)
+    return {"model": models}
+
+
+def _source(m: ModelSource) -> bytes | str:
+    return m if isinstance(m, bytes) else os.fspath(m)
+
+
+def _measure(
+    models: ModelSource | Mapping[str, ModelSource],
+    *,
+    new_tokens: int,
+    past_len: int,
+    threads: int | None,
+    warmup: int,
+    repeat: int,
+    rounds: int,
+    label_kv: str,
+    label_full: str,
+) -> dict[str, StepLatency]:
+    sessions = {k: make_session(_source(m), threads=threads) for k, m in _as_mapping(models).items()}
+    # Sessions with the same inputs share a feed and are timed interleaved.
+    groups: dict[tuple[str, ...], dict[str, Any]] = {}
+    for k, s in sessions.items():
+        groups.setdefault(tuple(i.name for i in s.get_inputs()), {})[k] = s
+    out: dict[str, StepLatency] = {}
+    for group in groups.values():
+        first = next(iter(group.values()))
+        kv = has_kv_cache(first)
+        feed = _feed(first, new_tokens=new_tokens, past_len=past_len)
+        lat = compare_latency(group, feed, warmup=warmup, repeat=repeat, threads=threads or 0, rounds=rounds)
+        for k, v in lat.items():
+            out[k] = StepLatency(
+                label=label_kv if kv else label_full,
+                kv_cache=kv,
+                tokens=new_tokens,
+                median_ms=v.median_ms,
+                p90_ms=v.p90_ms,
+                mean_ms=v.mean_ms,
+                min_ms=v.min_ms,
+                runs=v.runs,
+                tokens_per_s=new_tokens / (v.median_ms / 1e3),
+            )
+    return {k: out[k] for k in sessions}
+
+
+def measure_decode(
+    models: ModelSource | Mapping[str, ModelSource],
+    *,
+    past_len: int = 128,
+    threads: int | None = None,
+    warmup: int = 5,
+    repeat: int = 60,
+    rounds: int = 3,
+) -> dict[str, StepLatency]:
+    """Latency of one decode step (batch 1, one new token) per model.
+
+    KV-cache graphs attend to ``past_len`` cached positions; full-sequence graphs run a
+    one-token forward with no context (label ``"one-token forward (no KV cache)"``).
+
+    Args:
+        models: one model (ONNX bytes or path) or a mapping ``name -> model`` (timed interleaved).
+        past_len: cached positions for KV-cache graphs.
+        threads: intra-op threads (default ONNX Runtime's).
+
+    Returns:
+        ``{name: StepLatency}`` (the single model is called ``"model"``).
+    """
+    return _measure(
+        models,
+        new_tokens=1,
+        past_len=past_len,
+        threads=threads,
+        warmup=warmup,
+        repeat=repeat,
+        rounds=rounds,
+        label_kv=f"decode step with KV cache (past {past_len})",
+        label_full="one-token forward (no KV cache)",
+    )
+
+
+def measure_prefill(
+    models: ModelSource | Mapping[str, ModelSource],
+    *,
+    seq_len: int = 128,
+    threads: int | None = None,
+    warmup: int = 3,
+    repeat: int = 30,
+    rounds: int = 3,
+) -> dict[str, StepLatency]:
+    """Latency of a prefill of ``seq_len`` tokens, batch 1 (KV graphs: with an empty past)."""
+    return _measure(
+        models,
+        new_tokens=seq_len,
+        past_len=0,
+        threads=threads,
+        warmup=warmup,
+        repeat=repeat,
+        rounds=rounds,
+        label_kv=f"prefill 1x{seq_len} (KV cache, empty past)",
+        label_full=f"prefill 1x{seq_len} (full sequence)",
+    )

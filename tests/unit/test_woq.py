@@ -1,0 +1,219 @@
+"""Weight-only algorithms (RTN, GPTQ, AWQ), their result type and the layer statistics they read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from quantkit.algorithms.awq import awq, awq_shared
+from quantkit.algorithms.gptq import gptq
+from quantkit.algorithms.rtn import rtn
+from quantkit.algorithms.woq import WEIGHT_ALGORITHMS, WOQResult, get_weight_algorithm
+from quantkit.calibrate.layer_stats import LayerStats
+from quantkit.errors import CalibrationError, RecipeError, UnknownNameError
+
+
+def _weight(K: int, N: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((K, N)) * 0.05).astype(np.float32)
+
+
+def _correlated_inputs(n: int, K: int, seed: int = 1) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    A = rng.standard_normal((K, K)) * 0.3 + np.eye(K)
+    X = rng.standard_normal((n, K)) @ A
+    X[:, :4] *= 10.0
+    return X.astype(np.float32)
+
+
+def _out_err(X: np.ndarray, W: np.ndarray, res: WOQResult) -> float:
+    return float(np.linalg.norm(X @ W - X @ res.effective_weight()))
+
+
+# -- result type and registry ---------------------------------------------------------------------
+def test_registry_and_unknown_name() -> None:
+    assert get_weight_algorithm("gptq") is gptq
+    assert {"rtn", "gptq", "awq"} <= set(WEIGHT_ALGORITHMS.names())
+    with pytest.raises(UnknownNameError, match="known weight algorithms: .*awq.*gptq.*rtn"):
+        get_weight_algorithm("nope")
+    with pytest.raises(RecipeError, match="unknown options"):
+        rtn(_weight(8, 4), bits=4, group_size=8, symmetric=True, stats=None, bogus=1)
+
+
+def test_result_dequantize_known_answer() -> None:
+    codes = np.array([[0, 15], [8, 9], [3, 4]], np.uint8)
+    res = WOQResult(
+        codes,
+        np.array([[0.5, 2.0], [1.0, 1.0]], np.float32),
+        np.array([[8, 8], [1, 2]], np.uint8),
+        4,
+        2,
+        False,
+        input_scale=np.array([1.0, 2.0, 4.0], np.float32),
+    )
+    np.testing.assert_array_equal(res.dequantize(), [[-4.0, 14.0], [0.0, 2.0], [2.0, 2.0]])
+    np.testing.assert_array_equal(res.effective_weight(), [[-4.0, 14.0], [0.0, 1.0], [0.5, 0.5]])
+
+
+# -- RTN ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("g", [32, 128, None])
+def test_rtn_error_bound(bits: int, symmetric: bool, g: int | None) -> None:
+    W = _weight(200, 24) + (0.0 if symmetric else 0.03)
+    res = rtn(W, bits=bits, group_size=g, symmetric=symmetric)
+    gs = 200 if g is None else g
+    assert res.group_size == gs and res.scales.shape == (-(-200 // gs), 24)
+    assert res.codes.max() < 2**bits
+    if symmetric:
+        assert np.all(res.zero_points == 2 ** (bits - 1))
+    step = np.repeat(res.scales, gs, axis=0)[:200]
+    # |W - W_hat| <= s / 2 everywhere: the full symmetric grid's +absmax is s/2 off, plus the float32
+    # rounding of s amplified by the code (<= 2^(b-1) * 2^-24 relative: 1e-4 covers 8 bits)
+    assert np.all(np.abs(W - res.dequantize()) <= step * (0.5 + 1e-4))
+
+
+def test_rtn_symmetric_int4_mapping() -> None:
+    W = np.array([[-1.5], [-0.2], [0.0], [0.2], [1.5]], np.float32)
+    res = rtn(W, bits=4, group_size=None, symmetric=True)
+    assert res.scales[0, 0] == np.float32(1.5 / 7.5) and res.zero_points[0, 0] == 8
+    # int4 value v in [-8, 7] stored as v + 8: -1.5/0.2 = -7.5 -> -8 (half to even) -> 0; +7.5 -> 8 saturates at 7 -> 15
+    assert res.codes[:, 0].tolist() == [0, 7, 8, 9, 15]
+
+
+def test_rtn_full_grid_beats_narrow() -> None:
+    W = _weight(512, 256, seed=5)
+    X = np.random.default_rng(6).standard_normal((256, 512)).astype(np.float32)
+    full = rtn(W, bits=4, group_size=128, symmetric=True)
+    narrow = rtn(W, bits=4, group_size=128, symmetric=True, narrow=True)
+    assert _out_err(X, W, full) < 0.97 * _out_err(X, W, narrow)
+
+
+# -- GPTQ -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gptq_beats_rtn_on_correlated_inputs(symmetric: bool) -> None:
+    K, N = 256, 64
+    W = _weight(K, N)
+    X = _correlated_inputs(2048, K)
+    stats = LayerStats(K)
+    stats.update(X[:1024])
+    Xt = X[1024:]  # held-out rows
+    e_rtn = _out_err(Xt, W, rtn(W, bits=4, group_size=128, symmetric=symmetric))
+    for act_order in (True, False):
+        res = gptq(W, bits=4, group_size=128, symmetric=symmetric, stats=stats, act_order=act_order)
+        assert _out_err(Xt, W, res) < 0.7 * e_rtn
+
+
+@pytest.mark.parametrize("act_order", [True, False])
+@pytest.mark.parametrize("g", [32, 128, None])
+def test_gptq_identity_hessian_equals_rtn(act_order: bool, g: int | None) -> None:
+    W = _weight(256, 40)
+    ref = rtn(W, bits=4, group_size=g, symmetric=False)
+    res = gptq(W, bits=4, group_size=g, symmetric=False, stats=None, hessian=np.eye(256), act_order=act_order)
+    np.testing.assert_array_equal(res.codes, ref.codes)
+    np.testing.assert_array_equal(res.scales, ref.scales)
+    np.testing.assert_array_equal(res.zero_points, ref.zero_points)
+
+
+def test_gptq_returns_its_own_grid() -> None:
+    """act-order uses static groups: the scales are the min-max ones of the original W, and the
+    codes are what GPTQ rounded to on that grid (no re-quantization of the compensated weights)."""
+    K, N = 256, 32
+    W = _weight(K, N)
+    stats = LayerStats(K)
+    stats.update(_correlated_inputs(1024, K))
+    res = gptq(W, bits=4, group_size=64, symmetric=True, stats=stats, act_order=True)
+    np.testing.assert_array_equal(res.scales, rtn(W, bits=4, group_size=64, symmetric=True).scales)
+    assert not np.array_equal(res.codes, rtn(W, bits=4, group_size=64, symmetric=True).codes)
+
+
+def test_gptq_dead_inputs_and_errors() -> None:
+    K, N = 64, 16
+    W = _weight(K, N)
+    X = _correlated_inputs(512, K)
+    X[:, [5, 40]] = 0.0
+    stats = LayerStats(K)
+    stats.update(X)
+    res = gptq(W, bits=4, group_size=32, symmetric=True, stats=stats)
+    assert np.all(res.dequantize()[[5, 40]] == 0.0)  # dead rows are zeroed (their input is always 0)
+    assert np.all(np.isfinite(res.dequantize()))
+    with pytest.raises(CalibrationError, match="needs calibration statistics"):
+        gptq(W, bits=4, group_size=32, symmetric=True, stats=None)
+
+
+# -- AWQ ------------------------------------------------------------------------------------------
+def _salient_inputs(n: int, K: int, seed: int = 2) -> np.ndarray:
+    X = np.random.default_rng(seed).standard_normal((n, K)).astype(np.float32)
+    X[:, [3, 50, 100, K - 7]] *= 20.0
+    return X
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_awq_no_worse_than_rtn_with_salient_channels(symmetric: bool) -> None:
+    K, N = 256, 64
+    W = _weight(K, N)
+    X = _salient_inputs(2048, K)
+    stats = LayerStats(K, max_rows=512)
+    stats.update(X[:1024])
+    Xt = X[1024:]
+    res = awq(W, bits=4, group_size=128, symmetric=symmetric, stats=stats)
+    assert res.input_scale is not None and res.input_scale.shape == (K,)
+    # the layer computes (x / s) @ W_hat
+    y = (Xt / res.input_scale) @ res.dequantize()
+    e_awq = float(np.linalg.norm(Xt @ W - y))
+    e_rtn = _out_err(Xt, W, rtn(W, bits=4, group_size=128, symmetric=symmetric))
+    assert e_awq < 0.9 * e_rtn
+
+
+def test_awq_shared_scale() -> None:
+    K = 128
+    Ws = [_weight(K, 32, seed=1), _weight(K, 48, seed=2)]
+    stats = LayerStats(K, max_rows=256)
+    stats.update(_salient_inputs(512, K))
+    r1, r2 = awq_shared(Ws, stats, bits=4, group_size=64)
+    assert r1.input_scale is not None and r2.input_scale is not None
+    np.testing.assert_array_equal(r1.input_scale, r2.input_scale)
+    assert r1.shape == (K, 32) and r2.shape == (K, 48)
+    with pytest.raises(CalibrationError):
+        awq(Ws[0], bits=4, group_size=64, symmetric=True, stats=LayerStats(K))
+
+
+# -- LayerStats -----------------------------------------------------------------------------------
+def test_layer_stats_moments_merge_state() -> None:
+    rng = np.random.default_rng(0)
+    K = 16
+    X = rng.standard_normal((3, 100, K)).astype(np.float32)
+    rows = X.reshape(-1, K).astype(np.float64)
+    st = LayerStats(K, max_rows=50)
+    for b in X:
+        st.update(b)
+    np.testing.assert_allclose(st.H, rows.T @ rows, rtol=1e-12)
+    np.testing.assert_allclose(st.mean_abs, np.abs(rows).mean(0), rtol=1e-12)
+    assert st.count == 300 and st.samples.shape == (50, K)
+    # every sampled row is one of the inputs
+    assert all(any(np.array_equal(r, x) for x in X.reshape(-1, K)) for r in st.samples[:5])
+    a, b = LayerStats(K, max_rows=50, seed=1), LayerStats(K, max_rows=50, seed=2)
+    a.update(X[0])
+    b.update(X[1:])
+    a.merge(b)
+    np.testing.assert_allclose(a.H, st.H, rtol=1e-12)
+    assert a.count == 300 and a.samples.shape == (50, K)
+    c = LayerStats.from_state(st.state())
+    np.testing.assert_array_equal(c.H, st.H)
+    np.testing.assert_array_equal(c.samples, st.samples)
+    c.update(X[0])
+    st.update(X[0])
+    np.testing.assert_array_equal(c.samples, st.samples)  # the RNG state travels too
+    with pytest.raises(CalibrationError):
+        st.update(np.zeros((2, K + 1), np.float32))
+
+
+def test_layer_stats_reservoir_is_uniform() -> None:
+    K, m = 1, 200
+    st = LayerStats(K, max_rows=m, seed=3)
+    for i in range(100):
+        st.update(np.arange(i * 100, (i + 1) * 100, dtype=np.float32)[:, None])
+    s = st.samples[:, 0]
+    assert len(np.unique(s)) == m
+    # uniform over 0..9999: mean 5000, sd of the mean ~ 2887 / sqrt(200) ~ 204
+    assert abs(float(s.mean()) - 4999.5) < 4 * 204
+    assert st.samples.nbytes == m * K * 4  # memory does not grow with the stream
