@@ -157,12 +157,15 @@ class StreamingHistogram:
             return
         h = self.bins // 2
         # t = x * (h / R): h / R is exact (R a power of two), so this equals (x / R) * h bit for bit.
-        t = values * (h / math.ldexp(1.0, self._exp))
+        scale = h / math.ldexp(1.0, self._exp)  # a power of two
+        if values.dtype == np.float32 and not (2.0**-120 < scale < 2.0**120):
+            values = values.astype(np.float64)  # keep the power-of-two scaling exact (no float32 overflow)
+        t = values * values.dtype.type(scale)
         b = np.floor(t)
         on_edge = b == t  # f(t) = ceil(t) - 1 = t - 1 for positive integer t (values on a bin's right edge)
         if on_edge.any():
             b[on_edge & (t > 0)] -= 1.0
-        idx = b.astype(np.intp)
+        idx = b.astype(np.int32 if self.bins < 2**30 else np.intp)
         idx += h
         if self._exp == _MAX_EXP:  # only values beyond 2**1023 can fall outside
             np.clip(idx, 0, self.bins - 1, out=idx)

@@ -58,12 +58,15 @@ class TensorStatistics:
 
     def update(self, x: npt.ArrayLike) -> None:
         """Fold one batch (any shape) into the statistics; keeps no reference to ``x``."""
-        arr = np.asarray(x, dtype=np.float64).ravel()
+        # float32 data is binned in float32 (scaling by a power of two and floor are exact there);
+        # other float types are widened to float64.  Fast path: min/max are finite iff every value is.
+        a = np.asarray(x)
+        arr = a.ravel() if a.dtype in (np.float32, np.float64) else a.astype(np.float64).ravel()
         self.batches += 1
         if arr.size == 0:
             return
-        finite = np.isfinite(arr)
-        if not finite.all():
+        if not (np.isfinite(arr.min()) and np.isfinite(arr.max())):
+            finite = np.isfinite(arr)
             self.hist.nonfinite += int(arr.size - np.count_nonzero(finite))
             arr = arr[finite]
             if arr.size == 0:
@@ -72,7 +75,7 @@ class TensorStatistics:
         self.min = min(self.min, lo)
         self.max = max(self.max, hi)
         self.count += int(arr.size)
-        self.sum += float(arr.sum())
+        self.sum += float(arr.sum(dtype=np.float64))
         self.hist._add_finite(arr, max(-lo, hi))  # same package; saves a second isfinite/abs pass
 
     def merge(self, other: TensorStatistics) -> None:
