@@ -27,7 +27,7 @@ import psutil
 from quantkit.calibrate import get_calibrator
 from quantkit.calibrate.collect import collect_statistics
 from quantkit.data import Dataset, as_dataset, make_dataset, model_inputs
-from quantkit.errors import DataError, LoweringError, QuantkitError
+from quantkit.errors import DataError, LoweringError, QuantkitError, UnsupportedOpError
 from quantkit.evaluate.latency import compare_latency, make_session
 from quantkit.evaluate.metrics import FidelityAccumulator, sqnr_db
 from quantkit.frontends import LoadedModel, load_model
@@ -175,7 +175,19 @@ def quantize(
     if len(cal) == 0:
         raise DataError("the calibration dataset is empty")
 
+    from quantkit.weight_only import select_weight_only
+
+    woq_layers = select_weight_only(float_model, rec)
     plan = select(float_model, rec)
+    if woq_layers:
+        if plan.layers:
+            raise UnsupportedOpError(
+                f"the recipe mixes static int8 layers ({len(plan.layers)}, e.g. {next(iter(plan.layers))!r}) with "
+                f"weight-only layers ({len(woq_layers)}); allowed: one family per model in this version - set "
+                "quantization.default.format to int4/int8_weight and keep other layers fp32"
+            )
+        return _quantize_weight_only(loaded, float_model, woq_layers, cal, rec, evaluation_data, evaluate,
+                                     measure_latency, progress, timings, t_start)
     log.info("quantizing %d layers, %d activation tensors", len(plan.layers), len(plan.tensors))
 
     # calibration: one streaming pass (chunked if many tensors) over the data, or none if cached
@@ -231,6 +243,71 @@ def quantize(
         timings=timings, calibration=cal_info, calibration_samples=len(cal), evaluation_samples=len(ev) if ev is not None else 0,
     )
     return QuantizeResult(qmodel, float_model, plan, lowering, cen, report, rec, timings)
+
+
+def _quantize_weight_only(
+    loaded: LoadedModel, float_model: ir.Model, layers: dict[str, Any], cal: Dataset, rec: RecipeModel,
+    evaluation_data: Any, evaluate: bool, measure_latency: bool | None, progress: bool,
+    timings: dict[str, float], t_start: float,
+) -> QuantizeResult:
+    """Weight-only INT4/INT8 (RTN / GPTQ / AWQ -> MatMulNBits): see :mod:`quantkit.weight_only`."""
+    from quantkit.report.woq import build_woq_report
+    from quantkit.weight_only import lower_weight_only, quantize_weights
+
+    t = time.perf_counter()
+    rss0 = _rss_mb()
+    outcome = quantize_weights(float_model, rec, layers, cal, progress=progress)
+    timings["weights_s"] = time.perf_counter() - t
+    timings["weights_peak_rss_mb"] = max(_rss_mb(), rss0)
+    t = time.perf_counter()
+    qmodel = _clone(float_model)
+    lower_weight_only(qmodel, rec, outcome)
+    qproto = ir.to_proto(qmodel)
+    try:
+        onnx.checker.check_model(qproto, full_check=False)
+    except onnx.checker.ValidationError as exc:
+        raise LoweringError(f"the emitted model fails onnx.checker: {exc}") from None
+    timings["lower_s"] = time.perf_counter() - t
+    float_proto = ir.to_proto(float_model)
+    t = time.perf_counter()
+    cen = census(qproto, quantizable=list(layers))
+    timings["verify_s"] = time.perf_counter() - t
+    inputs = model_inputs(float_model)
+    ev = _eval_dataset(rec, loaded, evaluation_data, inputs) if evaluate else None
+    quality: dict[str, Any] = {}
+    fbytes = float_proto.SerializeToString()
+    qbytes = qproto.SerializeToString()
+    if ev is not None:
+        from quantkit.evaluate.perplexity import perplexity
+
+        t = time.perf_counter()
+        if rec.evaluation.perplexity and any(o.name == "logits" for o in float_proto.graph.output):
+            from tqdm.auto import tqdm
+
+            for key, blob in (("perplexity_fp32", fbytes), ("perplexity_quantized", qbytes)):
+                with tqdm(total=len(ev), desc=key.replace("_", " "), unit="window", disable=not progress) as bar:
+                    def tick(done: int, total: int, bar: Any = bar) -> None:
+                        bar.n = done
+                        bar.refresh()
+
+                    quality[key] = perplexity(blob, ev, progress=tick)
+        else:
+            quality.update(evaluate_fidelity(fbytes, qbytes, ev, batch_size=1, metric=rec.evaluation.metric,
+                                             progress=progress))
+        timings["evaluate_s"] = time.perf_counter() - t
+    latency: dict[str, Any] = {}
+    if (rec.report.latency.enabled if measure_latency is None else measure_latency):
+        from quantkit.evaluate.decode import llm_latency
+
+        t = time.perf_counter()
+        latency = llm_latency(fbytes, qbytes, rec.report.latency, vocab_input=inputs)
+        timings["latency_s"] = time.perf_counter() - t
+    timings["total_s"] = time.perf_counter() - t_start
+    report = build_woq_report(recipe=rec, source=loaded.source, float_proto=float_proto, quant_proto=qproto,
+                              outcome=outcome, census=cen, quality=quality, latency=latency, timings=timings,
+                              calibration_samples=len(cal), evaluation_samples=len(ev) if ev is not None else 0)
+    empty = QuantPlan()
+    return QuantizeResult(qmodel, float_model, empty, LoweringResult(), cen, report, rec, timings)
 
 
 def calibrate_ranges(

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from quantkit.errors import RecipeError
+from quantkit.errors import QuantkitError, RecipeError
 from quantkit.recipe.schema import SCHEMA_VERSION, RecipeModel
 
 
@@ -146,6 +146,19 @@ def _check_registry_names(model: RecipeModel, where: str) -> None:
     for key, name in names:
         if name not in known:
             raise RecipeError(f"recipe {where}: {key}: unknown calibrator {name!r}; allowed: {', '.join(known)}")
+    from quantkit.algorithms.woq import WEIGHT_ALGORITHMS, get_weight_algorithm
+
+    algos = [("quantization.default.algorithm", model.quantization.default.algorithm)] + [
+        (f"quantization.overrides[{i}].algorithm", ov.algorithm)
+        for i, ov in enumerate(model.quantization.overrides) if ov.algorithm
+    ]
+    for key, name in algos:
+        try:
+            get_weight_algorithm(name)
+        except QuantkitError:
+            raise RecipeError(
+                f"recipe {where}: {key}: unknown weight algorithm {name!r}; allowed: {', '.join(WEIGHT_ALGORITHMS.names())}"
+            ) from None
     d = model.quantization.default
     if d.activations.dtype == "uint8" and d.activations.symmetric:
         raise RecipeError(

@@ -27,7 +27,10 @@ class LayerPlan:
     act_dtype: str
     act_symmetric: bool
     calibrator: str
-    rule: str  # which recipe rule decided: "default", "layer:<name>", "pattern:<re>", "op_type:<op>"
+    rule: str
+    group_size: int | None = 128
+    algorithm: str = "rtn"
+    algorithm_options: tuple[tuple[str, object], ...] = ()  # which recipe rule decided: "default", "layer:<name>", "pattern:<re>", "op_type:<op>"
 
 
 def _pick(recipe: RecipeModel, layer: str, op_type: str) -> tuple[Override | None, str]:
@@ -63,4 +66,8 @@ def resolve_layer(recipe: RecipeModel, layer: str, op_type: str) -> LayerPlan:
         act_symmetric=a.symmetric,
         calibrator=cal,
         rule=rule,
+        group_size=None if (ov and ov.per_channel) else ((ov.group_size if ov and ov.group_size else None) or d.group_size),
+        algorithm=(ov.algorithm if ov and ov.algorithm else None) or d.algorithm,
+        algorithm_options=tuple(sorted(((ov.algorithm_options if ov and ov.algorithm_options is not None else None)
+                                       or d.algorithm_options).items())),
     )

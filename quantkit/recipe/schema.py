@@ -16,7 +16,8 @@ SCHEMA_VERSION = 1
 
 ActDType = Literal["uint8", "int8"]
 WeightDType = Literal["int8", "uint8"]
-Format = Literal["int8", "fp32"]
+Format = Literal["int8", "int4", "int8_weight", "fp32"]
+"""int8: static W8A8 QDQ; int4 / int8_weight: weight-only (MatMulNBits); fp32: keep."""
 Calibrator = str  # validated against the calibrator registry when the plan is built
 Metric = Literal["auto", "classification", "embedding", "sqnr"]
 
@@ -49,6 +50,10 @@ class CalibrationSection(_Strict):
     max_batch_output_bytes: int = Field(
         512 * 2**20, ge=2**20, description="memory budget for exposed activations per pass (chunking)"
     )
+    sequential: bool = Field(
+        True, description="weight-only GPTQ/AWQ: later decoder blocks see the already-quantized earlier ones"
+    )
+    max_rows: int = Field(4096, ge=64, description="weight-only: activation rows kept per layer input for AWQ")
     histogram_bins: int = Field(8192, ge=256, le=1 << 16, description="streaming histogram bins per tensor")
     cache: bool = Field(True, description="reuse collected statistics from the on-disk cache")
 
@@ -71,6 +76,16 @@ class LayerScheme(_Strict):
     weights: WeightScheme = WeightScheme()
     activations: ActivationScheme = ActivationScheme()
     calibrator: Calibrator | None = None
+    group_size: int | None = Field(128, ge=16, description="weight-only group size along K; null = per channel")
+    algorithm: str = Field("rtn", description="weight-only algorithm: rtn | gptq | awq")
+    algorithm_options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("group_size")
+    @classmethod
+    def _pow2(cls, v: int | None) -> int | None:
+        if v is not None and v & (v - 1):
+            raise ValueError(f"group_size {v} must be a power of two (MatMulNBits blocks); allowed: 16, 32, ... or null")
+        return v
 
 
 class Override(_Strict):
@@ -83,6 +98,10 @@ class Override(_Strict):
     weights: WeightScheme | None = None
     activations: ActivationScheme | None = None
     calibrator: Calibrator | None = None
+    group_size: int | None = Field(None, ge=16)
+    per_channel: bool | None = Field(None, description="weight-only: one group per output channel")
+    algorithm: str | None = None
+    algorithm_options: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_selector(self) -> Override:
@@ -131,6 +150,7 @@ class QuantizationSection(_Strict):
 class EvaluationSection(_Strict):
     data: DataSection | None = None
     metric: Metric = "auto"
+    perplexity: bool = Field(True, description="causal LMs: perplexity on the evaluation windows")
     batch_size: int = Field(8, ge=1, le=4096)
 
 
@@ -145,6 +165,12 @@ class LatencySection(_Strict):
 
 class ExportSection(_Strict):
     external_data: Literal["auto", "always", "never"] = "auto"
+    weight_only_form: Literal["matmulnbits", "dq"] = Field(
+        "matmulnbits", description="com.microsoft.MatMulNBits, or the standard opset-21 blocked DequantizeLinear -> MatMul"
+    )
+    accuracy_level: Literal[0, 1, 2, 3, 4] = Field(
+        4, description="MatMulNBits accuracy_level: 4 quantizes activations to int8 per block (the fast one), 0 is exact"
+    )
     activation_storage: Literal["uint8", "as_requested"] = Field(
         "uint8",
         description="store int8-grid activations as uint8 (zero point + 128, bit-identical) - what ONNX "

@@ -203,6 +203,10 @@ def _fmt(x: Any, nd: int = 3) -> str:
 
 def render_markdown(rep: dict[str, Any]) -> str:
     """A human-readable Markdown rendering of the report."""
+    if rep.get("kind") == "weight_only":
+        from quantkit.report.woq import render_woq_markdown
+
+        return render_woq_markdown(rep)
     lines = [f"# quantkit report: {rep['recipe']}", "", f"Model: `{rep['model']}`", ""]
     env = rep["environment"]
     lines.append(
