@@ -78,7 +78,9 @@ def _read_books(data_dir: Path) -> dict[str, str]:
     try:
         import rdata
     except ImportError as e:
-        raise DataError(f"reading the Jane Austen texts needs the 'rdata' package (pip install rdata): {e}") from e
+        raise DataError(
+            f"reading the Jane Austen texts needs the 'rdata' package (pip install rdata): {e}"
+        ) from e
     rdx, rdb = data_dir / "Rdata.rdx", data_dir / "Rdata.rdb"
     if not rdx.is_file() or not rdb.is_file():
         raise DataError(f"{_PACKAGE} does not contain {str(rdx)!r} and {str(rdb)!r}")
@@ -149,5 +151,7 @@ def austen_text(book: str = "Emma") -> str:
     key = book_key(book)
     path = austen_folder() / f"{key}.txt"
     if not path.is_file():
-        raise DataError(f"the Jane Austen cache {str(path.parent)!r} lacks {path.name}; delete the folder to refetch")
+        raise DataError(
+            f"the Jane Austen cache {str(path.parent)!r} lacks {path.name}; delete the folder to refetch"
+        )
     return path.read_text(encoding="utf-8")

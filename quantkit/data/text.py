@@ -64,7 +64,9 @@ def load_text(source: str | os.PathLike[str]) -> str:
         return austen_text(source.split(":", 1)[1])
     path = Path(source).expanduser()
     if not path.is_file():
-        raise DataError(f"text source {str(source)!r} is neither 'pydoc', 'austen:<book>' nor an existing text file")
+        raise DataError(
+            f"text source {str(source)!r} is neither 'pydoc', 'austen:<book>' nor an existing text file"
+        )
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

@@ -29,7 +29,14 @@ import numpy as np
 from quantkit.errors import ModelError
 from quantkit.evaluate.latency import compare_latency, make_session
 
-__all__ = ["StepLatency", "decoder_with_cache", "has_kv_cache", "measure_decode", "measure_prefill"]
+__all__ = [
+    "StepLatency",
+    "decoder_with_cache",
+    "has_kv_cache",
+    "llm_latency",
+    "measure_decode",
+    "measure_prefill",
+]
 
 ModelSource = bytes | str | os.PathLike[str]
 _PAST = "past_key_values."
@@ -75,32 +82,40 @@ def has_kv_cache(session: Any) -> bool:
 
 def _dim(d: Any, what: str, name: str) -> int:
     if not isinstance(d, int):
-        raise ModelError(f"input {name!r}: dim {what} is symbolic ({d!r}); a KV cache needs static heads/head_dim")
+        raise ModelError(
+            f"input {name!r}: dim {what} is symbolic ({d!r}); a KV cache needs static heads/head_dim"
+        )
     return d
 
 
-def _feed(session: Any, *, new_tokens: int, past_len: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Synthetic feed for batch 1: ``new_tokens`` ids after ``past_len`` cached positions."""
+def _feed(
+    session: Any, *, new_tokens: int, past_len: int, batch: int = 1, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """Synthetic feed: ``batch`` rows of ``new_tokens`` ids after ``past_len`` cached positions."""
     rng = np.random.default_rng(seed)
+    logits = next((o for o in session.get_outputs() if o.name == "logits"), None)
+    vocab = logits.shape[-1] if logits is not None and isinstance(logits.shape[-1], int) else 1000
     kv = has_kv_cache(session)
     past = past_len if kv else 0
     feed: dict[str, np.ndarray] = {}
     for inp in session.get_inputs():
         name = inp.name
         if name == "input_ids":
-            feed[name] = rng.integers(3, 1000, (1, new_tokens), dtype=np.int64)
+            feed[name] = rng.integers(3, max(4, min(vocab, 1000)), (batch, new_tokens), dtype=np.int64)
         elif name == "attention_mask":
-            feed[name] = np.ones((1, past + new_tokens), np.int64)
+            feed[name] = np.ones((batch, past + new_tokens), np.int64)
         elif name == "position_ids":
-            feed[name] = np.arange(past, past + new_tokens, dtype=np.int64)[None]
+            feed[name] = np.tile(np.arange(past, past + new_tokens, dtype=np.int64), (batch, 1))
         elif name == "token_type_ids":
-            feed[name] = np.zeros((1, new_tokens), np.int64)
+            feed[name] = np.zeros((batch, new_tokens), np.int64)
         elif name.startswith(_PAST):
             shape = inp.shape
             if len(shape) != 4:
-                raise ModelError(f"input {name!r} has shape {shape}; expected [batch, heads, past_seq, head_dim]")
+                raise ModelError(
+                    f"input {name!r} has shape {shape}; expected [batch, heads, past_seq, head_dim]"
+                )
             heads, head_dim = _dim(shape[1], "1 (heads)", name), _dim(shape[3], "3 (head_dim)", name)
-            feed[name] = np.zeros((1, heads, past, head_dim), np.float32)
+            feed[name] = np.zeros((batch, heads, past, head_dim), np.float32)
         else:
             raise ModelError(
                 f"cannot build a decode feed for input {name!r}; known inputs: input_ids, attention_mask, "
@@ -126,6 +141,7 @@ def _measure(
     *,
     new_tokens: int,
     past_len: int,
+    batch: int,
     threads: int | None,
     warmup: int,
     repeat: int,
@@ -142,19 +158,19 @@ def _measure(
     for group in groups.values():
         first = next(iter(group.values()))
         kv = has_kv_cache(first)
-        feed = _feed(first, new_tokens=new_tokens, past_len=past_len)
+        feed = _feed(first, new_tokens=new_tokens, past_len=past_len, batch=batch)
         lat = compare_latency(group, feed, warmup=warmup, repeat=repeat, threads=threads or 0, rounds=rounds)
         for k, v in lat.items():
             out[k] = StepLatency(
                 label=label_kv if kv else label_full,
                 kv_cache=kv,
-                tokens=new_tokens,
+                tokens=new_tokens * batch,
                 median_ms=v.median_ms,
                 p90_ms=v.p90_ms,
                 mean_ms=v.mean_ms,
                 min_ms=v.min_ms,
                 runs=v.runs,
-                tokens_per_s=new_tokens / (v.median_ms / 1e3),
+                tokens_per_s=new_tokens * batch / (v.median_ms / 1e3),
             )
     return {k: out[k] for k in sessions}
 
@@ -163,12 +179,13 @@ def measure_decode(
     models: ModelSource | Mapping[str, ModelSource],
     *,
     past_len: int = 128,
+    batch: int = 1,
     threads: int | None = None,
     warmup: int = 5,
     repeat: int = 60,
     rounds: int = 3,
 ) -> dict[str, StepLatency]:
-    """Latency of one decode step (batch 1, one new token) per model.
+    """Latency of one decode step (one new token per row, ``batch`` rows) per model.
 
     KV-cache graphs attend to ``past_len`` cached positions; full-sequence graphs run a
     one-token forward with no context (label ``"one-token forward (no KV cache)"``).
@@ -185,6 +202,7 @@ def measure_decode(
         models,
         new_tokens=1,
         past_len=past_len,
+        batch=batch,
         threads=threads,
         warmup=warmup,
         repeat=repeat,
@@ -198,16 +216,18 @@ def measure_prefill(
     models: ModelSource | Mapping[str, ModelSource],
     *,
     seq_len: int = 128,
+    batch: int = 1,
     threads: int | None = None,
     warmup: int = 3,
     repeat: int = 30,
     rounds: int = 3,
 ) -> dict[str, StepLatency]:
-    """Latency of a prefill of ``seq_len`` tokens, batch 1 (KV graphs: with an empty past)."""
+    """Latency of a prefill of ``batch x seq_len`` tokens (KV graphs: with an empty past)."""
     return _measure(
         models,
         new_tokens=seq_len,
         past_len=0,
+        batch=batch,
         threads=threads,
         warmup=warmup,
         repeat=repeat,
@@ -215,3 +235,52 @@ def measure_prefill(
         label_kv=f"prefill 1x{seq_len} (KV cache, empty past)",
         label_full=f"prefill 1x{seq_len} (full sequence)",
     )
+
+
+def llm_latency(
+    fp32: ModelSource,
+    quantized: ModelSource,
+    settings: Any = None,
+    *,
+    vocab_input: Any = None,
+) -> dict[str, dict[str, Any]]:
+    """Prefill and decode latency of an FP32 and a quantized causal LM, timed interleaved.
+
+    Args:
+        fp32, quantized: ONNX bytes or paths of the two graphs (same inputs).
+        settings: an object with ``batch_size``, ``seq_len`` (prefill length, default 128),
+            ``warmup``, ``repeat``, ``threads`` (a recipe's ``report.latency``), or None.
+        vocab_input: accepted for the API's convenience and unused (token ids are drawn
+            below the graph's static vocabulary size).
+
+    Returns:
+        ``{"prefill": row, "decode": row}`` with ``row = {"label", "tokens", "fp32_ms",
+        "quantized_ms", "fp32_p90_ms", "quantized_p90_ms", "speedup"}``
+        (``speedup = fp32_ms / quantized_ms``, medians).
+    """
+    del vocab_input
+    batch = int(getattr(settings, "batch_size", 1) or 1)
+    seq_len = int(getattr(settings, "seq_len", None) or 128)
+    warmup = int(getattr(settings, "warmup", 5))
+    repeat = int(getattr(settings, "repeat", 30))
+    threads = getattr(settings, "threads", None)
+    models = {"fp32": fp32, "quantized": quantized}
+    rows: dict[str, dict[str, Any]] = {}
+    steps = (
+        ("prefill", measure_prefill(models, seq_len=seq_len, batch=batch, threads=threads, warmup=warmup,
+                                    repeat=repeat)),
+        ("decode", measure_decode(models, past_len=seq_len, batch=batch, threads=threads, warmup=warmup,
+                                  repeat=2 * repeat)),
+    )  # fmt: skip
+    for key, res in steps:
+        f, q = res["fp32"], res["quantized"]
+        rows[key] = {
+            "label": f.label,
+            "tokens": f.tokens,
+            "fp32_ms": f.median_ms,
+            "quantized_ms": q.median_ms,
+            "fp32_p90_ms": f.p90_ms,
+            "quantized_p90_ms": q.p90_ms,
+            "speedup": f.median_ms / q.median_ms,
+        }
+    return rows

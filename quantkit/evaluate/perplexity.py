@@ -32,7 +32,9 @@ __all__ = ["next_token_nll", "perplexity"]
 _ROW_CHUNK = 64
 
 
-def next_token_nll(logits: np.ndarray, input_ids: np.ndarray, mask: np.ndarray | None = None) -> tuple[float, int]:
+def next_token_nll(
+    logits: np.ndarray, input_ids: np.ndarray, mask: np.ndarray | None = None
+) -> tuple[float, int]:
     """Sum of next-token NLL (float64) and number of counted positions for one batch.
 
     Args:
@@ -122,7 +124,9 @@ def perplexity(
             raise DataError(f"perplexity: the data has no 'input_ids'; it provides {sorted(batch)}")
         missing = [n for n in wanted if n not in batch]
         if missing:
-            raise DataError(f"perplexity: model input(s) {missing} are not in the data (it provides {sorted(batch)})")
+            raise DataError(
+                f"perplexity: model input(s) {missing} are not in the data (it provides {sorted(batch)})"
+            )
         ids = np.asarray(batch["input_ids"])
         (logits,) = sess.run([out_name], {n: batch[n] for n in wanted})
         s, n = next_token_nll(logits, ids, batch.get("attention_mask"))

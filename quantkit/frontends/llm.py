@@ -210,8 +210,9 @@ class LinearLayer:
     @property
     def shape(self) -> tuple[int, int]:
         """``(K, N)``: input and output features."""
-        assert self.weight.shape is not None
-        k, n = (int(d) for d in self.weight.shape)  # type: ignore[call-overload]
+        shape = self.weight.shape
+        assert shape is not None and isinstance(shape[0], int) and isinstance(shape[1], int)
+        k, n = shape[0], shape[1]
         return (n, k) if self.transpose is not None else (k, n)
 
 
@@ -227,7 +228,11 @@ def linear_layers(model: ir.Model) -> list[LinearLayer]:
         transpose = None
         if not _const_initializer(w):
             producer = w.producer()
-            if producer is None or producer.op_type != "Transpose" or not _const_initializer(producer.inputs[0]):
+            if (
+                producer is None
+                or producer.op_type != "Transpose"
+                or not _const_initializer(producer.inputs[0])
+            ):
                 continue
             perm = producer.attributes.get("perm")
             if perm is not None and list(perm.as_ints()) != [1, 0]:
@@ -285,6 +290,8 @@ def _kv_wrapper(hf_model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
     import torch
     from transformers import DynamicCache
 
+    hf_config: Any = hf_model.config
+
     class CausalLMWithCache(torch.nn.Module):
         """``forward(input_ids, attention_mask, position_ids, *past)`` -> ``(logits, *present)``.
 
@@ -303,7 +310,7 @@ def _kv_wrapper(hf_model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
             position_ids: torch.Tensor,
             *past: torch.Tensor,
         ) -> tuple[torch.Tensor, ...]:
-            cache = DynamicCache(config=self.model.config)
+            cache = DynamicCache(config=hf_config)
             for i in range(num_layers):
                 cache.update(past[2 * i], past[2 * i + 1], i)
             out = self.model(
@@ -314,7 +321,8 @@ def _kv_wrapper(hf_model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
                 use_cache=True,
             )
             present: list[torch.Tensor] = []
-            for layer in cache.layers[:num_layers]:
+            layers: list[Any] = list(cache.layers[:num_layers])
+            for layer in layers:
                 present += [layer.keys, layer.values]
             return (out.logits, *present)
 
@@ -445,7 +453,9 @@ def smollm2_folder(*, refresh: bool = False) -> Path:
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
         except ImportError as e:
-            raise ModelError(f"built-in 'smollm2-135m' needs torch, transformers, gguf and accelerate: {e}") from e
+            raise ModelError(
+                f"built-in 'smollm2-135m' needs torch, transformers, gguf and accelerate: {e}"
+            ) from e
         try:
             with contextlib.redirect_stderr(io.StringIO()):  # dequantization progress bar
                 tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -456,7 +466,7 @@ def smollm2_folder(*, refresh: bool = False) -> Path:
             raise ModelError(f"cannot load {str(gguf)!r}: {type(e).__name__}: {e}") from e
         # The weights are dequantized FP32 now; drop the GGUF quantizer so that
         # save_pretrained accepts the model (it refuses "gguf-quantized" models).
-        hf.hf_quantizer = None
+        hf.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(hf.config, "quantization_config"):
             del hf.config.quantization_config
         hf.save_pretrained(str(tmp))
@@ -508,4 +518,3 @@ def causal_lm_with_cache_path(name: str = "smollm2-135m", *, refresh: bool = Fal
 
         atomic_write_dir(folder, fill)
     return folder / "model.onnx"
-
