@@ -314,11 +314,11 @@ def lower_weight_only(model: ir.Model, rec: RecipeModel, outcome: WOQOutcome) ->
     for n, lay in outcome.layers.items():
         res = outcome.results[n]
         if lay.tied_gather is not None:
-            if res.bits != 4 or form != "matmulnbits":
+            if form != "matmulnbits":
                 raise UnsupportedOpError(
-                    f"layer {n!r}: a tied embedding is stored once only as 4-bit MatMulNBits/GatherBlockQuantized "
-                    f"(got {res.bits}-bit, form {form!r}); allowed: format int4 with export.weight_only_form matmulnbits, "
-                    "or keep the lm_head fp32 with an override"
+                    f"layer {n!r}: a tied embedding is stored once only as MatMulNBits + GatherBlockQuantized "
+                    f"(form {form!r}); allowed: export.weight_only_form matmulnbits, or keep the lm_head fp32 "
+                    "with an override"
                 )
             lower_tied_embedding(model, lay.tied_gather, n, res, accuracy_level=acc)
         elif form == "matmulnbits":

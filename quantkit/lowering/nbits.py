@@ -325,8 +325,10 @@ def lower_tied_embedding(
 ) -> tuple[ir.Node, ir.Node]:
     """Quantize a tied embedding table ``E`` ``[V, H]`` once for the ``Gather`` and the lm_head.
 
-    ``res`` is the quantized lm_head weight ``E^T`` ``[H, V]`` (4-bit, groups along H, no input
-    scale).  Returns ``(GatherBlockQuantized node, MatMulNBits node)``.
+    ``res`` is the quantized lm_head weight ``E^T`` ``[H, V]`` (4- or 8-bit, groups along H, no
+    input scale).  Both kernels read one uint8 initializer: ``[V, Hp * bits / 8]`` for the
+    gather, and the same bytes through a ``Reshape`` to ``[V, kb, block * bits / 8]`` for
+    ``MatMulNBits``.  Returns ``(GatherBlockQuantized node, MatMulNBits node)``.
     """
     graph = model.graph
     gather = _find(graph, gather_node, ("Gather",))
@@ -335,8 +337,12 @@ def lower_tied_embedding(
     V, H = E.shape
     if res.shape != (H, V):
         raise ModelError(f"tied embedding: quantized shape {res.shape} != lm_head weight shape {(H, V)}")
-    if res.bits != 4 or res.input_scale is not None:
-        raise UnsupportedOpError("tied embedding: needs a 4-bit result without an input scale")
+    if res.bits not in (4, 8) or res.input_scale is not None:
+        raise UnsupportedOpError(
+            f"tied embedding: needs a 4- or 8-bit result without an input scale (got {res.bits}-bit"
+            f"{', AWQ input scale' if res.input_scale is not None else ''})"
+        )
+    bits = res.bits
     bs = res.group_size
     if bs < 16 or bs & (bs - 1):
         raise UnsupportedOpError(f"tied embedding: block size {bs} is not a power of two >= 16")
@@ -345,7 +351,7 @@ def lower_tied_embedding(
     kb = data.shape[1]
     Hp = kb * bs
     base = e_val.name or gather_node
-    data_v = _const(graph, namer, f"{base}_Q4", data.reshape(V, Hp // 2))
+    data_v = _const(graph, namer, f"{base}_Q{bits}", data.reshape(V, Hp * bits // 8))
     scales_v = _const(graph, namer, f"{base}_scales", scales)
     zp_v = _const(graph, namer, f"{base}_zero_points", zp) if zp is not None else None
 
@@ -355,7 +361,7 @@ def lower_tied_embedding(
         g_inputs,
         domain="com.microsoft",
         name=gather.name,
-        attributes={"gather_axis": 0, "quantize_axis": 1, "block_size": bs, "bits": 4},
+        attributes={"gather_axis": 0, "quantize_axis": 1, "block_size": bs, "bits": bits},
         outputs=[ir.Value(name=None)],
     )
     if Hp == H:
@@ -374,12 +380,12 @@ def lower_tied_embedding(
         )
         _replace_node(graph, gather, sl)
 
-    shape_v = _const(graph, namer, f"{base}_Q4_blocks_shape", np.array([V, kb, bs // 2], np.int64))
+    shape_v = _const(graph, namer, f"{base}_Q{bits}_blocks_shape", np.array([V, kb, bs * bits // 8], np.int64))
     reshape = ir.node(
         "Reshape",
         [data_v, shape_v],
         name=namer(f"{lm.name}_weight_view"),
-        outputs=[ir.Value(name=namer(f"{base}_Q4_blocks"))],
+        outputs=[ir.Value(name=namer(f"{base}_Q{bits}_blocks"))],
     )
     graph.insert_before(lm, reshape)
     mm_inputs = [lm.inputs[0], reshape.outputs[0], scales_v] + ([zp_v] if zp_v is not None else [])
@@ -388,7 +394,7 @@ def lower_tied_embedding(
         mm_inputs,
         domain="com.microsoft",
         name=lm.name,
-        attributes={"K": H, "N": V, "bits": 4, "block_size": bs, "accuracy_level": accuracy_level},
+        attributes={"K": H, "N": V, "bits": bits, "block_size": bs, "accuracy_level": accuracy_level},
         outputs=[ir.Value(name=None)],
     )
     _replace_node(graph, lm, mm)
