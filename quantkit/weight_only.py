@@ -207,9 +207,8 @@ def quantize_weights(
         raise DataError("GPTQ/AWQ need calibration data: set calibration.data or pass calibration_data")
     n_stages = assign_stages(model, layers, 10**6 if rec.calibration.sequential else 1) if needs_stats else 1
     if needs_stats and rec.calibration.sequential:
-        # one stage per group of dependency levels; cap so a deep model costs <= ~40 passes
-        levels = n_stages
-        n_stages = assign_stages(model, layers, min(levels, 40))
+        # group dependency levels into at most calibration.stages passes over the data
+        n_stages = assign_stages(model, layers, rec.calibration.stages)
     weights = {name: weight_of(model, lay) for name, lay in layers.items()}
     session = None
     feedable = [lay.weight for lay in layers.values() if lay.tied_gather is None]
@@ -283,8 +282,9 @@ def _layer_row(m: WOQLayer, w: np.ndarray, res: WOQResult, stats: LayerStats | N
     if stats is not None and stats.count:
         H = stats.hessian()
         d = (w - w_hat).astype(np.float64)
-        num = float(np.einsum("kn,kj,jn->", w.astype(np.float64), H, w.astype(np.float64)))
-        den = float(np.einsum("kn,kj,jn->", d, H, d))
+        w64 = w.astype(np.float64)
+        num = float(np.sum((H @ w64) * w64))  # tr(Wᵀ H W) = E‖xW‖²
+        den = float(np.sum((H @ d) * d))  # E‖x(W - Ŵ)‖²
         row["output_sqnr_db"] = float("inf") if den <= 0 else float(10 * np.log10(max(num, 1e-300) / den))
     return row
 

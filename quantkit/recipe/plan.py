@@ -68,6 +68,15 @@ def resolve_layer(recipe: RecipeModel, layer: str, op_type: str) -> LayerPlan:
         rule=rule,
         group_size=None if (ov and ov.per_channel) else ((ov.group_size if ov and ov.group_size else None) or d.group_size),
         algorithm=(ov.algorithm if ov and ov.algorithm else None) or d.algorithm,
-        algorithm_options=tuple(sorted(((ov.algorithm_options if ov and ov.algorithm_options is not None else None)
-                                       or d.algorithm_options).items())),
+        algorithm_options=tuple(sorted(_algorithm_options(ov, d).items())),
     )
+
+
+def _algorithm_options(ov: Override | None, d: LayerScheme) -> dict[str, object]:
+    """An override's own options; none when it switches to another algorithm without giving any
+    (the default's options belong to the default's algorithm)."""
+    if ov is not None and ov.algorithm_options is not None:
+        return dict(ov.algorithm_options)
+    if ov is not None and ov.algorithm is not None and ov.algorithm != d.algorithm:
+        return {}
+    return dict(d.algorithm_options)

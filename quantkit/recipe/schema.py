@@ -53,6 +53,10 @@ class CalibrationSection(_Strict):
     sequential: bool = Field(
         True, description="weight-only GPTQ/AWQ: later decoder blocks see the already-quantized earlier ones"
     )
+    stages: int = Field(
+        8, ge=1, le=1024,
+        description="weight-only sequential mode: dependency levels are grouped into at most this many passes",
+    )
     max_rows: int = Field(4096, ge=64, description="weight-only: activation rows kept per layer input for AWQ")
     histogram_bins: int = Field(8192, ge=256, le=1 << 16, description="streaming histogram bins per tensor")
     cache: bool = Field(True, description="reuse collected statistics from the on-disk cache")

