@@ -59,7 +59,8 @@ def worker(method: str, out: Path, block: int) -> None:
 
         d = yaml.safe_load(RECIPE.read_text())
         d["quantization"]["default"]["algorithm"] = algo
-        d["quantization"]["default"]["algorithm_options"] = {"act_order": True} if algo == "gptq" else {}
+        d["quantization"]["default"]["algorithm_options"] = (
+            d["quantization"]["default"]["algorithm_options"] if algo == "gptq" else {})
         d["quantization"]["default"]["group_size"] = block
         res = quantize(recipe=load_recipe(d), progress=False, evaluate=False, measure_latency=False)
         res.save(out / _slug(method), report=True)
