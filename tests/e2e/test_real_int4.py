@@ -32,7 +32,6 @@ def _recipe(algorithm: str, **over: Any) -> dict[str, Any]:
     rec: dict[str, Any] = {
         "version": 1,
         "name": f"int4-{algorithm}",
-        "model": {"seq_len": 64},
         "calibration": {"data": {"kind": "text", "source": "pydoc", "mode": "windows", "seq_len": 128, "count": 4}},
         "quantization": {
             "default": {"format": "int4", "group_size": 64, "algorithm": algorithm},
@@ -55,12 +54,15 @@ def test_int4_gptq_awq_rtn_on_real_smollm2_blocks(reduced_smollm2: Path, tmp_pat
         k = rep["census"]["quantized_kernels"]
         assert k.get("MatMulNBits") == 2 * 7 + 1 and k.get("GatherBlockQuantized") == 1, k  # + tied lm_head
         assert all(r["fused"] for r in rep["layers"]), [r["layer"] for r in rep["layers"] if not r["fused"]]
-        results[algo] = rep["quality"]["perplexity_quantized"]["ppl"]
-        fp32 = rep["quality"]["perplexity_fp32"]["ppl"]
+        results[algo] = rep["quality"]["perplexity_quantized"]["nll"]
+        fp32 = rep["quality"]["perplexity_fp32"]["nll"]
+        if algo == "gptq":
+            sq = [r["output_sqnr_db"] for r in rep["layers"] if r.get("output_sqnr_db") is not None]
+            assert len(sq) >= 14 and min(sq) > 15, sq  # real weights, 4-bit g64: every layer > 15 dB
         paths = res.save(tmp_path / algo)
         # the 8-bit tied table is stored once: the file is well under a third of FP32
         assert paths["model"].stat().st_size < 0.35 * rep["size"]["fp32_bytes"]
-    # 2 blocks of a real model: every algorithm stays near FP32, and GPTQ/AWQ are no worse than RTN
-    # (small calibration set: allow 2% slack for noise)
-    assert all(p < 1.5 * fp32 for p in results.values()), (fp32, results)
-    assert min(results["gptq"], results["awq"]) <= 1.02 * results["rtn"], results
+    # a 2-block truncation of a real model is not a language model (perplexity ~1e7), so only the
+    # mean NLL is compared: every algorithm within 5% of FP32.  GPTQ/AWQ vs RTN on the whole model
+    # is measured in eval/bench_int4.py.
+    assert all(p < 1.05 * fp32 for p in results.values()), (fp32, results)
