@@ -78,9 +78,9 @@ def worker(method: str, recipe_path: str, n_cal: int | None, out_dir: str) -> No
         d = rec.model_dump(mode="json")
         if n_cal:
             d["calibration"]["data"]["count"] = n_cal
-        if calib:
+        if calib:  # "quantkit" alone = the recipe as shipped; "quantkit:<calibrator>[+bc]" overrides
             d["calibration"]["calibrator"] = calib
-        d["quantization"]["bias_correction"] = bc
+            d["quantization"]["bias_correction"] = bc
         t = time.perf_counter()
         res = quantize(None, None, load_recipe(d), progress=False, measure_latency=False, evaluate=False,
                        use_cache=False)

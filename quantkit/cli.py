@@ -104,17 +104,28 @@ def _calibrate(args: argparse.Namespace) -> int:
                       use_cache=not args.no_cache)
     paths = result.save(out)
     rep = result.report
-    print(f"quantized {len(result.plan.layers)} layers; model: {paths['model']}")
+    print(f"quantized {len(rep['layers'])} layers; model: {paths['model']}")
     for k, p in paths.items():
         if k != "model":
             print(f"{k}: {p}")
     lat = rep.get("latency") or {}
-    if lat:
+    if "fp32" in lat:
         print(f"latency: FP32 {lat['fp32']['median_ms']:.2f} ms, quantized {lat['quantized']['median_ms']:.2f} ms "
               f"({lat['speedup']:.2f}x)")
+    for key in ("prefill", "decode"):
+        if key in lat:
+            r = lat[key]
+            print(f"latency [{r['label']}]: FP32 {r['fp32_ms']:.2f} ms, quantized {r['quantized_ms']:.2f} ms "
+                  f"({r['speedup']:.2f}x)")
     for name, d in rep.get("fidelity", {}).items():
         shown = ", ".join(f"{k}={v:.4f}" for k, v in d.items() if k != "samples")
         print(f"fidelity[{name}]: {shown}")
+    q = rep.get("quality", {})
+    if "perplexity_fp32" in q:
+        print(f"perplexity: FP32 {q['perplexity_fp32']['ppl']:.3f}, quantized {q['perplexity_quantized']['ppl']:.3f} "
+              f"({100 * q['perplexity_increase']:+.1f}%)")
+    print(f"size: {rep['size']['fp32_bytes'] / 2**20:.1f} MiB -> {rep['size']['quantized_bytes'] / 2**20:.1f} MiB "
+          f"({rep['size']['ratio']:.3f})")
     for w in rep.get("warnings", []):
         print(f"WARNING: {w}")
     return 0
