@@ -94,6 +94,16 @@ def model_bytes(model: ir.Model) -> bytes:
     return ir.to_proto(model).SerializeToString()
 
 
+def _checked_proto(model: ir.Model) -> onnx.ModelProto:
+    """The model as a proto that passes ``onnx.checker`` (else :class:`LoweringError`)."""
+    proto = ir.to_proto(model)
+    try:
+        onnx.checker.check_model(proto, full_check=False)
+    except onnx.checker.ValidationError as exc:
+        raise LoweringError(f"the emitted model fails onnx.checker: {exc}") from None
+    return proto
+
+
 def _rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
@@ -205,11 +215,7 @@ def quantize(
     qmodel = _clone(float_model)
     lowering = lower_int8(qmodel, plan, ranges, activation_storage=rec.export.activation_storage,
                           matmul_form=rec.export.matmul_form, input_means=input_means)
-    qproto = ir.to_proto(qmodel)
-    try:
-        onnx.checker.check_model(qproto, full_check=False)
-    except onnx.checker.ValidationError as exc:
-        raise LoweringError(f"the emitted model fails onnx.checker: {exc}") from None
+    qproto = _checked_proto(qmodel)
     timings["lower_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -262,11 +268,7 @@ def _quantize_weight_only(
     t = time.perf_counter()
     qmodel = _clone(float_model)
     lower_weight_only(qmodel, rec, outcome)
-    qproto = ir.to_proto(qmodel)
-    try:
-        onnx.checker.check_model(qproto, full_check=False)
-    except onnx.checker.ValidationError as exc:
-        raise LoweringError(f"the emitted model fails onnx.checker: {exc}") from None
+    qproto = _checked_proto(qmodel)
     timings["lower_s"] = time.perf_counter() - t
     float_proto = ir.to_proto(float_model)
     t = time.perf_counter()

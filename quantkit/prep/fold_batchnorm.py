@@ -143,12 +143,6 @@ class _FoldBatchNormBase(RewriteRuleClassBase):
     def __init__(self) -> None:
         super().__init__(name=type(self).__name__)
 
-    def pattern(self, op: Any, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def rewrite(self, op: Any, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - overridden
-        raise NotImplementedError
-
     @staticmethod
     def _weight_reasons(
         layer: ir.Node, constants: Sequence[tuple[ir.Value | None, str]], matched: set[ir.Node]
