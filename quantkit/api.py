@@ -178,10 +178,11 @@ def quantize(
 
     if calibration_data is not None:
         cal = as_dataset(calibration_data, inputs, tokenizer=loaded.tokenizer)
-    else:
-        assert rec.calibration.data is not None  # checked above
+    elif rec.calibration.data is not None:
         cal = make_dataset(rec.calibration.data.model_dump(), inputs=inputs, tokenizer=loaded.tokenizer,
                            split="calibration")
+    else:  # unreachable: checked before loading the model
+        raise QuantkitError("quantize() needs calibration data")
     if len(cal) == 0:
         raise DataError("the calibration dataset is empty")
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from quantkit.errors import QuantkitError
 from quantkit.registry import Registry
 from quantkit.scheme.qparams import dequantize
 
@@ -66,10 +67,18 @@ class WOQResult:
     def __post_init__(self) -> None:
         K, N = self.codes.shape
         kb = -(-K // self.group_size)
-        assert self.codes.dtype == np.uint8 and int(self.codes.max(initial=0)) < (1 << self.bits)
-        assert self.scales.shape == (kb, N) and self.scales.dtype == np.float32
-        assert self.zero_points.shape == (kb, N) and self.zero_points.dtype == np.uint8
-        assert self.input_scale is None or self.input_scale.shape == (K,)
+        # results also come from third-party registered algorithms: check, with a typed error
+        problems = []
+        if self.codes.dtype != np.uint8 or int(self.codes.max(initial=0)) >= (1 << self.bits):
+            problems.append(f"codes must be uint8 in [0, {(1 << self.bits) - 1}] (dtype {self.codes.dtype})")
+        if self.scales.shape != (kb, N) or self.scales.dtype != np.float32:
+            problems.append(f"scales must be float32 {(kb, N)} (got {self.scales.dtype} {self.scales.shape})")
+        if self.zero_points.shape != (kb, N) or self.zero_points.dtype != np.uint8:
+            problems.append(f"zero_points must be uint8 {(kb, N)} (got {self.zero_points.dtype} {self.zero_points.shape})")
+        if self.input_scale is not None and self.input_scale.shape != (K,):
+            problems.append(f"input_scale must have shape {(K,)} (got {self.input_scale.shape})")
+        if problems:
+            raise QuantkitError(f"invalid WOQResult for a [{K}, {N}] weight: " + "; ".join(problems))
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -200,6 +200,18 @@ def _weight_of(node: ir.Node, res: WOQResult) -> ir.Value:
     return w
 
 
+def _start_lowering(
+    model: ir.Model, node_name: str, res: WOQResult, apply_scale: bool
+) -> tuple[ir.Graph, ir.Node, ir.Value, _Namer]:
+    """Find the MatMul and its weight, apply ``res.input_scale`` unless shared; common to both lowerings."""
+    graph = model.graph
+    node = _find(graph, node_name, ("MatMul",))
+    w = _weight_of(node, res)
+    if res.input_scale is not None and apply_scale:
+        apply_input_scale(model, [node_name], res.input_scale)
+    return graph, node, w, _Namer(graph)
+
+
 def lower_matmul_nbits(
     model: ir.Model,
     node_name: str,
@@ -212,12 +224,7 @@ def lower_matmul_nbits(
 
     ``apply_scale=False`` skips ``res.input_scale`` (the caller already applied a shared one).
     """
-    graph = model.graph
-    node = _find(graph, node_name, ("MatMul",))
-    w = _weight_of(node, res)
-    if res.input_scale is not None and apply_scale:
-        apply_input_scale(model, [node_name], res.input_scale)
-    namer = _Namer(graph)
+    graph, node, w, namer = _start_lowering(model, node_name, res, apply_scale)
     K, N = res.shape
     B, scales, zp, bs = matmul_nbits_arrays(res)
     base = w.name or node_name
@@ -244,12 +251,7 @@ def lower_matmul_nbits(
 
 def lower_dq_matmul(model: ir.Model, node_name: str, res: WOQResult, *, apply_scale: bool = True) -> ir.Node:
     """Feed ``MatMul`` ``node_name`` from an opset-21 blocked ``DequantizeLinear`` of the int weight; return the DQ."""
-    graph = model.graph
-    node = _find(graph, node_name, ("MatMul",))
-    w = _weight_of(node, res)
-    if res.input_scale is not None and apply_scale:
-        apply_input_scale(model, [node_name], res.input_scale)
-    namer = _Namer(graph)
+    graph, node, w, namer = _start_lowering(model, node_name, res, apply_scale)
     K, N = res.shape
     mid = 1 << (res.bits - 1)
     base = w.name or node_name
