@@ -1,0 +1,1 @@
+"""Mixed-precision search: sensitivity, cost, solver, sweeps."""
