@@ -14,16 +14,22 @@ of layers that must share a format).  With binaries ``x[u,f]`` (1 when ``u`` get
 Damage is additive over units (the usual first-order sensitivity model).  An edge adds a
 *transition* cost that depends on the formats of two units at once, e.g. the Quantize /
 Dequantize pair (bytes moved, latency) at a boundary whose two sides got different
-formats.  The product ``x[e.u,p] x[e.v,q]`` is linearised with a continuous ``y``::
+formats.  For every pair of units ``(a, b)`` joined by an edge, the products
+``x[a,p] x[b,q]`` are linearised with continuous ``y[p,q] >= 0`` and the marginal rows::
 
-    y >= x[e.u,p] + x[e.v,q] - 1,     0 <= y <= 1
+    sum_q y[p,q] = x[a,p]   for every p,        sum_p y[p,q] = x[b,q]   for every q
 
-which only bounds ``y`` from below.  That is exact here because every edge cost is
-``>= 0`` and ``y`` only appears with a positive coefficient in a minimised objective or in
-an upper-bounded (budget) row, so the solver can always lower ``y`` to
-``max(0, x[e.u,p] + x[e.v,q] - 1) = x[e.u,p] x[e.v,q]`` for binary ``x``.  Pairs with zero
-cost get no ``y``, and edges of a metric that is neither minimised, budgeted nor used to
-break ties get none either (their cost is still reported).
+For binary ``x`` these force ``y[p,q] = x[a,p] x[b,q]`` exactly (whatever the cost signs),
+and their LP relaxation is much tighter than the McCormick bound
+``y >= x[a,p] + x[b,q] - 1`` (which lets a fractional ``x`` make every edge free and
+makes HiGHS branch a lot).  Edge costs must still be ``>= 0`` (transition costs are).
+Edges of a metric that is neither minimised, budgeted nor used to break ties get no
+``y`` (their cost is still reported).
+
+Before each solve, formats dominated within their unit are dropped: ``g`` dominates ``f``
+when it is no worse in damage and in every metric that enters the MILP, and in the edge
+cost against every format of every neighbour (see ``_Model.undominated``); an optimal
+assignment always survives.
 
 :func:`solve` minimises ``D`` (or one ``C_m``) subject to upper bounds on any of ``D`` and
 the ``C_m``; ties in the objective are broken by a second, lexicographic solve (see
