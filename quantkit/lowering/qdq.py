@@ -8,6 +8,9 @@ Given a :class:`~quantkit.lowering.select.QuantPlan` and calibrated ranges, edit
   with a single consumer).  When ``T`` is produced by a quantized node, *all* of its
   consumers read through a DQ, so the producer's only consumer is its Q - which is what
   lets ONNX Runtime fuse ``DQ -> op -> Q`` into one QLinear kernel;
+* a layer kept float (fp32 override) that reads such a tensor - a Conv/ConvTranspose/Gemm
+  with a float weight - gets a per-axis DQ (the same scale in every channel, exact), since
+  ONNX Runtime would otherwise quantize its weight per tensor (:func:`float_weighted_reader`);
 * every quantized weight is stored as an integer initializer (per output channel,
   symmetric by default) read by ``DequantizeLinear(axis=c)``; the float copy is dropped;
 * a Conv/Gemm bias becomes int32 with scale ``s_x * s_w[c]`` and zero point 0, read by
@@ -234,10 +237,28 @@ def lower_int8(
             graph.insert_after(producer, q_node)
         else:
             graph.insert_before(next(iter(graph)), q_node)
+        per_channel_dq: dict[tuple[int, int], tuple[ir.Value, ir.Value]] = {}
         for use in readers:
             consumer, idx = use.node, use.idx
+            dq_inputs, dq_attrs = [q_node.outputs[0], scale_v, zp_v], {}
+            float_reader = None if consumer.name in plan.layers else float_weighted_reader(consumer, idx)
+            if float_reader is not None:
+                # A float Conv/Gemm reading a per-tensor DQ: give it a per-axis DQ (same scale and zero
+                # point in every channel, bit-identical) so ORT's WeightBiasQuantization leaves it float.
+                axis, n = float_reader
+                if (axis, n) not in per_channel_dq:
+                    per_channel_dq[(axis, n)] = (
+                        const(f"{name}_scale_per_channel", np.full(n, tp.scale, np.float32)),
+                        const(f"{name}_zero_point_per_channel", np.full(n, tp.zero_point, it.numpy_dtype)),
+                    )
+                dq_inputs = [q_node.outputs[0], *per_channel_dq[(axis, n)]]
+                dq_attrs = {"axis": axis}
+                result.notes[consumer.name or ""] = (
+                    f"stays float: reads {name} through a per-channel DequantizeLinear (ONNX Runtime would "
+                    "otherwise quantize its weight per tensor)"
+                )
             dq = ir.node(
-                "DequantizeLinear", [q_node.outputs[0], scale_v, zp_v],
+                "DequantizeLinear", dq_inputs, attributes=dq_attrs,
                 name=namer(f"{name}_DequantizeLinear"), outputs=[ir.Value(name=namer(f"{name}_dequantized"))],
             )
             graph.insert_before(consumer, dq)
@@ -342,6 +363,48 @@ def lower_int8(
             result.notes[layer] = "MatMulIntegerToFloat with the bias folded in (com.microsoft)"
     _drop_unused_initializers(graph)
     return result
+
+
+# Ops whose float weights ONNX Runtime (>= 1.20, Level-1 ``WeightBiasQuantization``) quantizes on its own
+# when input 0 comes from a DequantizeLinear with a *scalar* scale (and the output reaches a Q).
+_AUTO_QUANTIZED_BY_ORT = frozenset({"Conv", "ConvTranspose", "Gemm"})
+
+
+def float_weighted_reader(node: ir.Node, idx: int) -> tuple[int, int] | None:
+    """``(axis, channels)`` of the activation input of a layer that must stay float, else None.
+
+    ONNX Runtime's ``WeightBiasQuantization`` treats ``DQ(per-tensor) -> Conv/ConvTranspose/Gemm``
+    with a float32 weight initializer (output into a ``QuantizeLinear``, also through a ``Clip``)
+    as a quantized layer whose weight was forgotten: it quantizes that weight to *per-tensor*
+    int8 and the bias to int32, and the layer runs as ``QLinearConv``/``QGemm``.  An fp32 override
+    inside an int8 chain thus silently became a per-tensor int8 layer (on a depthwise Conv, far
+    worse than the per-channel int8 it replaced).  The transformer only fires for a scalar input
+    scale, so such a layer gets its own per-axis DQ (one identical scale per channel: exact).
+    Returns None when ORT would not touch the node, or when the channel count is 1 (a 1-element
+    scale counts as scalar, nothing to gain).
+    """
+    if idx != 0 or node.op_type not in _AUTO_QUANTIZED_BY_ORT or node.domain not in ("", "ai.onnx"):
+        return None
+    ins = list(node.inputs)
+    w = constant_array(ins[1]) if len(ins) > 1 else None
+    if w is None or w.dtype != np.float32:
+        return None
+    if node.op_type == "Conv":
+        g = node.attributes.get("group")
+        if w.ndim < 3:
+            return None
+        axis, n = 1, int(w.shape[1]) * (g.as_int() if g is not None else 1)
+    elif node.op_type == "ConvTranspose":
+        if w.ndim < 3:
+            return None
+        axis, n = 1, int(w.shape[0])
+    else:  # Gemm: A is [M, K] (or [K, M] with transA)
+        if w.ndim != 2:
+            return None
+        ta, tb = node.attributes.get("transA"), node.attributes.get("transB")
+        axis = 0 if ta is not None and ta.as_int() != 0 else 1
+        n = int(w.shape[1] if tb is not None and tb.as_int() != 0 else w.shape[0])
+    return (axis, n) if n > 1 else None
 
 
 def _const_dtype(v: ir.Value | None) -> np.dtype | None:
