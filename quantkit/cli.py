@@ -26,6 +26,17 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-latency", action="store_true", help="skip the latency measurement")
     c.add_argument("--no-cache", action="store_true", help="ignore cached calibration statistics")
     c.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    w = sub.add_parser(
+        "sweep", help="mixed-precision search: sensitivity, cost, Pareto front, measured points"
+    )
+    w.add_argument("--recipe", required=True, help="recipe YAML file with a 'search' section")
+    w.add_argument("--output", "-o", default=None, help="output folder (default: out/<recipe name>-sweep)")
+    w.add_argument("--model", default=None, help="override the recipe's model.source")
+    w.add_argument("--calibration-data", default=None, help="override calibration.data.path")
+    w.add_argument("--evaluation-data", default=None, help="override evaluation.data.path")
+    w.add_argument("--no-models", action="store_true", help="do not keep the emitted models of the points")
+    w.add_argument("--no-cache", action="store_true", help="measure sensitivity and costs again")
+    w.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     v = sub.add_parser("validate", help="validate a recipe and print it resolved")
     v.add_argument("recipe")
     return p
@@ -78,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "calibrate":
             return _calibrate(args)
+        if args.command == "sweep":
+            return _sweep(args)
         if args.command == "validate":
             from quantkit.recipe import load_recipe
 
@@ -100,8 +113,12 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     rec = load_recipe(_override(args.recipe, args))
     out = Path(args.output) if args.output else Path("out") / rec.name
-    result = quantize(recipe=rec, progress=not args.quiet, measure_latency=False if args.no_latency else None,
-                      use_cache=not args.no_cache)
+    result = quantize(
+        recipe=rec,
+        progress=not args.quiet,
+        measure_latency=False if args.no_latency else None,
+        use_cache=not args.no_cache,
+    )
     paths = result.save(out)
     rep = result.report
     print(f"quantized {len(rep['layers'])} layers; model: {paths['model']}")
@@ -110,24 +127,67 @@ def _calibrate(args: argparse.Namespace) -> int:
             print(f"{k}: {p}")
     lat = rep.get("latency") or {}
     if "fp32" in lat:
-        print(f"latency: FP32 {lat['fp32']['median_ms']:.2f} ms, quantized {lat['quantized']['median_ms']:.2f} ms "
-              f"({lat['speedup']:.2f}x)")
+        print(
+            f"latency: FP32 {lat['fp32']['median_ms']:.2f} ms, quantized {lat['quantized']['median_ms']:.2f} ms "
+            f"({lat['speedup']:.2f}x)"
+        )
     for key in ("prefill", "decode"):
         if key in lat:
             r = lat[key]
-            print(f"latency [{r['label']}]: FP32 {r['fp32_ms']:.2f} ms, quantized {r['quantized_ms']:.2f} ms "
-                  f"({r['speedup']:.2f}x)")
+            print(
+                f"latency [{r['label']}]: FP32 {r['fp32_ms']:.2f} ms, quantized {r['quantized_ms']:.2f} ms "
+                f"({r['speedup']:.2f}x)"
+            )
     for name, d in rep.get("fidelity", {}).items():
         shown = ", ".join(f"{k}={v:.4f}" for k, v in d.items() if k != "samples")
         print(f"fidelity[{name}]: {shown}")
     q = rep.get("quality", {})
     if "perplexity_fp32" in q:
-        print(f"perplexity: FP32 {q['perplexity_fp32']['ppl']:.3f}, quantized {q['perplexity_quantized']['ppl']:.3f} "
-              f"({100 * q['perplexity_increase']:+.1f}%)")
-    print(f"size: {rep['size']['fp32_bytes'] / 2**20:.1f} MiB -> {rep['size']['quantized_bytes'] / 2**20:.1f} MiB "
-          f"({rep['size']['ratio']:.3f})")
+        print(
+            f"perplexity: FP32 {q['perplexity_fp32']['ppl']:.3f}, quantized {q['perplexity_quantized']['ppl']:.3f} "
+            f"({100 * q['perplexity_increase']:+.1f}%)"
+        )
+    print(
+        f"size: {rep['size']['fp32_bytes'] / 2**20:.1f} MiB -> {rep['size']['quantized_bytes'] / 2**20:.1f} MiB "
+        f"({rep['size']['ratio']:.3f})"
+    )
     for w in rep.get("warnings", []):
         print(f"WARNING: {w}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from quantkit.recipe import load_recipe
+    from quantkit.search.sweep import sweep
+
+    rec = load_recipe(_override(args.recipe, args))
+    out = Path(args.output) if args.output else Path("out") / f"{rec.name}-sweep"
+    res = sweep(
+        recipe=rec,
+        output=out,
+        progress=not args.quiet,
+        use_cache=not args.no_cache,
+        save_models=not args.no_models,
+    )
+    r = res.report
+    key, label = r["quality_key"], r["quality_label"]
+    fp = r["fp32"]
+    print(
+        f"FP32: {label} {fp.get(key, float('nan')):.4g}, latency {fp['latency_ms']:.2f} ms, "
+        f"size {fp['size_bytes'] / 1e6:.1f} MB"
+    )
+    print(f"{'point':<34} {'pred. damage':>12} {label:>16} {'ms':>8} {'xFP32':>6} {'MB':>8}  front(lat/size)")
+    for p in res.points:
+        m = p.measured
+        fr = "/".join("on" if p.on_measured_front.get(a) else "DOMINATED" for a in ("latency", "size"))
+        print(
+            f"{p.id[:34]:<34} {p.predicted['damage']:>12.4g} {m.get(key, float('nan')):>16.4g} "
+            f"{m['latency_ms']:>8.2f} {m['speedup_vs_fp32']:>6.2f} {m['size_bytes'] / 1e6:>8.1f}  {fr}"
+        )
+    print(f"Spearman(predicted damage, measured {label}) = {r['spearman_predicted_damage_vs_measured']:.3f}")
+    for k, pth in res.paths.items():
+        if k in ("json", "md") or k.startswith("quality_vs"):
+            print(f"{k}: {pth}")
     return 0
 
 

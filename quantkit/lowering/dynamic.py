@@ -23,6 +23,8 @@ the final node keeps the name ``L``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx_ir as ir
 
@@ -78,7 +80,7 @@ def lower_int8_dynamic(
     def c(name: str, arr: np.ndarray) -> ir.Value:
         return _const(graph, namer, f"{node_name}/{name}", arr)
 
-    def add(op: str, inputs: list[ir.Value | None], tag: str, **attrs: object) -> ir.Value:
+    def add(op: str, inputs: list[ir.Value | None], tag: str, **attrs: Any) -> ir.Value:
         n = ir.node(
             op,
             inputs,

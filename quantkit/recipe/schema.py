@@ -54,10 +54,14 @@ class CalibrationSection(_Strict):
         True, description="weight-only GPTQ/AWQ: later decoder blocks see the already-quantized earlier ones"
     )
     stages: int = Field(
-        8, ge=1, le=1024,
+        8,
+        ge=1,
+        le=1024,
         description="weight-only sequential mode: dependency levels are grouped into at most this many passes",
     )
-    max_rows: int = Field(4096, ge=64, description="weight-only: activation rows kept per layer input for AWQ")
+    max_rows: int = Field(
+        4096, ge=64, description="weight-only: activation rows kept per layer input for AWQ"
+    )
     histogram_bins: int = Field(8192, ge=256, le=1 << 16, description="streaming histogram bins per tensor")
     cache: bool = Field(True, description="reuse collected statistics from the on-disk cache")
 
@@ -80,7 +84,9 @@ class LayerScheme(_Strict):
     weights: WeightScheme = WeightScheme()
     activations: ActivationScheme = ActivationScheme()
     calibrator: Calibrator | None = None
-    group_size: int | None = Field(128, ge=16, description="weight-only group size along K; null = per channel")
+    group_size: int | None = Field(
+        128, ge=16, description="weight-only group size along K; null = per channel"
+    )
     algorithm: str = Field("rtn", description="weight-only algorithm: rtn | gptq | awq")
     algorithm_options: dict[str, Any] = Field(default_factory=dict)
 
@@ -88,7 +94,9 @@ class LayerScheme(_Strict):
     @classmethod
     def _pow2(cls, v: int | None) -> int | None:
         if v is not None and v & (v - 1):
-            raise ValueError(f"group_size {v} must be a power of two (MatMulNBits blocks); allowed: 16, 32, ... or null")
+            raise ValueError(
+                f"group_size {v} must be a power of two (MatMulNBits blocks); allowed: 16, 32, ... or null"
+            )
         return v
 
 
@@ -120,7 +128,9 @@ class Override(_Strict):
             try:
                 re.compile(self.pattern)
             except re.error as exc:
-                raise ValueError(f"pattern {self.pattern!r} is not a valid regular expression: {exc}") from None
+                raise ValueError(
+                    f"pattern {self.pattern!r} is not a valid regular expression: {exc}"
+                ) from None
         return self
 
 
@@ -170,10 +180,12 @@ class LatencySection(_Strict):
 class ExportSection(_Strict):
     external_data: Literal["auto", "always", "never"] = "auto"
     weight_only_form: Literal["matmulnbits", "dq"] = Field(
-        "matmulnbits", description="com.microsoft.MatMulNBits, or the standard opset-21 blocked DequantizeLinear -> MatMul"
+        "matmulnbits",
+        description="com.microsoft.MatMulNBits, or the standard opset-21 blocked DequantizeLinear -> MatMul",
     )
     accuracy_level: Literal[0, 1, 2, 3, 4] = Field(
-        4, description="MatMulNBits accuracy_level: 4 quantizes activations to int8 per block (the fast one), 0 is exact"
+        4,
+        description="MatMulNBits accuracy_level: 4 quantizes activations to int8 per block (the fast one), 0 is exact",
     )
     activation_storage: Literal["uint8", "as_requested"] = Field(
         "uint8",
@@ -192,6 +204,128 @@ class ReportSection(_Strict):
     latency: LatencySection = LatencySection()
 
 
+CandidateFormat = Literal["fp32", "fp16", "bf16", "int8", "int8_dynamic", "int8_weight", "int4"]
+"""Formats a search may give a layer: fp32 (keep); fp16 / bf16 (weights stored in 16 bits); int8
+(static W8A8 QDQ); int8_dynamic (W8A8, activations quantized at run time, SmoothQuant); int8_weight /
+int4 (weight-only, MatMulNBits)."""
+
+
+class Candidate(_Strict):
+    """One candidate format of a mixed-precision search (``name`` is how reports refer to it)."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.+-]+$")
+    format: CandidateFormat
+    group_size: int | None = Field(
+        None, ge=16, description="int4 / int8_weight: group size (default: the recipe's)"
+    )
+    per_channel: bool = Field(False, description="int4 / int8_weight: one group per output channel")
+    algorithm: str | None = Field(
+        None, description="int4 / int8_weight: rtn | gptq | awq (default: the recipe's)"
+    )
+    algorithm_options: dict[str, Any] | None = None
+    granularity: Literal["per_token", "per_tensor"] = Field(
+        "per_token", description="int8_dynamic: activation scale per token (row) or one per tensor"
+    )
+    smoothquant: float | Literal["auto"] | None = Field(
+        "auto",
+        description="int8_dynamic: SmoothQuant alpha in [0, 1], 'auto' (searched per layer group) or null",
+    )
+    compute: Literal["storage", "native"] = Field(
+        "storage",
+        description="fp16 / bf16: 'storage' = 16-bit weights cast to fp32 once (ONNX Runtime CPU has no fp16/bf16 "
+        "MatMul); 'native' = activations cast to 16 bits around the layer (CUDA / TensorRT providers)",
+    )
+
+    @field_validator("group_size")
+    @classmethod
+    def _pow2(cls, v: int | None) -> int | None:
+        if v is not None and v & (v - 1):
+            raise ValueError(
+                f"group_size {v} must be a power of two (MatMulNBits blocks); allowed: 16, 32, ..."
+            )
+        return v
+
+    @field_validator("smoothquant")
+    @classmethod
+    def _alpha(cls, v: Any) -> Any:
+        if isinstance(v, float) and not 0.0 <= v <= 1.0:
+            raise ValueError(
+                f"smoothquant alpha {v} is outside [0, 1]; allowed: a number in [0, 1], 'auto' or null"
+            )
+        return v
+
+
+class SensitivitySection(_Strict):
+    samples: int = Field(
+        2, ge=1, le=4096, description="calibration samples used to measure each layer's damage"
+    )
+    seq_len: int | None = Field(
+        256, ge=2, description="text models: tokens per sample (None: as in the data)"
+    )
+    metric: Literal["kl", "mse"] = Field(
+        "kl", description="damage: mean KL divergence of the output distribution (kl) or relative output MSE"
+    )
+
+
+class SearchSection(_Strict):
+    """Per-layer mixed precision: sensitivity x cost, an integer program, the Pareto front."""
+
+    candidates: list[str | Candidate] = Field(min_length=1)
+    metric: Literal["size", "latency"] = Field("size", description="the cost axis of the front")
+    points: int = Field(
+        5, ge=0, le=64, description="frontier points to emit and evaluate, spread along the front"
+    )
+    budgets: list[float | str] = Field(
+        default_factory=list,
+        description="extra points at these budgets of `metric`: a fraction of FP32 (0.3), 'uniform:<candidate>' "
+        "(the cost of that candidate everywhere) or 'between:<a>:<b>:<t>' (t of the way from uniform a to b)",
+    )
+    include_uniform: bool = Field(
+        True, description="also emit and evaluate every candidate applied uniformly"
+    )
+    tie: Literal["shared_input", "none"] = Field(
+        "shared_input",
+        description="layers reading one input (q/k/v, gate/up) share a format (one smoothing scale)",
+    )
+    layers: str | None = Field(None, description="regex: only matching layers are searched (default: all)")
+    sensitivity: SensitivitySection = SensitivitySection()
+    frontier_points: int = Field(
+        24, ge=2, le=512, description="budgets tried when tracing the predicted front"
+    )
+    time_limit_s: float = Field(10.0, gt=0, description="per integer-program solve")
+
+    @field_validator("candidates")
+    @classmethod
+    def _names(cls, v: list[Any]) -> list[Any]:
+        allowed = list(CandidateFormat.__args__)  # type: ignore[attr-defined]
+        names = []
+        for c in v:
+            if isinstance(c, str) and c not in allowed:
+                raise ValueError(
+                    f"unknown candidate {c!r}; allowed shorthands: {allowed} (or a mapping with name/format)"
+                )
+            names.append(c if isinstance(c, str) else c.name)
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"candidate names must be unique; repeated: {dup}")
+        return v
+
+    @field_validator("budgets")
+    @classmethod
+    def _budgets(cls, v: list[Any]) -> list[Any]:
+        for b in v:
+            if isinstance(b, str) and not (b.startswith("uniform:") or b.startswith("between:")):
+                raise ValueError(
+                    f"budget {b!r}: allowed: a number, 'uniform:<candidate>', 'between:<a>:<b>:<t>'"
+                )
+            if isinstance(b, (int, float)) and b <= 0:
+                raise ValueError(f"budget {b!r} must be > 0 (a fraction of the FP32 cost)")
+        return v
+
+    def candidate_list(self) -> list[Candidate]:
+        return [Candidate(name=c, format=c) if isinstance(c, str) else c for c in self.candidates]
+
+
 class RecipeModel(_Strict):
     """The whole recipe file."""
 
@@ -203,3 +337,4 @@ class RecipeModel(_Strict):
     evaluation: EvaluationSection = EvaluationSection()
     export: ExportSection = ExportSection()
     report: ReportSection = ReportSection()
+    search: SearchSection | None = None

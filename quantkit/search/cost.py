@@ -1,0 +1,195 @@
+"""Per (unit, format) cost: bytes in the emitted file and *measured* latency on the target provider.
+
+Latency is measured in context, not from a formula: the model is emitted once per candidate
+with every unit in that format (plus once all-FP32), each is profiled with ONNX Runtime's
+profiler (:func:`quantkit.search.profile.profile_model`, the feed of ``report.latency``) and
+every optimized kernel's median time is attributed to the layer it came from.  Then::
+
+    latency(u, f)  = sum of the kernel medians of u's layers in the all-f model
+    base           = run median of the all-FP32 model - sum_u latency(u, fp32)
+
+so a mix is predicted as ``base + sum_u latency(u, f_u)`` (+ boundary edges where a space
+declares them).  ``base`` holds everything that is not a searched layer (attention, norms,
+the executor's own overhead).  The sweep reports this prediction next to the measured
+latency of each emitted point.
+
+The roofline view comes with it: FLOPs (``2 M K N`` for a linear layer), bytes moved (weights as
+stored + activations in and out), arithmetic intensity and compute- or memory-bound against
+this machine's measured peaks.
+
+Tables are cached on disk (JSON) by model, candidates, feed shape, threads, ONNX Runtime
+version and CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from tqdm.auto import tqdm
+
+log = logging.getLogger("quantkit")
+
+__all__ = ["CostTable", "measure_costs"]
+
+
+@dataclass
+class CostTable:
+    bytes: dict[tuple[str, str], float]
+    latency_ms: dict[tuple[str, str], float]
+    base: dict[str, float]  # metric -> constant part
+    provider: str = "CPUExecutionProvider"
+    notes: dict[str, Any] = field(default_factory=dict)
+    roofline: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "bytes": {f"{u}\t{c}": v for (u, c), v in self.bytes.items()},
+            "latency_ms": {f"{u}\t{c}": v for (u, c), v in self.latency_ms.items()},
+            "base": self.base,
+            "provider": self.provider,
+            "notes": self.notes,
+            "roofline": self.roofline,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> CostTable:
+        def split(m: Mapping[str, float]) -> dict[tuple[str, str], float]:
+            return {(k.split("\t")[0], k.split("\t")[1]): float(v) for k, v in m.items()}
+
+        return cls(
+            split(d["bytes"]),
+            split(d["latency_ms"]),
+            dict(d["base"]),
+            d.get("provider", ""),
+            dict(d.get("notes", {})),
+            list(d.get("roofline", [])),
+        )
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cost_cache_path(parts: Mapping[str, Any]) -> Path:
+    from quantkit.frontends.cache import cache_dir
+
+    full = {**parts, "ort": ort.__version__, "cpu": _cpu(), "version": 1}
+    key = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return cache_dir() / "search" / f"cost-{key}.json"
+
+
+def _save(path: Path, table: CostTable) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".cost-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(table.to_json(), f)
+    os.replace(tmp, path)
+
+
+def measure_costs(
+    space: Any,
+    feed: Mapping[str, np.ndarray],
+    *,
+    runs: int = 20,
+    warmup: int = 3,
+    threads: int | None = None,
+    cache_parts: Mapping[str, Any] | None = None,
+    progress: bool = True,
+    rows: int | None = None,
+) -> CostTable:
+    """Bytes and profiled latency of every (unit, candidate) of ``space`` (see the module doc).
+
+    ``rows``: activation rows per layer call (tokens x batch) for the roofline; inferred from
+    the feed's first 2-D int64 input (text) when None."""
+    import onnx_ir as ir
+
+    from quantkit.search.profile import machine_peaks, profile_model, roofline
+
+    path = cost_cache_path(cache_parts) if cache_parts is not None else None
+    if path is not None and path.exists():
+        try:
+            table = CostTable.from_json(json.loads(path.read_text()))
+            log.info("cost table reused from %s", path)
+            return table
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("cost cache %s unusable (%s); measuring again", path, exc)
+    units = space.units
+    layer_names = [n for u in units for n in u.layers]
+    cands = ["fp32"] + [c for c in space.candidates if c != "fp32"]
+    nbytes = {(u.name, c): float(space.unit_bytes(u, c)) for u in units for c in cands}
+    file_fp32 = 0
+    cands = ["fp32"] + [c for c in space.candidates if c != "fp32"]
+    lat: dict[tuple[str, str], float] = {}
+    profiles: dict[str, Any] = {}
+    for c in tqdm(cands, desc="profile formats", unit="model", disable=not progress):
+        m = space.emit({u.name: c for u in units})
+        blob = ir.to_proto(m).SerializeToString()
+        del m
+        if c == "fp32":
+            file_fp32 = len(blob)
+        prof = profile_model(blob, feed, runs=runs, warmup=warmup, threads=threads, level="all")
+        per_layer = prof.by_layer(layer_names)
+        for u in units:
+            lat[(u.name, c)] = float(sum(per_layer.get(n, 0.0) for n in u.layers))
+        profiles[c] = {
+            "run_median_ms": prof.run_median_ms,
+            "node_sum_ms": prof.node_sum_ms,
+            "other_ms": per_layer.get("<other>", 0.0),
+            "by_op_type": prof.by_op_type(),
+        }
+    fp32_layers = sum(lat[(u.name, "fp32")] for u in units)
+    base_lat = profiles["fp32"]["run_median_ms"] - fp32_layers
+    base_bytes = float(file_fp32) - sum(nbytes[(u.name, "fp32")] for u in units)  # unsearched weights, graph
+    table = CostTable(
+        nbytes,
+        lat,
+        {"bytes": base_bytes, "latency_ms": base_lat},
+        notes={
+            "profiles": profiles,
+            "runs": runs,
+            "threads": threads,
+            "ort": ort.__version__,
+            "cpu": _cpu(),
+            "feed": {k: list(v.shape) for k, v in feed.items()},
+        },
+    )
+    # roofline of every (unit, format) from the measured kernels
+    if rows is None:
+        rows = next((int(np.prod(v.shape)) for v in feed.values() if v.dtype == np.int64 and v.ndim == 2), 1)
+    gflops, gbps = machine_peaks()
+    table.notes["peaks"] = {"gflops": gflops, "gbps": gbps}
+    for u in units:
+        flops, act = space.unit_work(u, rows)
+        for c in cands:
+            t = lat[(u.name, c)]
+            row = {
+                "unit": u.name,
+                "candidate": c,
+                "flops": flops,
+                "bytes": nbytes[(u.name, c)] + act,
+                "time_ms": t,
+            }
+            if t > 0:
+                row.update(roofline(flops, nbytes[(u.name, c)] + act, t, peak_gflops=gflops, peak_gbps=gbps))
+            table.roofline.append(row)
+    if path is not None:
+        _save(path, table)
+    return table

@@ -1,0 +1,359 @@
+"""Per-layer sensitivity: the damage to the model's output when ONLY one unit takes one format.
+
+``damage(u, f)`` is measured, not estimated: ONNX Runtime runs the model with unit ``u`` in
+format ``f`` and everything else in FP32 on a few calibration samples, and the output is
+compared with the FP32 output of the same samples:
+
+* ``kl``: mean over output positions of ``KL(softmax(z_fp32) || softmax(z_f))`` (classifier /
+  LM logits; for an LM the positions are the tokens);
+* ``mse``: ``||y_f - y_fp32||^2 / ||y_fp32||^2`` (any output).
+
+The solver treats damage as additive over units (first-order: small independent
+perturbations of the output add up); the sweep reports how well that predicts the measured
+metric of the emitted mixes (Spearman rank correlation).
+
+Two engines, one table:
+
+* **probe graph** (linear layers, :class:`~quantkit.search.linear.LinearSpace`): ONE session
+  whose MatMul weights are graph inputs, and whose int8_dynamic layers are ``If`` nodes
+  switching between the float MatMul and the real per-token int8 kernels by a boolean input
+  per (unit, candidate).  Every measurement is then one ``run`` with different feeds - no
+  session rebuild.  Weight-only / fp16 / bf16 candidates are fed their effective (dequantized)
+  weights, which is what ``MatMulNBits`` computes at ``accuracy_level`` 0 (at level 4 it
+  additionally rounds activations per block; the emitted points measure that).
+* **emit and run** (any space with ``emit``): emit the one-unit model, open a session, run it.
+
+The table is cached on disk (JSON) keyed by model, data, candidates and settings, and written
+as it grows, so an interrupted search resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from tqdm.auto import tqdm
+
+log = logging.getLogger("quantkit")
+
+__all__ = ["DamageTable", "damage_of", "measure_sensitivity", "probe_model"]
+
+DamageTable = dict[tuple[str, str], float]
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float32, copy=False)
+    m = np.max(z, axis=-1, keepdims=True)
+    e = z - m
+    return e - np.log(np.sum(np.exp(e), axis=-1, keepdims=True))
+
+
+class _Reference:
+    """FP32 outputs of the samples, kept in the form the metric needs."""
+
+    def __init__(self, metric: str, outputs: list[np.ndarray], masks: list[np.ndarray | None]) -> None:
+        self.metric = metric
+        self.masks = masks
+        if metric == "kl":
+            self.logp = [_log_softmax(o) for o in outputs]
+            self.p = [np.exp(lp) for lp in self.logp]
+        else:
+            self.y = [o.astype(np.float32) for o in outputs]
+
+    def damage(self, outputs: list[np.ndarray]) -> float:
+        if self.metric == "kl":
+            total, count = 0.0, 0
+            for p, lp, o, mask in zip(self.p, self.logp, outputs, self.masks, strict=True):
+                kl = np.sum(p * (lp - _log_softmax(o)), axis=-1)  # per position
+                if mask is not None and mask.shape == kl.shape:
+                    total += float(np.sum(kl * mask))
+                    count += int(np.sum(mask))
+                else:
+                    total += float(np.sum(kl))
+                    count += kl.size
+            return total / max(count, 1)
+        num = sum(
+            float(np.sum((o.astype(np.float64) - y) ** 2)) for o, y in zip(outputs, self.y, strict=True)
+        )
+        den = sum(float(np.sum(y.astype(np.float64) ** 2)) for y in self.y)
+        return num / max(den, 1e-30)
+
+
+def damage_of(metric: str, ref: list[np.ndarray], got: list[np.ndarray]) -> float:
+    """The damage of outputs ``got`` against reference outputs ``ref`` (no masks)."""
+    return _Reference(metric, ref, [None] * len(ref)).damage(got)
+
+
+# -- cache ------------------------------------------------------------------------------------------
+class _TableCache:
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.table: DamageTable = {}
+        if path is not None and path.exists():
+            try:
+                raw = json.loads(path.read_text())
+                self.table = {
+                    (k.split("\t")[0], k.split("\t")[1]): float(v) for k, v in raw["damage"].items()
+                }
+            except (OSError, ValueError, KeyError, IndexError) as exc:
+                log.warning("sensitivity cache %s unusable (%s); measuring again", path, exc)
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        blob = json.dumps({"damage": {f"{u}\t{c}": v for (u, c), v in sorted(self.table.items())}})
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".sens-")
+        with os.fdopen(fd, "w") as f:
+            f.write(blob)
+        os.replace(tmp, self.path)
+
+
+def cache_path(parts: Mapping[str, Any]) -> Path:
+    from quantkit.frontends.cache import cache_dir
+
+    key = hashlib.sha256(json.dumps(dict(parts), sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return cache_dir() / "search" / f"sensitivity-{key}.json"
+
+
+# -- probe graph (linear layers) -------------------------------------------------------------------
+def _gate_name(unit: str, cand: str) -> str:
+    return f"quantkit_gate::{unit}::{cand}"
+
+
+def _int8_branch(
+    space: Any, unit: Any, cand: str, layer: str, x_name: str, out: str, prefix: str
+) -> onnx.GraphProto:
+    """The per-token int8 kernels of ``layer`` as an ``If`` branch reading ``x_name`` from outer scope."""
+    import onnx_ir as ir
+
+    from quantkit.lowering.dynamic import lower_int8_dynamic
+    from quantkit.lowering.nbits import apply_input_scale
+
+    lay = space.layers[layer]
+    art = space.int8_artifact(unit, cand)
+    w = np.zeros((lay.K, lay.N), np.float32)
+    g = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", [x_name, "W"], [out], name=layer)],
+        "branch",
+        [onnx.helper.make_tensor_value_info(x_name, onnx.TensorProto.FLOAT, None)],
+        [onnx.helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(w, "W")],
+    )
+    tiny = ir.from_proto(onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 18)]))
+    if art.s is not None:
+        apply_input_scale(tiny, [layer], art.s)
+    q, sc = art.codes[layer]
+    lower_int8_dynamic(tiny, layer, q, sc, granularity=space.candidates[cand].granularity)
+    bg = ir.to_proto(tiny).graph
+    # rename everything defined inside the branch (sibling branches must not share names)
+    ren = {t.name: prefix + t.name for t in bg.initializer}
+    for n in bg.node:
+        for o in n.output:
+            if o and o != out:
+                ren[o] = prefix + o
+    for t in bg.initializer:
+        t.name = ren[t.name]
+    for n in bg.node:
+        n.name = prefix + n.name
+        n.input[:] = [ren.get(i, i) for i in n.input]
+        n.output[:] = [ren.get(o, o) for o in n.output]
+    return onnx.helper.make_graph(
+        list(bg.node),
+        prefix + "then",
+        [],
+        [onnx.helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, None)],
+        list(bg.initializer),
+    )
+
+
+def probe_model(space: Any) -> tuple[onnx.ModelProto, dict[str, str], dict[tuple[str, str], str]]:
+    """``(probe proto, layer -> weight input name, (unit, int8 candidate) -> gate input name)``."""
+    import onnx_ir as ir
+
+    proto = ir.to_proto(space.model)
+    int8_cands = [n for n, c in space.candidates.items() if c.format == "int8_dynamic"]
+    layer_unit = {n: u for u in space.units for n in u.layers}
+    weights = {n: space.layers[n].weight for n in space.layers}
+    wanted = set(weights.values())
+    keep = [t for t in proto.graph.initializer if t.name not in wanted]
+    moved = [t for t in proto.graph.initializer if t.name in wanted]
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(keep)
+    for t in moved:
+        proto.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    gates: dict[tuple[str, str], str] = {}
+    if int8_cands:
+        for u in space.units:
+            for c in int8_cands:
+                gates[(u.name, c)] = _gate_name(u.name, c)
+                proto.graph.input.append(
+                    onnx.helper.make_tensor_value_info(gates[(u.name, c)], onnx.TensorProto.BOOL, [])
+                )
+        nodes = []
+        for node in proto.graph.node:
+            if node.name not in layer_unit or node.op_type != "MatMul":
+                nodes.append(node)
+                continue
+            unit = layer_unit[node.name]
+            x, w, y = node.input[0], node.input[1], node.output[0]
+            # innermost: the float MatMul; each int8 candidate wraps it in an If
+            inner_out = f"{node.name}/float_y"
+            current = onnx.helper.make_graph(
+                [onnx.helper.make_node("MatMul", [x, w], [inner_out], name=f"{node.name}/float")],
+                f"{node.name}/else",
+                [],
+                [onnx.helper.make_tensor_value_info(inner_out, onnx.TensorProto.FLOAT, None)],
+            )
+            for i, c in enumerate(int8_cands):
+                out_i = y if i == len(int8_cands) - 1 else f"{node.name}/if{i}_y"
+                then = _int8_branch(
+                    space, unit, c, node.name, x, f"{node.name}/int8_{i}_y", f"{node.name}/c{i}/"
+                )
+                if_node = onnx.helper.make_node(
+                    "If",
+                    [gates[(unit.name, c)]],
+                    [out_i],
+                    name=f"{node.name}/switch{i}",
+                    then_branch=then,
+                    else_branch=current,
+                )
+                if i == len(int8_cands) - 1:
+                    nodes.append(if_node)
+                else:
+                    current = onnx.helper.make_graph(
+                        [if_node],
+                        f"{node.name}/else{i}",
+                        [],
+                        [onnx.helper.make_tensor_value_info(out_i, onnx.TensorProto.FLOAT, None)],
+                    )
+        del proto.graph.node[:]
+        proto.graph.node.extend(nodes)
+        if not any(o.domain == "com.microsoft" for o in proto.opset_import):
+            proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    return proto, weights, gates
+
+
+def _samples(dataset: Any, count: int, seq_len: int | None) -> list[dict[str, np.ndarray]]:
+    out = []
+    for feed in dataset.batches(1):
+        if seq_len is not None:
+            feed = {
+                k: (v[:, :seq_len] if v.ndim == 2 and v.dtype == np.int64 else v) for k, v in feed.items()
+            }
+        out.append(feed)
+        if len(out) >= count:
+            break
+    return out
+
+
+def measure_sensitivity(
+    space: Any,
+    dataset: Any,
+    *,
+    samples: int,
+    seq_len: int | None,
+    metric: str,
+    cache_parts: Mapping[str, Any] | None = None,
+    progress: bool = True,
+    engine: str = "auto",
+) -> DamageTable:
+    """``(unit, candidate) -> damage`` for every unit and non-fp32 candidate of ``space``."""
+    feeds = _samples(dataset, samples, seq_len)
+    if not feeds:
+        from quantkit.errors import DataError
+
+        raise DataError("sensitivity: the calibration data yielded no sample")
+    cache = _TableCache(cache_path(cache_parts) if cache_parts is not None else None)
+    todo = [
+        (u, c)
+        for u in space.units
+        for c, cand in space.candidates.items()
+        if cand.format != "fp32" and (u.name, c) not in cache.table
+    ]
+    for u in space.units:
+        for c, cand in space.candidates.items():
+            if cand.format == "fp32":
+                cache.table[(u.name, c)] = 0.0
+    if not todo:
+        log.info("sensitivity: all %d measurements reused from %s", len(cache.table), cache.path)
+        return dict(cache.table)
+    use_probe = engine == "probe" or (engine == "auto" and hasattr(space, "int8_artifact"))
+    runner = _probe_runner(space, feeds) if use_probe else _emit_runner(space, feeds)
+    masks = [f.get("attention_mask") for f in feeds]
+    ref = _Reference(
+        metric, runner(None, None), [m.astype(np.float32) if m is not None else None for m in masks]
+    )
+    with tqdm(total=len(todo), desc="sensitivity", unit="layer x format", disable=not progress) as bar:
+        for i, (u, c) in enumerate(todo):
+            cache.table[(u.name, c)] = ref.damage(runner(u, c))
+            bar.update(1)
+            if i % 25 == 24:
+                cache.save()
+    cache.save()
+    return dict(cache.table)
+
+
+def _session(proto_bytes: bytes) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    return ort.InferenceSession(proto_bytes, so, providers=["CPUExecutionProvider"])
+
+
+def _probe_runner(
+    space: Any, feeds: list[dict[str, np.ndarray]]
+) -> Callable[[Any, str | None], list[np.ndarray]]:
+    proto, weights, gates = probe_model(space)
+    sess = _session(proto.SerializeToString())
+    del proto
+    out_name = sess.get_outputs()[0].name
+    wanted = {i.name for i in sess.get_inputs()}
+    base: dict[str, np.ndarray] = {weights[n]: space.weight(n) for n in space.layers}
+    base.update({g: np.array(False) for g in gates.values()})
+
+    def run(unit: Any, cand: str | None) -> list[np.ndarray]:
+        feed = dict(base)
+        if unit is not None and cand is not None:
+            eff = space.effective_weights(unit, cand)
+            if eff is None:
+                feed[gates[(unit.name, cand)]] = np.array(True)
+            else:
+                for n, w in eff.items():
+                    feed[weights[n]] = np.ascontiguousarray(w, np.float32)
+        return [
+            sess.run([out_name], {**{k: v for k, v in f.items() if k in wanted}, **feed})[0] for f in feeds
+        ]
+
+    return run
+
+
+def _emit_runner(
+    space: Any, feeds: list[dict[str, np.ndarray]]
+) -> Callable[[Any, str | None], list[np.ndarray]]:
+    import onnx_ir as ir
+
+    def run(unit: Any, cand: str | None) -> list[np.ndarray]:
+        assignment = {} if unit is None or cand is None else {unit.name: cand}
+        m = space.model if unit is None else space.emit(assignment)
+        sess = _session(ir.to_proto(m).SerializeToString())
+        name = sess.get_outputs()[0].name
+        wanted = {i.name for i in sess.get_inputs()}
+        return [sess.run([name], {k: v for k, v in f.items() if k in wanted})[0] for f in feeds]
+
+    return run
+
+
+def iter_pairs(space: Any) -> Iterable[tuple[str, str]]:
+    for u in space.units:
+        for c in space.candidates:
+            yield u.name, c

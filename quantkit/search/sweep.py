@@ -1,0 +1,444 @@
+"""Sweeps: sensitivity x cost -> integer program -> Pareto front -> emitted, MEASURED points.
+
+``sweep(recipe)`` (what ``quantkit sweep --recipe X.yaml`` runs):
+
+1. load + prepare the model, build the search space of the recipe's candidates (linear layers of
+   a transformer: :class:`~quantkit.search.linear.LinearSpace`; static-INT8 conv nets:
+   :class:`~quantkit.search.conv.ConvSpace`);
+2. **sensitivity**: damage of every (unit, candidate) alone (:mod:`.sensitivity`, cached);
+3. **cost**: bytes and profiled latency of every (unit, candidate) (:mod:`.cost`, cached);
+4. **solve**: the predicted damage-vs-cost front (:func:`.solver.pareto_front`, ``scipy.optimize.milp``),
+   ``search.points`` points spread along it, one point per ``search.budgets`` entry, and every
+   candidate applied uniformly (``search.include_uniform``);
+5. **emit and evaluate** each point: the ONNX model is written (atomically) and ONNX Runtime
+   measures its quality on the evaluation data (perplexity for causal LMs, KL / top-1 against
+   FP32 for classifiers, output SQNR / cosine otherwise), its file size and its latency
+   (all points and FP32 timed interleaved, on the latency feed of ``report.latency``);
+6. **report**: JSON, Markdown, SVG plots (quality vs latency, quality vs size), the per-layer
+   assignment of every point, predicted next to measured, which measured points are on the
+   measured Pareto front (the others are flagged dominated) and the Spearman rank correlation
+   of predicted damage with the measured quality loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+from tqdm.auto import tqdm
+
+from quantkit.errors import DataError, QuantkitError, RecipeError
+
+log = logging.getLogger("quantkit")
+
+__all__ = ["SweepPoint", "SweepResult", "sweep"]
+
+METRIC_KEY = {"size": "bytes", "latency": "latency_ms"}
+
+
+@dataclass
+class SweepPoint:
+    id: str
+    kind: str  # "fp32" | "uniform" | "front" | "budget"
+    assignment: dict[str, str]
+    predicted: dict[str, float]
+    measured: dict[str, Any] = field(default_factory=dict)
+    model_path: str | None = None
+    on_measured_front: dict[str, bool] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class SweepResult:
+    points: list[SweepPoint]
+    predicted_front: list[dict[str, Any]]
+    report: dict[str, Any]
+    paths: dict[str, Path]
+
+
+def _atomic_write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return path
+
+
+def _resolve_budget(
+    expr: float | str, metric: str, uniform: Mapping[str, dict[str, float]], fp32: float
+) -> float:
+    """A budget expression as an absolute value of ``metric`` (see ``search.budgets``)."""
+    if isinstance(expr, (int, float)):
+        return float(expr) * fp32
+    parts = expr.split(":")
+    if parts[0] == "uniform" and len(parts) == 2:
+        if parts[1] not in uniform:
+            raise RecipeError(
+                f"search.budgets {expr!r}: unknown candidate {parts[1]!r}; allowed: {sorted(uniform)}"
+            )
+        return uniform[parts[1]][metric]
+    if parts[0] == "between" and len(parts) in (3, 4):
+        a, b = parts[1], parts[2]
+        for c in (a, b):
+            if c not in uniform:
+                raise RecipeError(
+                    f"search.budgets {expr!r}: unknown candidate {c!r}; allowed: {sorted(uniform)}"
+                )
+        try:
+            t = float(parts[3]) if len(parts) == 4 else 0.5
+        except ValueError:
+            raise RecipeError(f"search.budgets {expr!r}: t must be a number in [0, 1]") from None
+        if not 0.0 <= t <= 1.0:
+            raise RecipeError(f"search.budgets {expr!r}: t={t} is outside [0, 1]")
+        return uniform[a][metric] + t * (uniform[b][metric] - uniform[a][metric])
+    raise RecipeError(
+        f"search.budgets {expr!r}: allowed: a number, 'uniform:<candidate>', 'between:<a>:<b>:<t>'"
+    )
+
+
+def _spread(front: list[Any], metric: str, k: int) -> list[Any]:
+    """``k`` front solutions spread evenly in ``metric`` (both ends included)."""
+    if k <= 0 or not front:
+        return []
+    if len(front) <= k:
+        return list(front)
+    xs = np.array([s.costs[metric] for s in front])
+    targets = np.linspace(xs.min(), xs.max(), k)
+    picked: list[int] = []
+    for t in targets:
+        order = np.argsort(np.abs(xs - t))
+        i = next((int(j) for j in order if int(j) not in picked), None)
+        if i is not None:
+            picked.append(i)
+    return [front[i] for i in sorted(picked)]
+
+
+def _latency_feed(ds: Any, rec: Any) -> dict[str, np.ndarray]:
+    lat = rec.report.latency
+    for feed in ds.batches(lat.batch_size):
+        out = {k: np.ascontiguousarray(v[: lat.batch_size]) for k, v in feed.items()}
+        if lat.seq_len is not None:
+            out = {
+                k: (v[:, : lat.seq_len] if v.ndim == 2 and v.dtype == np.int64 else v) for k, v in out.items()
+            }
+        return out
+    raise DataError("the dataset yielded no batch for the latency feed")
+
+
+def _quality(blob_or_path: Any, float_bytes: bytes, ev: Any, rec: Any, is_lm: bool) -> dict[str, Any]:
+    """Measured quality of one emitted model (ONNX Runtime, evaluation data)."""
+    if is_lm:
+        from quantkit.evaluate.perplexity import perplexity
+
+        r = perplexity(blob_or_path, ev)
+        return {"ppl": float(r["ppl"]), "nll": float(r["nll"]), "tokens": int(r["tokens"])}
+    from quantkit.api import evaluate_fidelity
+
+    q = blob_or_path if isinstance(blob_or_path, bytes) else Path(blob_or_path).read_bytes()
+    summary = evaluate_fidelity(
+        float_bytes, q, ev, batch_size=rec.evaluation.batch_size, metric=rec.evaluation.metric
+    )
+    out = next(iter(summary.values())) if summary else {}
+    return {k: float(v) for k, v in out.items() if isinstance(v, (int, float))}
+
+
+def _loss_key(is_lm: bool, sample: Mapping[str, Any]) -> tuple[str, str]:
+    """(measured key used as 'quality loss', label) - lower is better."""
+    if is_lm:
+        return "ppl", "perplexity"
+    for k, label in (("mean_kl", "mean KL vs FP32"), ("kl", "mean KL vs FP32")):
+        if k in sample:
+            return k, label
+    if "sqnr_db" in sample:
+        return "neg_sqnr_db", "-SQNR dB"
+    return next(iter(sample)), next(iter(sample))
+
+
+def sweep(
+    model: Any = None,
+    calibration_data: Any = None,
+    recipe: Any = None,
+    *,
+    evaluation_data: Any = None,
+    output: str | os.PathLike[str] = "sweep-out",
+    progress: bool = True,
+    use_cache: bool = True,
+    save_models: bool = True,
+) -> SweepResult:
+    """Run the recipe's mixed-precision search and evaluate the chosen points (module doc)."""
+    from quantkit.api import _eval_dataset, save_model
+    from quantkit.calibrate.cache import model_hash
+    from quantkit.data import as_dataset, make_dataset, model_inputs
+    from quantkit.frontends import load_model
+    from quantkit.prep.pipeline import prepare
+    from quantkit.recipe import load_recipe
+    from quantkit.search.cost import measure_costs
+    from quantkit.search.sensitivity import measure_sensitivity
+    from quantkit.search.solver import Problem, pareto_front, pareto_mask, solve, spearman
+
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    rec = load_recipe(recipe if recipe is not None else {"version": 1})
+    if rec.search is None:
+        raise RecipeError("sweep needs a recipe with a 'search' section (candidates, metric, points)")
+    srch = rec.search
+    if model is None and rec.model is None:
+        raise QuantkitError("sweep() needs a model: pass one, or name it in the recipe's model.source")
+    out_dir = Path(output)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    t = time.perf_counter()
+    source = model if model is not None else rec.model.source  # type: ignore[union-attr]
+    loaded = load_model(source)
+    float_model = prepare(loaded.model).model
+    inputs = model_inputs(float_model)
+    if calibration_data is not None:
+        cal = as_dataset(calibration_data, inputs, tokenizer=loaded.tokenizer)
+    elif rec.calibration.data is not None:
+        cal = make_dataset(
+            rec.calibration.data.model_dump(), inputs=inputs, tokenizer=loaded.tokenizer, split="calibration"
+        )
+    else:
+        raise QuantkitError("sweep() needs calibration data: pass calibration_data or set calibration.data")
+    ev = _eval_dataset(rec, loaded, evaluation_data, inputs)
+    if ev is None:
+        raise DataError("sweep() measures every point: set evaluation.data or pass evaluation_data")
+    float_proto = ir.to_proto(float_model)
+    float_bytes = float_proto.SerializeToString()
+    is_lm = rec.evaluation.perplexity and any(o.name == "logits" for o in float_proto.graph.output)
+    digest = model_hash(float_bytes)
+    timings["load_s"] = time.perf_counter() - t
+
+    formats = {c.format for c in srch.candidate_list()}
+    if "int8" in formats:
+        from quantkit.search.conv import ConvSpace
+
+        space: Any = ConvSpace.build(float_model, rec, cal, progress=progress, use_cache=use_cache)
+    else:
+        from quantkit.search.linear import LinearSpace
+
+        space = LinearSpace.build(float_model, rec, cal, progress=progress)
+    cand_spec = [c.model_dump() for c in srch.candidate_list()]
+    common = {
+        "model": digest,
+        "data": cal.fingerprint(),
+        "candidates": cand_spec,
+        "tie": srch.tie,
+        "layers": srch.layers,
+        "units": [u.name for u in space.units],
+        "pinned": [o.model_dump() for o in rec.quantization.overrides],
+        "acc": rec.export.accuracy_level,
+    }
+    log.info(
+        "search space: %d units (%d layers), %d candidates, %d pinned layers",
+        len(space.units),
+        sum(len(u.layers) for u in space.units),
+        len(space.candidates),
+        len(space.pinned),
+    )
+
+    t = time.perf_counter()
+    sens = srch.sensitivity
+    damage = measure_sensitivity(
+        space,
+        cal,
+        samples=sens.samples,
+        seq_len=sens.seq_len,
+        metric=sens.metric,
+        cache_parts={**common, "sens": sens.model_dump()} if use_cache else None,
+        progress=progress,
+    )
+    timings["sensitivity_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    feed = _latency_feed(ev, rec)
+    lat = rec.report.latency
+    costs = measure_costs(
+        space,
+        feed,
+        runs=lat.repeat,
+        warmup=lat.warmup,
+        threads=lat.threads,
+        cache_parts={
+            **common,
+            "feed": {k: list(v.shape) for k, v in feed.items()},
+            "threads": lat.threads,
+            "runs": lat.repeat,
+        }
+        if use_cache
+        else None,
+        progress=progress,
+    )
+    timings["cost_s"] = time.perf_counter() - t
+
+    # -- solve ------------------------------------------------------------------------------------
+    t = time.perf_counter()
+    cnames = list(space.candidates)
+    units = [u.name for u in space.units]
+    problem = Problem(
+        units=units,
+        formats={u: list(cnames) for u in units},
+        damage={(u, c): damage[(u, c)] for u in units for c in cnames},
+        costs={
+            "bytes": {(u, c): costs.bytes[(u, c)] for u in units for c in cnames},
+            "latency_ms": {(u, c): costs.latency_ms[(u, c)] for u in units for c in cnames},
+        },
+        base=dict(costs.base),
+        edges=list(getattr(space, "edges", lambda _c: [])(costs)),
+    )
+    metric = METRIC_KEY[srch.metric]
+    front = pareto_front(problem, metric=metric, points=srch.frontier_points, time_limit=srch.time_limit_s)
+
+    def predicted(assign: dict[str, str]) -> dict[str, float]:
+        d = float(sum(problem.damage[(u, assign[u])] for u in units))
+        out = {"damage": d}
+        for m, tab in problem.costs.items():
+            out[m] = problem.base.get(m, 0.0) + float(sum(tab[(u, assign[u])] for u in units))
+        for e in problem.edges:
+            out[e.metric] += float(e.cost.get((assign[e.u], assign[e.v]), 0.0))
+        return out
+
+    fp32_assign = {u: "fp32" for u in units}
+    fp32_pred = (
+        predicted(fp32_assign)
+        if "fp32" in cnames
+        else {
+            "damage": 0.0,
+            "bytes": costs.base["bytes"] + sum(costs.bytes[(u, "fp32")] for u in units),
+            "latency_ms": costs.base["latency_ms"] + sum(costs.latency_ms[(u, "fp32")] for u in units),
+        }
+    )
+    uniform = {c: predicted({u: c for u in units}) for c in cnames}
+    uniform_all = {**uniform, "fp32": fp32_pred}
+    points: list[SweepPoint] = []
+    seen: set[tuple[str, ...]] = set()
+
+    def add(pid: str, kind: str, assign: dict[str, str]) -> None:
+        key = tuple(assign[u] for u in units)
+        if key in seen:
+            for p in points:
+                if tuple(p.assignment[u] for u in units) == key:
+                    p.kind += f"+{kind}"
+                    p.id += f" = {pid}"
+            return
+        seen.add(key)
+        counts: dict[str, int] = {}
+        for u in space.units:
+            counts[assign[u.name]] = counts.get(assign[u.name], 0) + len(u.layers)
+        points.append(
+            SweepPoint(
+                pid, kind, dict(assign), predicted(assign) if kind != "fp32" else fp32_pred, counts=counts
+            )
+        )
+
+    if srch.include_uniform:
+        for c in cnames:
+            add(f"uniform:{c}", "uniform", {u: c for u in units})
+    for i, s in enumerate(_spread(front, metric, srch.points)):
+        add(f"front-{i + 1}", "front", s.assignment)
+    for expr in srch.budgets:
+        b = _resolve_budget(expr, metric, uniform_all, fp32_pred[metric])
+        sol = solve(problem, minimize="damage", budgets={metric: b}, time_limit=srch.time_limit_s)
+        if sol is None:
+            log.warning("search.budgets %r (%s <= %.4g) is infeasible with these candidates", expr, metric, b)
+            continue
+        add(f"budget:{expr}", "budget", sol.assignment)
+    timings["solve_s"] = time.perf_counter() - t
+
+    # -- emit and measure ------------------------------------------------------------------------------
+    t = time.perf_counter()
+    models_dir = out_dir / "models"
+    paths: dict[str, Path] = {}
+    fp32_path = None
+    tmp_dir = tempfile.TemporaryDirectory(prefix="quantkit-sweep-")
+    try:
+        store = models_dir if save_models else Path(tmp_dir.name)
+        fp32_path = Path(tmp_dir.name) / "fp32.onnx"
+        save_model(float_model, fp32_path, "auto")
+        fp32_quality = _quality(str(fp32_path), float_bytes, ev, rec, is_lm) if is_lm else {}
+        for i, p in enumerate(
+            tqdm(points, desc="emit + evaluate points", unit="point", disable=not progress)
+        ):
+            m = space.emit(p.assignment)
+            path = store / f"point-{i:02d}" / "model.onnx"
+            save_model(m, path, rec.export.external_data)
+            del m
+            p.model_path = str(path) if save_models else None
+            paths[p.id] = path
+            p.measured["size_bytes"] = sum(f.stat().st_size for f in path.parent.iterdir() if f.is_file())
+            p.measured.update(_quality(str(path), float_bytes, ev, rec, is_lm))
+        # latency: all points and FP32, interleaved on one feed
+        from quantkit.evaluate.latency import compare_latency, make_session
+
+        lat_paths = {"fp32": fp32_path, **{p.id: paths[p.id] for p in points}}
+        sessions = {k: make_session(str(v), threads=lat.threads) for k, v in lat_paths.items()}
+        res = compare_latency(sessions, feed, warmup=lat.warmup, repeat=lat.repeat, threads=lat.threads or 0)
+        del sessions
+        fp32_ms = res["fp32"].median_ms
+        for p in points:
+            p.measured["latency_ms"] = res[p.id].median_ms
+            p.measured["latency_p90_ms"] = res[p.id].p90_ms
+            p.measured["speedup_vs_fp32"] = fp32_ms / max(res[p.id].median_ms, 1e-9)
+        fp32_size = fp32_path.stat().st_size + sum(
+            f.stat().st_size for f in fp32_path.parent.iterdir() if f.name.startswith("fp32.onnx.")
+        )
+    finally:
+        tmp_dir.cleanup()
+    timings["evaluate_s"] = time.perf_counter() - t
+
+    # -- measured front, rank correlation -------------------------------------------------------------
+    loss_key, loss_label = _loss_key(is_lm, points[0].measured if points else {})
+    for p in points:
+        if loss_key == "neg_sqnr_db":
+            p.measured["neg_sqnr_db"] = -p.measured.get("sqnr_db", 0.0)
+    losses = [float(p.measured.get(loss_key, float("nan"))) for p in points]
+    for axis, key in (("latency", "latency_ms"), ("size", "size_bytes")):
+        mask = pareto_mask([float(p.measured[key]) for p in points], losses)
+        for p, on in zip(points, mask, strict=True):
+            p.on_measured_front[axis] = bool(on)
+    rho = spearman([p.predicted["damage"] for p in points], losses) if len(points) >= 3 else float("nan")
+    rho_lat = (
+        spearman([p.predicted["latency_ms"] for p in points], [p.measured["latency_ms"] for p in points])
+        if len(points) >= 3
+        else float("nan")
+    )
+    timings["total_s"] = time.perf_counter() - t_start
+    report = {
+        "recipe": rec.name,
+        "source": str(loaded.source),
+        "family": type(space).__name__,
+        "provider": "CPUExecutionProvider",
+        "note_16bit": "fp16/bf16 on ONNX Runtime's CPU provider are storage formats: weights are stored in 16 bits "
+        "and widened to fp32 at load time (no fp16/bf16 GEMM on this provider); their latency is FP32's",
+        "metric": srch.metric,
+        "quality_key": loss_key,
+        "quality_label": loss_label,
+        "fp32": {"latency_ms": fp32_ms, "size_bytes": fp32_size, **fp32_quality},
+        "units": [{"name": u.name, "layers": list(u.layers)} for u in space.units],
+        "pinned": list(space.pinned),
+        "candidates": cand_spec,
+        "spearman_predicted_damage_vs_measured": rho,
+        "spearman_predicted_vs_measured_latency": rho_lat,
+        "points": [asdict(p) for p in points],
+        "predicted_front": [{"damage": s.damage, **s.costs, "status": s.status} for s in front],
+        "uniform_predicted": uniform_all,
+        "costs": {"base": costs.base, "notes": costs.notes},
+        "roofline": costs.roofline,
+        "sensitivity": [{"unit": u, "candidate": c, "damage": v} for (u, c), v in sorted(damage.items())],
+        "assignments": {p.id: space.assignment_table(p.assignment) for p in points},
+        "timings": timings,
+    }
+    from quantkit.report.sweep import write_sweep_report
+
+    out_paths = write_sweep_report(report, out_dir)
+    front_rows = [{"damage": s.damage, **s.costs, "status": s.status} for s in front]
+    return SweepResult(points, front_rows, report, out_paths)
