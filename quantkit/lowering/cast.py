@@ -57,13 +57,16 @@ def _tensor16(w: np.ndarray, fmt: str, name: str) -> ir.TensorProtocol:
 
 
 def lower_cast(model: ir.Model, node_name: str, fmt: str, *, compute: str = "storage") -> ir.Node:
-    """Give MatMul ``node_name`` a 16-bit weight (``fmt`` "fp16"/"bf16"); ``compute`` as in the module doc."""
+    """Give ``node_name`` (MatMul; Conv / Gemm: storage only) a 16-bit weight (``fmt`` "fp16"/"bf16");
+    ``compute`` as in the module doc."""
     if fmt not in FLOAT16_TYPES:
         raise RecipeError(f"layer {node_name!r}: 16-bit format {fmt!r}; allowed: {sorted(FLOAT16_TYPES)}")
     if compute not in ("storage", "native"):
         raise RecipeError(f"layer {node_name!r}: compute {compute!r}; allowed: ['storage', 'native']")
     graph = model.graph
-    node = _find(graph, node_name, ("MatMul",))
+    node = _find(graph, node_name, ("MatMul", "Conv", "Gemm"))
+    if node.op_type != "MatMul" and compute != "storage":
+        raise RecipeError(f"layer {node_name!r} ({node.op_type}): 16-bit compute 'native' is for MatMul; allowed: storage")
     w_val = node.inputs[1]
     w = constant_array(w_val)
     if w is None or w_val is None:

@@ -104,6 +104,31 @@ def _save(path: Path, table: CostTable) -> None:
     os.replace(tmp, path)
 
 
+def _output_aliases(model: Any, layers: list[str]) -> dict[str, str]:
+    """Output tensor of each layer, and of the single-consumer activation / Add chain fused into it
+    (ORT names some fused kernels after that tensor) -> layer."""
+    wanted = set(layers)
+    consumers: dict[str, list[Any]] = {}
+    for node in model.graph:
+        for i in node.inputs:
+            if i is not None and i.name:
+                consumers.setdefault(i.name, []).append(node)
+    out: dict[str, str] = {}
+    for node in model.graph:
+        if (node.name or "") not in wanted or not node.outputs:
+            continue
+        v = node.outputs[0]
+        for _ in range(3):
+            if not v.name:
+                break
+            out.setdefault(v.name, node.name or "")
+            nxt = consumers.get(v.name, [])
+            if len(nxt) != 1 or nxt[0].op_type not in ("Relu", "Clip", "Sigmoid", "HardSigmoid", "Add", "Sum"):
+                break
+            v = nxt[0].outputs[0]
+    return out
+
+
 def measure_costs(
     space: Any,
     feed: Mapping[str, np.ndarray],
@@ -139,14 +164,23 @@ def measure_costs(
     cands = ["fp32"] + [c for c in space.candidates if c != "fp32"]
     lat: dict[tuple[str, str], float] = {}
     profiles: dict[str, Any] = {}
+    storage16 = [c for c in cands if c != "fp32" and space.candidates[c].format in ("fp16", "bf16")
+                 and space.candidates[c].compute == "storage"]
     for c in tqdm(cands, desc="profile formats", unit="model", disable=not progress):
+        if c in storage16:
+            # ORT folds a constant 16-bit weight's Cast back to FP32 at load (RUNTIME.md): the graph it runs
+            # is the FP32 one, so the FP32 measurement is used (profiling it again would only add noise)
+            for u in units:
+                lat[(u.name, c)] = lat[(u.name, "fp32")]
+            profiles[c] = {"same_as": "fp32"}
+            continue
         m = space.emit({u.name: c for u in units})
         blob = ir.to_proto(m).SerializeToString()
         del m
         if c == "fp32":
             file_fp32 = len(blob)
         prof = profile_model(blob, feed, runs=runs, warmup=warmup, threads=threads, level="all")
-        per_layer = prof.by_layer(layer_names)
+        per_layer = prof.by_layer(layer_names, aliases=_output_aliases(space.model, layer_names))
         for u in units:
             lat[(u.name, c)] = float(sum(per_layer.get(n, 0.0) for n in u.layers))
         profiles[c] = {
@@ -193,3 +227,39 @@ def measure_costs(
     if path is not None:
         _save(path, table)
     return table
+
+
+_QDQ_RATE: list[float] = []
+
+
+def qdq_ns_per_element(elements: int = 1 << 20, repeat: int = 20) -> float:
+    """Measured ns per element of a uint8 ``QuantizeLinear`` + ``DequantizeLinear`` pair in ONNX Runtime
+    (what a boundary between an int8 and a float layer costs); measured once per process."""
+    if _QDQ_RATE:
+        return _QDQ_RATE[0]
+    import time
+
+    import onnx
+
+    h = onnx.helper
+    g = h.make_graph(
+        [h.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]), h.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
+        "qdq", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [elements])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [elements])],
+        [onnx.numpy_helper.from_array(np.array(0.05, np.float32), "s"),
+         onnx.numpy_helper.from_array(np.array(128, np.uint8), "z")],
+    )
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep the pair (no folding)
+    sess = ort.InferenceSession(h.make_model(g, opset_imports=[h.make_opsetid("", 13)]).SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal(elements).astype(np.float32)
+    for _ in range(3):
+        sess.run(None, {"x": x})
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        sess.run(None, {"x": x})
+        ts.append(time.perf_counter() - t0)
+    _QDQ_RATE.append(float(np.median(ts)) * 1e9 / elements)
+    return _QDQ_RATE[0]

@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -114,17 +115,27 @@ class Profile:
         """The layer of ``layers`` that optimized node ``node_name`` belongs to, else ``"<other>"``."""
         return _attribute(node_name, set(layers))
 
-    def by_layer(self, layers: Iterable[str]) -> dict[str, float]:
+    def by_layer(self, layers: Iterable[str], aliases: Mapping[str, str] | None = None) -> dict[str, float]:
         """Milliseconds per original layer (median node times summed), plus ``"<other>"``.
 
         Every name of ``layers`` is a key (0.0 when no node is attributed to it) and so
         is ``"<other>"``; the values add up to :attr:`node_sum_ms`.
+
+        ``aliases`` maps other names (e.g. a layer's output tensor, or the output of the
+        activation fused into it) to a layer: ORT's NCHWc transformer (AVX-512 float convs at
+        ``"all"``) names its ``Conv`` ``<output tensor>_nchwc``, so a node that matches no layer
+        is tried again with ``_token_<n>`` / ``_nchwc`` suffixes removed against ``aliases``.
         """
         layer_set = set(layers)
         out: dict[str, float] = dict.fromkeys(sorted(layer_set), 0.0)
         out[OTHER] = 0.0
         for node in self.nodes.values():
-            out[_attribute(node.name, layer_set)] += node.median_us / 1000.0
+            layer = _attribute(node.name, layer_set)
+            if layer == OTHER and aliases:
+                base = re.sub(r"(_token_\d+)+$", "", node.name)
+                base = base[: -len("_nchwc")] if base.endswith("_nchwc") else base
+                layer = aliases.get(base, OTHER)
+            out[layer] += node.median_us / 1000.0
         return out
 
     def by_op_type(self) -> dict[str, float]:

@@ -214,7 +214,8 @@ def sweep(
         raise DataError("sweep() measures every point: set evaluation.data or pass evaluation_data")
     float_proto = ir.to_proto(float_model)
     float_bytes = float_proto.SerializeToString()
-    is_lm = rec.evaluation.perplexity and any(o.name == "logits" for o in float_proto.graph.output)
+    is_lm = (rec.evaluation.perplexity and any(o.name == "logits" for o in float_proto.graph.output)
+             and any(i.name == "input_ids" for i in float_proto.graph.input))
     digest = model_hash(float_bytes)
     timings["load_s"] = time.perf_counter() - t
 
