@@ -110,3 +110,38 @@ def cnn_model() -> onnx.ModelProto:
 @pytest.fixture
 def encoder_model() -> onnx.ModelProto:
     return tiny_encoder()
+
+
+def tiny_lm(seed: int = 0, K: int = 32, V: int = 48) -> onnx.ModelProto:
+    """A decoder block in miniature, float input x[B,T,K] -> logits[B,T,V]:
+    norm (Mul by gamma) -> q/k (one shared input) -> Add -> o -> residual -> up -> Relu -> down -> lm.
+    Input channel 3 carries an outlier (x 30) as LLM activations do."""
+    rng = np.random.default_rng(seed)
+
+    def w(shape: tuple[int, int], s: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+
+    gamma = (rng.random(K) + 0.5).astype(np.float32)
+    gamma[3] = 30.0
+    inits = [_init("gamma", gamma), _init("Wq", w((K, K))), _init("Wk", w((K, K))), _init("Wo", w((K, K))),
+             _init("Wu", w((K, 2 * K))), _init("Wd", w((2 * K, K))), _init("Wlm", w((K, V), 0.5))]
+    nodes = [
+        helper.make_node("Mul", ["x", "gamma"], ["h"], name="norm"),
+        helper.make_node("MatMul", ["h", "Wq"], ["q"], name="q_proj"),
+        helper.make_node("MatMul", ["h", "Wk"], ["k"], name="k_proj"),
+        helper.make_node("Add", ["q", "k"], ["a"], name="mix"),
+        helper.make_node("MatMul", ["a", "Wo"], ["o"], name="o_proj"),
+        helper.make_node("Add", ["o", "x"], ["r"], name="residual"),
+        helper.make_node("MatMul", ["r", "Wu"], ["u"], name="up_proj"),
+        helper.make_node("Relu", ["u"], ["g"], name="act"),
+        helper.make_node("MatMul", ["g", "Wd"], ["d"], name="down_proj"),
+        helper.make_node("MatMul", ["d", "Wlm"], ["logits"], name="lm"),
+    ]
+    graph = helper.make_graph(nodes, "tiny_lm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", K])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "T", V])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def lm_feeds(n: int, seed: int = 0, K: int = 32, T: int = 8) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((1, T, K)).astype(np.float32)} for _ in range(n)]

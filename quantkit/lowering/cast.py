@@ -66,7 +66,9 @@ def lower_cast(model: ir.Model, node_name: str, fmt: str, *, compute: str = "sto
     graph = model.graph
     node = _find(graph, node_name, ("MatMul", "Conv", "Gemm"))
     if node.op_type != "MatMul" and compute != "storage":
-        raise RecipeError(f"layer {node_name!r} ({node.op_type}): 16-bit compute 'native' is for MatMul; allowed: storage")
+        raise RecipeError(
+            f"layer {node_name!r} ({node.op_type}): 16-bit compute 'native' is for MatMul; allowed: storage"
+        )
     w_val = node.inputs[1]
     w = constant_array(w_val)
     if w is None or w_val is None:

@@ -67,8 +67,15 @@ class ConvSpace:
     _bytes: bytes = b""
 
     @classmethod
-    def build(cls, model: ir.Model, rec: RecipeModel, calibration: Any, *, progress: bool = True,
-              use_cache: bool = True) -> ConvSpace:
+    def build(
+        cls,
+        model: ir.Model,
+        rec: RecipeModel,
+        calibration: Any,
+        *,
+        progress: bool = True,
+        use_cache: bool = True,
+    ) -> ConvSpace:
         from quantkit.lowering.ops import WEIGHTED
         from quantkit.lowering.select import select
 
@@ -108,16 +115,36 @@ class ConvSpace:
                 continue
             out_shape = shapes.get(node.outputs[0].name or "")
             in_shape = shapes.get(node.inputs[0].name or "") if node.inputs[0] is not None else None
-            out_ch = int(w.shape[0]) if node.op_type == "Conv" else int(w.shape[-1] if node.op_type == "MatMul" else (
-                w.shape[0] if _trans_b(node) else w.shape[1]))
+            out_ch = (
+                int(w.shape[0])
+                if node.op_type == "Conv"
+                else int(
+                    w.shape[-1]
+                    if node.op_type == "MatMul"
+                    else (w.shape[0] if _trans_b(node) else w.shape[1])
+                )
+            )
             spatial = float(np.prod(out_shape[2:])) if out_shape and node.op_type == "Conv" else 1.0
-            per_out = float(np.prod(w.shape[1:])) if node.op_type == "Conv" else float(w.size / max(out_ch, 1))
+            per_out = (
+                float(np.prod(w.shape[1:])) if node.op_type == "Conv" else float(w.size / max(out_ch, 1))
+            )
             flops = 2.0 * spatial * out_ch * per_out
-            act = float(np.prod(in_shape[1:]) if in_shape else 0) + float(np.prod(out_shape[1:]) if out_shape else 0)
-            layers[name] = _Layer(name, node.op_type, tuple(int(d) for d in w.shape), out_ch, flops, act,
-                                  node.inputs[0].name or "" if node.inputs[0] is not None else "")
+            act = float(np.prod(in_shape[1:]) if in_shape else 0) + float(
+                np.prod(out_shape[1:]) if out_shape else 0
+            )
+            layers[name] = _Layer(
+                name,
+                node.op_type,
+                tuple(int(d) for d in w.shape),
+                out_ch,
+                flops,
+                act,
+                node.inputs[0].name or "" if node.inputs[0] is not None else "",
+            )
         if not layers:
-            raise UnsupportedOpError("no int8 layer to search in this model (all pinned, or none quantizable)")
+            raise UnsupportedOpError(
+                "no int8 layer to search in this model (all pinned, or none quantizable)"
+            )
         units = [Unit(n, (n,), lay.input) for n, lay in layers.items()]
         sp = cls(model, rec, cands, layers, units, pinned, calibration, progress, use_cache)
         sp._proto = ir.to_proto(model)
@@ -133,8 +160,16 @@ class ConvSpace:
         needs_means = self.rec.quantization.bias_correction and any(k not in self._means for k in plan.layers)
         if not missing and not needs_means:
             return
-        ranges, means, _ = calibrate_ranges(self.model, self._proto, self._bytes, plan, self.calibration, self.rec,
-                                            progress=self.progress, use_cache=self.use_cache)
+        ranges, means, _ = calibrate_ranges(
+            self.model,
+            self._proto,
+            self._bytes,
+            plan,
+            self.calibration,
+            self.rec,
+            progress=self.progress,
+            use_cache=self.use_cache,
+        )
         self._ranges.update(ranges)
         if means:
             self._means.update(means)
@@ -145,7 +180,8 @@ class ConvSpace:
         d = self.rec.model_dump()
         d["search"] = None
         d["quantization"]["overrides"] = [{"layer": u, "format": "fp32"} for u in float_units] + list(
-            d["quantization"]["overrides"])
+            d["quantization"]["overrides"]
+        )
         return load_recipe(d)
 
     # -- emission ----------------------------------------------------------------------------------
@@ -159,20 +195,31 @@ class ConvSpace:
         for u in self.units:
             cand = assignment.get(u.name, "fp32")
             if cand != "fp32" and cand not in self.candidates:
-                raise RecipeError(f"unit {u.name!r}: unknown candidate {cand!r}; allowed: {sorted(self.candidates)}")
+                raise RecipeError(
+                    f"unit {u.name!r}: unknown candidate {cand!r}; allowed: {sorted(self.candidates)}"
+                )
             fmt[u.name] = self.candidates[cand].format if cand in self.candidates else "fp32"
         float_units = [u for u, f in fmt.items() if f != "int8"]
         rec_a = self._recipe_for(float_units)
         plan = select(self.model, rec_a)
         self._calibrate(plan)
         m = ir.from_proto(self._proto)
-        means = {k: v for k, v in self._means.items() if k in plan.layers} if self.rec.quantization.bias_correction else None
-        lower_int8(m, plan, {k: self._ranges[k] for k in plan.calibrated_tensors()},
-                   activation_storage=self.rec.export.activation_storage, matmul_form=self.rec.export.matmul_form,
-                   input_means=means)
-        for u, f in fmt.items():
+        means = (
+            {k: v for k, v in self._means.items() if k in plan.layers}
+            if self.rec.quantization.bias_correction
+            else None
+        )
+        lower_int8(
+            m,
+            plan,
+            {k: self._ranges[k] for k in plan.calibrated_tensors()},
+            activation_storage=self.rec.export.activation_storage,
+            matmul_form=self.rec.export.matmul_form,
+            input_means=means,
+        )
+        for layer, f in fmt.items():
             if f in ("fp16", "bf16"):
-                lower_cast(m, u, f, compute="storage")
+                lower_cast(m, layer, f, compute="storage")
         return m
 
     # -- costs -------------------------------------------------------------------------------------
@@ -197,20 +244,25 @@ class ConvSpace:
         from quantkit.search.solver import Edge
 
         rate_ms = qdq_ns_per_element() * 1e-6
-        producer = {}
-        for node in self.model.graph:
-            for o in node.outputs:
+        producer: dict[str, ir.Node] = {}
+        for n in self.model.graph:
+            for o in n.outputs:
                 if o.name:
-                    producer[o.name] = node
+                    producer[o.name] = n
         unit_names = {u.name for u in self.units}
         shapes = _infer_shapes(self.model)
         out = []
         for u in self.units:
             v_in = self.layers[u.name].input
-            node = producer.get(v_in)
+            node: ir.Node | None = producer.get(v_in)
             hops = 0
-            while node is not None and (node.name or "") not in unit_names and node.op_type in (
-                    "Relu", "Clip", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze") and hops < 4:
+            while (
+                node is not None
+                and (node.name or "") not in unit_names
+                and node.op_type
+                in ("Relu", "Clip", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze")
+                and hops < 4
+            ):
                 src = node.inputs[0]
                 node = producer.get(src.name or "") if src is not None else None
                 hops += 1
@@ -234,9 +286,17 @@ class ConvSpace:
         for u in self.units:
             cand = assignment.get(u.name, "fp32")
             lay = self.layers[u.name]
-            rows.append({"layer": u.name, "unit": u.name, "candidate": cand,
-                         "format": self.candidates[cand].format if cand in self.candidates else "fp32",
-                         "op_type": lay.op_type, "K": int(np.prod(lay.weight_shape[1:])), "N": lay.out_channels})
+            rows.append(
+                {
+                    "layer": u.name,
+                    "unit": u.name,
+                    "candidate": cand,
+                    "format": self.candidates[cand].format if cand in self.candidates else "fp32",
+                    "op_type": lay.op_type,
+                    "K": int(np.prod(lay.weight_shape[1:])),
+                    "N": lay.out_channels,
+                }
+            )
         return rows
 
 

@@ -123,7 +123,14 @@ def _output_aliases(model: Any, layers: list[str]) -> dict[str, str]:
                 break
             out.setdefault(v.name, node.name or "")
             nxt = consumers.get(v.name, [])
-            if len(nxt) != 1 or nxt[0].op_type not in ("Relu", "Clip", "Sigmoid", "HardSigmoid", "Add", "Sum"):
+            if len(nxt) != 1 or nxt[0].op_type not in (
+                "Relu",
+                "Clip",
+                "Sigmoid",
+                "HardSigmoid",
+                "Add",
+                "Sum",
+            ):
                 break
             v = nxt[0].outputs[0]
     return out
@@ -164,8 +171,13 @@ def measure_costs(
     cands = ["fp32"] + [c for c in space.candidates if c != "fp32"]
     lat: dict[tuple[str, str], float] = {}
     profiles: dict[str, Any] = {}
-    storage16 = [c for c in cands if c != "fp32" and space.candidates[c].format in ("fp16", "bf16")
-                 and space.candidates[c].compute == "storage"]
+    storage16 = [
+        c
+        for c in cands
+        if c != "fp32"
+        and space.candidates[c].format in ("fp16", "bf16")
+        and space.candidates[c].compute == "storage"
+    ]
     for c in tqdm(cands, desc="profile formats", unit="model", disable=not progress):
         if c in storage16:
             # ORT folds a constant 16-bit weight's Cast back to FP32 at load (RUNTIME.md): the graph it runs
@@ -243,16 +255,25 @@ def qdq_ns_per_element(elements: int = 1 << 20, repeat: int = 20) -> float:
 
     h = onnx.helper
     g = h.make_graph(
-        [h.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]), h.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
-        "qdq", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [elements])],
+        [
+            h.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+            h.make_node("DequantizeLinear", ["q", "s", "z"], ["y"]),
+        ],
+        "qdq",
+        [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [elements])],
         [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [elements])],
-        [onnx.numpy_helper.from_array(np.array(0.05, np.float32), "s"),
-         onnx.numpy_helper.from_array(np.array(128, np.uint8), "z")],
+        [
+            onnx.numpy_helper.from_array(np.array(0.05, np.float32), "s"),
+            onnx.numpy_helper.from_array(np.array(128, np.uint8), "z"),
+        ],
     )
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep the pair (no folding)
-    sess = ort.InferenceSession(h.make_model(g, opset_imports=[h.make_opsetid("", 13)]).SerializeToString(), so,
-                                providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(
+        h.make_model(g, opset_imports=[h.make_opsetid("", 13)]).SerializeToString(),
+        so,
+        providers=["CPUExecutionProvider"],
+    )
     x = np.random.default_rng(0).standard_normal(elements).astype(np.float32)
     for _ in range(3):
         sess.run(None, {"x": x})

@@ -294,14 +294,29 @@ class LinearSpace:
                 bits = 4 if c.format == "int4" else 8
                 g = self._group_size(c) or K
                 total += weight_only_bytes(K, N, bits, g, self.rec.quantization.default.weights.symmetric)
-        if (
-            c.format == "int8_dynamic"
-            and c.smoothquant is not None
-            and self.rec.search is not None
-            and self.rec.search.tie == "none"
-        ):
-            total += 4 * self.layers[unit.layers[0]].K  # an explicit Mul(x, 1/s)
+        if c.format == "int8_dynamic" and c.smoothquant is not None:
+            art = self.int8_artifact(unit, cand)
+            if art.s is not None and not self._foldable(unit):
+                total += 4 * self.layers[unit.layers[0]].K  # an explicit Mul(x, 1/s)
         return total
+
+    def _foldable(self, unit: Unit) -> bool:
+        """Whether a SmoothQuant ``1/s`` on the unit's input folds into its producer (a norm or a Mul by a
+        constant read only by the unit), as :func:`quantkit.lowering.nbits.apply_input_scale` does."""
+        from quantkit.lowering.nbits import _NORMS
+
+        for node in self.model.graph:
+            if node.name == unit.layers[0]:
+                x = node.inputs[0]
+                if x is None or x.is_graph_output() or {u.node.name for u in x.uses()} != set(unit.layers):
+                    return False
+                prod = x.producer()
+                if prod is None:
+                    return False
+                if prod.op_type in _NORMS:
+                    return True
+                return prod.op_type == "Mul" and any(constant_array(i) is not None for i in prod.inputs)
+        return False
 
     def unit_work(self, unit: Unit, rows: int) -> tuple[float, float]:
         """``(FLOPs, activation bytes in + out)`` of one call of the unit on ``rows`` rows."""

@@ -344,7 +344,7 @@ def _emit_runner(
 
     def run(unit: Any, cand: str | None) -> list[np.ndarray]:
         assignment = {} if unit is None or cand is None else {unit.name: cand}
-        m = space.model if unit is None else space.emit(assignment)
+        m = space.emit(assignment)  # the reference too: pinned layers as in every emitted point
         sess = _session(ir.to_proto(m).SerializeToString())
         name = sess.get_outputs()[0].name
         wanted = {i.name for i in sess.get_inputs()}

@@ -134,33 +134,49 @@ def _latency_feed(ds: Any, rec: Any) -> dict[str, np.ndarray]:
     raise DataError("the dataset yielded no batch for the latency feed")
 
 
-def _quality(blob_or_path: Any, float_bytes: bytes, ev: Any, rec: Any, is_lm: bool) -> dict[str, Any]:
-    """Measured quality of one emitted model (ONNX Runtime, evaluation data)."""
+def _quality(path: str, float_bytes: bytes, ev: Any, rec: Any, is_lm: bool) -> dict[str, Any]:
+    """Measured quality of one emitted model (ONNX Runtime, evaluation data).
+
+    Causal LMs: perplexity.  Others: the fidelity summary of the first output against FP32
+    (top-1 / KL for classifiers, SQNR / cosine otherwise) plus ``damage``, the search's own
+    sensitivity metric (mean KL per output position, or relative MSE) on the same data."""
     if is_lm:
         from quantkit.evaluate.perplexity import perplexity
 
-        r = perplexity(blob_or_path, ev)
+        r = perplexity(path, ev)
         return {"ppl": float(r["ppl"]), "nll": float(r["nll"]), "tokens": int(r["tokens"])}
-    from quantkit.api import evaluate_fidelity
+    from quantkit.evaluate.latency import make_session
+    from quantkit.evaluate.metrics import FidelityAccumulator
+    from quantkit.search.sensitivity import _log_softmax
 
-    q = blob_or_path if isinstance(blob_or_path, bytes) else Path(blob_or_path).read_bytes()
-    summary = evaluate_fidelity(
-        float_bytes, q, ev, batch_size=rec.evaluation.batch_size, metric=rec.evaluation.metric
-    )
-    out = next(iter(summary.values())) if summary else {}
-    return {k: float(v) for k, v in out.items() if isinstance(v, (int, float))}
+    metric = rec.search.sensitivity.metric if rec.search is not None else "kl"
+    s_f, s_q = make_session(float_bytes), make_session(path)
+    name = s_f.get_outputs()[0].name
+    cls = {"classification": True, "embedding": False, "sqnr": False}.get(rec.evaluation.metric)
+    acc = FidelityAccumulator(classification=cls)
+    num = den = 0.0
+    for feed in ev.batches(rec.evaluation.batch_size):
+        (ref,) = s_f.run([name], feed)
+        (got,) = s_q.run([name], feed)
+        acc.update(name, ref, got)
+        if metric == "kl":
+            lp = _log_softmax(ref)
+            kl = np.sum(np.exp(lp) * (lp - _log_softmax(got)), axis=-1)
+            num += float(np.sum(kl))
+            den += kl.size
+        else:
+            num += float(np.sum((got.astype(np.float64) - ref) ** 2))
+            den += float(np.sum(ref.astype(np.float64) ** 2))
+    out = {k: float(v) for k, v in acc.summary().get(name, {}).items() if isinstance(v, (int, float))}
+    out["damage"] = num / max(den, 1e-30)
+    return out
 
 
-def _loss_key(is_lm: bool, sample: Mapping[str, Any]) -> tuple[str, str]:
-    """(measured key used as 'quality loss', label) - lower is better."""
+def _loss_key(is_lm: bool, metric: str) -> tuple[str, str]:
+    """(measured key used as the quality loss, its label) - lower is better."""
     if is_lm:
         return "ppl", "perplexity"
-    for k, label in (("mean_kl", "mean KL vs FP32"), ("kl", "mean KL vs FP32")):
-        if k in sample:
-            return k, label
-    if "sqnr_db" in sample:
-        return "neg_sqnr_db", "-SQNR dB"
-    return next(iter(sample)), next(iter(sample))
+    return "damage", "mean KL vs FP32" if metric == "kl" else "relative MSE vs FP32"
 
 
 def sweep(
@@ -214,8 +230,11 @@ def sweep(
         raise DataError("sweep() measures every point: set evaluation.data or pass evaluation_data")
     float_proto = ir.to_proto(float_model)
     float_bytes = float_proto.SerializeToString()
-    is_lm = (rec.evaluation.perplexity and any(o.name == "logits" for o in float_proto.graph.output)
-             and any(i.name == "input_ids" for i in float_proto.graph.input))
+    is_lm = (
+        rec.evaluation.perplexity
+        and any(o.name == "logits" for o in float_proto.graph.output)
+        and any(i.name == "input_ids" for i in float_proto.graph.input)
+    )
     digest = model_hash(float_bytes)
     timings["load_s"] = time.perf_counter() - t
 
@@ -365,7 +384,7 @@ def sweep(
         store = models_dir if save_models else Path(tmp_dir.name)
         fp32_path = Path(tmp_dir.name) / "fp32.onnx"
         save_model(float_model, fp32_path, "auto")
-        fp32_quality = _quality(str(fp32_path), float_bytes, ev, rec, is_lm) if is_lm else {}
+        fp32_quality = _quality(str(fp32_path), float_bytes, ev, rec, is_lm) if is_lm else {"damage": 0.0}
         for i, p in enumerate(
             tqdm(points, desc="emit + evaluate points", unit="point", disable=not progress)
         ):
@@ -397,10 +416,7 @@ def sweep(
     timings["evaluate_s"] = time.perf_counter() - t
 
     # -- measured front, rank correlation -------------------------------------------------------------
-    loss_key, loss_label = _loss_key(is_lm, points[0].measured if points else {})
-    for p in points:
-        if loss_key == "neg_sqnr_db":
-            p.measured["neg_sqnr_db"] = -p.measured.get("sqnr_db", 0.0)
+    loss_key, loss_label = _loss_key(is_lm, sens.metric)
     losses = [float(p.measured.get(loss_key, float("nan"))) for p in points]
     for axis, key in (("latency", "latency_ms"), ("size", "size_bytes")):
         mask = pareto_mask([float(p.measured[key]) for p in points], losses)

@@ -1,0 +1,305 @@
+"""Mixed-precision search on tiny graphs: units, per-format emission, exact sizes, sensitivity
+(probe graph == emitted model), budgets, the sweep end to end and the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from quantkit.data import as_dataset, model_inputs
+from quantkit.errors import RecipeError
+from quantkit.prep.pipeline import prepare
+from quantkit.recipe import load_recipe
+from quantkit.search.linear import LinearSpace, weight_only_bytes
+from quantkit.search.sensitivity import measure_sensitivity
+from quantkit.search.sweep import _resolve_budget, sweep
+from tests.conftest import image_batches, lm_feeds, tiny_cnn, tiny_lm
+
+CANDS: list[Any] = [
+    "fp16",
+    "bf16",
+    {"name": "int8", "format": "int8_dynamic", "smoothquant": "auto"},
+    {"name": "int8-tensor", "format": "int8_dynamic", "granularity": "per_tensor", "smoothquant": 0.5},
+    {"name": "int4-g16", "format": "int4", "group_size": 16},
+    {"name": "w8", "format": "int8_weight", "group_size": 16},
+]
+
+
+def _recipe(pin: bool = True, **search: Any) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "name": "tiny-mixed",
+        "quantization": {
+            "default": {"format": "fp32", "algorithm": "rtn", "group_size": 16},
+            "overrides": [{"layer": "lm", "format": "int8_weight", "algorithm": "rtn", "group_size": 16}]
+            if pin
+            else [],
+        },
+        "export": {"accuracy_level": 0},  # MatMulNBits exact: probe (dequantized weights) == emitted model
+        "report": {"latency": {"warmup": 1, "repeat": 3}},
+        "search": {"candidates": CANDS, "sensitivity": {"samples": 3, "seq_len": None}, **search},
+    }
+
+
+def _space(pin: bool = True, **search: Any) -> tuple[LinearSpace, Any]:
+    fm = prepare(ir.from_proto(tiny_lm())).model
+    cal = as_dataset(lm_feeds(6), model_inputs(fm))
+    rec = load_recipe(_recipe(pin, **search))
+    return LinearSpace.build(fm, rec, cal, progress=False), cal
+
+
+def _run(model: ir.Model, feed: dict[str, np.ndarray]) -> np.ndarray:
+    s = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return s.run(None, feed)[0]
+
+
+def test_units_tie_layers_that_share_an_input_and_overrides_pin() -> None:
+    sp, _ = _space()
+    assert [u.layers for u in sp.units] == [("q_proj", "k_proj"), ("o_proj",), ("up_proj",), ("down_proj",)]
+    assert sp.pinned == ["lm"]
+    sp2, _ = _space(tie="none")
+    assert len(sp2.units) == 5
+
+
+# relative output error bounds on this 5-layer random stack (the pinned lm is 8-bit in every point)
+@pytest.mark.parametrize(
+    "cand,kernel,tol",
+    [
+        ("fp16", "Cast", 0.02),
+        ("bf16", "Cast", 0.03),
+        ("int8", "MatMulIntegerToFloat", 0.05),
+        ("int8-tensor", "DynamicQuantizeMatMul", 0.1),
+        ("int4-g16", "MatMulNBits", 0.3),
+        ("w8", "MatMulNBits", 0.03),
+    ],
+)
+def test_uniform_emission_runs_and_stays_close(cand: str, kernel: str, tol: float) -> None:
+    sp, _ = _space()
+    m = sp.emit({u.name: cand for u in sp.units})
+    ops = [n.op_type for n in m.graph]
+    assert kernel in ops
+    assert ops.count("MatMul") == (
+        5 if kernel == "Cast" else 0
+    )  # the pinned lm is MatMulNBits in every point
+    feed = lm_feeds(1, seed=9)[0]
+    ref = _run(sp.model, feed)
+    got = _run(m, feed)
+    rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    assert rel < tol, (cand, rel)
+
+
+def test_smoothing_folds_into_the_norm_for_a_tied_unit() -> None:
+    sp, _ = _space()
+    m = sp.emit({"q_proj+1": "int8"})
+    art = sp.int8_artifact(sp.units[0], "int8")
+    assert art.s is not None and art.alpha is not None  # the outlier channel makes smoothing win
+    gamma = next(n for n in m.graph if n.name == "norm").inputs[1]
+    assert gamma is not None and gamma.name != "gamma"  # 1/s folded into the Mul's constant
+    assert not any(n.op_type == "Mul" and n.name != "norm" for n in m.graph)
+
+
+def test_unit_bytes_match_the_emitted_initializers() -> None:
+    sp, _ = _space()
+    base = {t.name for t in ir.to_proto(sp.emit({})).graph.initializer}
+    for cand in sp.candidates:
+        m = ir.to_proto(sp.emit({u.name: cand for u in sp.units}))
+        arrays = [onnx.numpy_helper.to_array(t) for t in m.graph.initializer if t.name not in base]
+        new = sum(a.nbytes for a in arrays if a.size > 8)  # not the scalar helpers (shapes, zero points)
+        predicted = sum(sp.unit_bytes(u, cand) for u in sp.units)
+        # int8: the norm's constant is replaced by a smoothed copy (K floats); nothing else differs
+        assert predicted <= new <= predicted + 4 * 32, (cand, predicted, new)
+
+
+def test_weight_only_bytes_formula() -> None:
+    # K=576 in blocks of 128: 5 blocks (the last one padded) x (64 code bytes + 4 scale bytes) per column
+    assert weight_only_bytes(576, 10, 4, 128, True) == 10 * 5 * (64 + 4)
+    assert weight_only_bytes(576, 10, 4, 64, True) == 10 * 9 * (32 + 4)
+    assert weight_only_bytes(64, 2, 4, 32, False) == 2 * 2 * (16 + 4) + 2 * 1  # packed 4-bit zero points
+
+
+def test_probe_graph_measures_what_the_emitted_model_does() -> None:
+    sp, cal = _space(pin=False)  # (the probe runs pinned layers in float; the emitted models do not)
+    probe = measure_sensitivity(sp, cal, samples=3, seq_len=None, metric="kl", progress=False, engine="probe")
+    emit = measure_sensitivity(sp, cal, samples=3, seq_len=None, metric="kl", progress=False, engine="emit")
+    assert probe.keys() == emit.keys()
+    for k, v in emit.items():
+        # weight-only / 16-bit: identical arithmetic; int8: the probe applies 1/s with a Mul, the emitted model
+        # folds it into the norm's constant - float rounding may move a few activation codes by one step
+        assert probe[k] == pytest.approx(v, rel=0.05, abs=1e-7), k
+    assert all(v > 0 for (u, c), v in emit.items() if c != "fp16" and c != "bf16")
+
+
+def test_sensitivity_cache_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path))
+    sp, cal = _space()
+    parts = {"test": 1}
+    first = measure_sensitivity(
+        sp, cal, samples=2, seq_len=None, metric="mse", progress=False, cache_parts=parts
+    )
+    files = list((tmp_path / "search").glob("sensitivity-*.json"))
+    assert len(files) == 1
+
+    def boom(*_: Any, **__: Any) -> Any:
+        raise AssertionError("measured again despite the cache")
+
+    monkeypatch.setattr("quantkit.search.sensitivity._probe_runner", boom)
+    again = measure_sensitivity(
+        sp, cal, samples=2, seq_len=None, metric="mse", progress=False, cache_parts=parts
+    )
+    assert again == first
+
+
+def test_budget_expressions() -> None:
+    uniform = {"a": {"bytes": 100.0}, "b": {"bytes": 300.0}}
+    assert _resolve_budget(0.5, "bytes", uniform, 1000.0) == 500.0
+    assert _resolve_budget("uniform:b", "bytes", uniform, 1000.0) == 300.0
+    assert _resolve_budget("between:a:b:0.25", "bytes", uniform, 1000.0) == 150.0
+    with pytest.raises(RecipeError, match="unknown candidate 'c'"):
+        _resolve_budget("uniform:c", "bytes", uniform, 1000.0)
+    with pytest.raises(RecipeError, match="outside"):
+        _resolve_budget("between:a:b:2", "bytes", uniform, 1000.0)
+
+
+@pytest.mark.parametrize(
+    "search,match",
+    [
+        ({"candidates": ["fp8"]}, "unknown candidate 'fp8'"),
+        ({"candidates": ["fp16", {"name": "fp16", "format": "int4"}]}, "repeated"),
+        ({"candidates": ["fp16"], "budgets": ["half"]}, "budget 'half'"),
+        ({"candidates": [{"name": "x", "format": "int8_dynamic", "smoothquant": 1.5}]}, "outside"),
+        ({"candidates": ["fp16"], "metric": "flops"}, "metric"),
+    ],
+)
+def test_search_section_errors_name_the_key(search: dict[str, Any], match: str) -> None:
+    with pytest.raises(RecipeError, match=match):
+        load_recipe({"version": 1, "search": search})
+
+
+def test_static_int8_candidate_cannot_mix_with_linear_formats() -> None:
+    fm = prepare(ir.from_proto(tiny_cnn())).model
+    rec = load_recipe({"version": 1, "search": {"candidates": ["int8", "int4"]}})
+    from quantkit.search.conv import ConvSpace
+
+    with pytest.raises(RecipeError, match="mixes only"):
+        ConvSpace.build(fm, rec, image_batches(2), progress=False)
+
+
+def test_sweep_linear_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    rec = _recipe(points=3, budgets=["uniform:int4-g16", "between:int4-g16:int8:0.5"], frontier_points=6)
+    res = sweep(
+        ir.from_proto(tiny_lm()),
+        lm_feeds(6),
+        rec,
+        evaluation_data=lm_feeds(4, seed=5),
+        output=tmp_path / "out",
+        progress=False,
+    )
+    ids = [p.id for p in res.points]
+    assert any(i.startswith("uniform:int8") for i in ids) and any("budget:uniform:int4-g16" in i for i in ids)
+    for p in res.points:
+        assert p.measured["latency_ms"] > 0 and p.measured["size_bytes"] > 0
+        assert p.measured["damage"] >= 0 and "sqnr_db" in p.measured
+        assert set(p.on_measured_front) == {"latency", "size"}
+        assert Path(p.model_path or "").is_file()
+    budget = next(p for p in res.points if "budget:uniform:int4-g16" in p.id)
+    uni4 = next(p for p in res.points if p.id.startswith("uniform:int4-g16"))
+    assert budget.predicted["bytes"] <= uni4.predicted["bytes"] + 1e-6
+    for name in (
+        "sweep.json",
+        "sweep.md",
+        "quality_vs_latency.svg",
+        "quality_vs_size.svg",
+        "predicted_front.svg",
+    ):
+        assert (tmp_path / "out" / name).is_file(), name
+    onnx.checker.check_model(str(res.points[0].model_path))
+    assert len(list((tmp_path / "out" / "assignments").glob("*.csv"))) == len(res.points)
+    # a re-run reuses the sensitivity and cost tables
+    monkeypatch.setattr(
+        "quantkit.search.sensitivity._probe_runner",
+        lambda *a, **k: (_ for _ in ()).throw(AssertionError("sensitivity measured again")),
+    )
+    monkeypatch.setattr(
+        "quantkit.search.profile.profile_model",
+        lambda *a, **k: (_ for _ in ()).throw(AssertionError("costs measured again")),
+    )
+    sweep(
+        ir.from_proto(tiny_lm()),
+        lm_feeds(6),
+        rec,
+        evaluation_data=lm_feeds(4, seed=5),
+        output=tmp_path / "out2",
+        progress=False,
+        save_models=False,
+    )
+
+
+def test_sweep_conv_latency_front(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    rec = {
+        "version": 1,
+        "name": "tiny-cnn-mixed",
+        "quantization": {"default": {"format": "int8"}},
+        "report": {"latency": {"warmup": 1, "repeat": 3}},
+        "search": {
+            "candidates": ["int8", "fp16", "fp32"],
+            "metric": "latency",
+            "points": 3,
+            "sensitivity": {"samples": 4},
+        },
+    }
+    res = sweep(
+        ir.from_proto(tiny_cnn()),
+        image_batches(4),
+        rec,
+        evaluation_data=image_batches(2, seed=3),
+        output=tmp_path / "out",
+        progress=False,
+        save_models=False,
+    )
+    uni8 = next(p for p in res.points if p.id.startswith("uniform:int8"))
+    uni32 = next(p for p in res.points if p.id.startswith("uniform:fp32"))
+    assert (
+        uni8.predicted["bytes"] < uni32.predicted["bytes"]
+    )  # (on this tiny net the Q/DQ constants outweigh)
+    assert uni32.measured["damage"] == 0.0 < uni8.measured["damage"]
+    assert "top1_agreement" in uni8.measured or "top1" in str(uni8.measured)
+    assert res.report["family"] == "ConvSpace"
+
+
+def test_cli_sweep(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from quantkit.cli import main
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    onnx.save(tiny_lm(), str(tmp_path / "lm.onnx"))
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "cal.npz", x=rng.standard_normal((6, 8, 32)).astype(np.float32))
+    np.savez(tmp_path / "ev.npz", x=rng.standard_normal((4, 8, 32)).astype(np.float32))
+    rec = tmp_path / "mixed.yaml"
+    rec.write_text(
+        "version: 1\nname: cli-mixed\nmodel: {source: lm.onnx}\n"
+        "calibration: {data: {kind: npz, path: cal.npz}}\n"
+        "evaluation: {data: {kind: npz, path: ev.npz}}\n"
+        "quantization: {default: {format: fp32, group_size: 16}}\n"
+        "report: {latency: {warmup: 1, repeat: 3}}\n"
+        "search: {candidates: [int8_dynamic, {name: int4, format: int4, group_size: 16}], points: 2,\n"
+        "         budgets: ['between:int4:int8_dynamic:0.5'], sensitivity: {samples: 2, seq_len: null}}\n"
+    )
+    out = tmp_path / "sweep"
+    assert main(["sweep", "--recipe", str(rec), "--output", str(out), "--quiet", "--no-models"]) == 0
+    text = capsys.readouterr().out
+    assert "uniform:int4" in text and "Spearman" in text and "budget:between" in text
+    assert (out / "sweep.md").is_file() and not (out / "models").exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nmodel: {source: lm.onnx}\nsearch: {candidates: [int9]}\n")
+    assert main(["sweep", "--recipe", str(bad)]) == 2
+    assert "int9" in capsys.readouterr().err
