@@ -160,6 +160,9 @@ def quantize(
         raise QuantkitError(
             "quantize() needs calibration data: pass calibration_data, or set the recipe's calibration.data"
         )
+    if rec.search is not None:
+        return _quantize_searched(model, calibration_data, rec, evaluation_data, evaluate, measure_latency, progress,
+                                  use_cache)
     t = time.perf_counter()
     source = model if model is not None else rec.model.source  # type: ignore[union-attr]
     load_kw: dict[str, Any] = {}
@@ -311,6 +314,79 @@ def _quantize_weight_only(
                               calibration_samples=len(cal), evaluation_samples=len(ev) if ev is not None else 0)
     empty = QuantPlan()
     return QuantizeResult(qmodel, float_model, empty, LoweringResult(), cen, report, rec, timings)
+
+
+def _quantize_searched(
+    model: Any, calibration_data: Any, rec: RecipeModel, evaluation_data: Any, evaluate: bool,
+    measure_latency: bool | None, progress: bool, use_cache: bool,
+) -> QuantizeResult:
+    """A recipe with ``search.target``: measure sensitivity and costs, solve for the target, emit that mix
+    (see :mod:`quantkit.search.sweep`; ``quantkit sweep`` gives the whole front instead)."""
+    from quantkit.search.sweep import prepare_search
+
+    srch = rec.search
+    if srch is None or srch.target is None:
+        raise QuantkitError(
+            "the recipe has a 'search' section but no search.target: run `quantkit sweep` (or "
+            "quantkit.search.sweep.sweep) for the whole front, or set search.target: {size|latency|damage: ...}"
+        )
+    ctx = prepare_search(model, calibration_data, rec, evaluation_data=evaluation_data, progress=progress,
+                         use_cache=use_cache)
+    timings = ctx.timings
+    t = time.perf_counter()
+    sol = ctx.solve_target(srch.target)
+    qmodel = ctx.space.emit(sol.assignment)
+    qproto = _checked_proto(qmodel)
+    timings["solve_emit_s"] = time.perf_counter() - t
+    quantized_layers = [n for u in ctx.space.units if sol.assignment[u.name] != "fp32"
+                        and ctx.space.candidates.get(sol.assignment[u.name]) is not None
+                        and ctx.space.candidates[sol.assignment[u.name]].format not in ("fp32", "fp16", "bf16")
+                        for n in u.layers]
+    cen = census(qproto, quantizable=quantized_layers + list(ctx.space.pinned))
+    qbytes = qproto.SerializeToString()
+    quality: dict[str, Any] = {}
+    if evaluate:
+        t = time.perf_counter()
+        if ctx.is_lm:
+            from quantkit.evaluate.perplexity import perplexity
+
+            quality["perplexity_fp32"] = perplexity(ctx.float_bytes, ctx.ev)
+            quality["perplexity_quantized"] = perplexity(qbytes, ctx.ev)
+            quality["perplexity_increase"] = quality["perplexity_quantized"]["ppl"] / quality["perplexity_fp32"]["ppl"] - 1
+        else:
+            quality["fidelity"] = evaluate_fidelity(ctx.float_bytes, qbytes, ctx.ev, batch_size=rec.evaluation.batch_size,
+                                                    metric=rec.evaluation.metric, progress=progress)
+        timings["evaluate_s"] = time.perf_counter() - t
+    latency: dict[str, Any] = {}
+    if rec.report.latency.enabled if measure_latency is None else measure_latency:
+        t = time.perf_counter()
+        if ctx.is_lm:
+            from quantkit.evaluate.decode import llm_latency
+
+            latency = llm_latency(ctx.float_bytes, qbytes, rec.report.latency)
+        else:
+            latency = measure_pair_latency(ctx.float_bytes, qbytes, ctx.ev, rec)
+        timings["latency_s"] = time.perf_counter() - t
+    timings["total_s"] = time.perf_counter() - ctx.t_start
+    from quantkit.report.build import environment
+
+    f_size, q_size = len(ctx.float_bytes), len(qbytes)
+    counts: dict[str, int] = {}
+    for u in ctx.space.units:
+        counts[sol.assignment[u.name]] = counts.get(sol.assignment[u.name], 0) + len(u.layers)
+    report: dict[str, Any] = {
+        "kind": "mixed", "recipe": rec.name, "model": str(ctx.loaded.source), "environment": environment(),
+        "settings": rec.model_dump(mode="json"), "target": dict(srch.target), "status": sol.status,
+        "predicted": ctx.predicted(sol.assignment), "formats": counts,
+        "size": {"fp32_bytes": f_size, "quantized_bytes": q_size, "ratio": q_size / max(f_size, 1)},
+        "quality": quality, "fidelity": quality.get("fidelity", {}), "latency": latency, "timings": timings,
+        "census": {"op_counts": dict(cen.op_counts), "quantized_kernels": dict(cen.quantized_kernels),
+                   "leftover_quantize_linear": cen.leftover_q, "leftover_dequantize_linear": cen.leftover_dq},
+        "layers": ctx.space.assignment_table(sol.assignment), "pinned": list(ctx.space.pinned),
+        "warnings": [f"{len(cen.unfused_layers)} quantized layers are not fused: {cen.unfused_layers[:5]}"]
+        if cen.unfused_layers else [],
+    }
+    return QuantizeResult(qmodel, ctx.float_model, QuantPlan(), LoweringResult(), cen, report, rec, timings)
 
 
 def calibrate_ranges(

@@ -17,8 +17,8 @@ SmoothQuant's ``s``, see :mod:`quantkit.algorithms.smoothquant`).  Two granulari
 * ``per_tensor``: one ``com.microsoft.DynamicQuantizeMatMul(x, W_q, w_scale[, bias])``
   (ORT's own dynamic quantization: one asymmetric uint8 scale for the whole ``x``).
 
-Helper nodes of layer ``L`` are named ``L/...`` so profiles attribute their time to ``L``;
-the final node keeps the name ``L``.
+The int8 GEMM keeps the layer's name ``L`` (the census maps it); helper nodes are named ``L/...`` so
+profiles attribute their time to ``L``.
 """
 
 from __future__ import annotations
@@ -104,13 +104,14 @@ def lower_int8_dynamic(
         "MatMulIntegerToFloat",
         [q, wq_v, sc, ws_v, c("a_zp", np.array(128, np.uint8))],
         domain="com.microsoft",
-        name=namer(f"{node_name}/MatMulIntegerToFloat"),
+        name=node.name,  # the int8 GEMM carries the layer name (census, profiles)
         outputs=[ir.Value(name=namer(f"{node_name}/y_rows"))],
     )
     graph.insert_before(node, mm)
     lead = add("Shape", [x], "lead_shape", end=-1)
     oshape = add("Concat", [lead, c("n", np.array([N], np.int64))], "out_shape", axis=0)
-    new = ir.node("Reshape", [mm.outputs[0], oshape], name=node.name, outputs=[ir.Value(name=None)])
+    new = ir.node("Reshape", [mm.outputs[0], oshape], name=namer(f"{node_name}/output_rows"),
+                  outputs=[ir.Value(name=None)])
     _replace_node(graph, node, new)
     _drop_if_unused(graph, w)
     return new

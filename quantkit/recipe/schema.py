@@ -280,8 +280,12 @@ class SearchSection(_Strict):
         description="extra points at these budgets of `metric`: a fraction of FP32 (0.3), 'uniform:<candidate>' "
         "(the cost of that candidate everywhere) or 'between:<a>:<b>:<t>' (t of the way from uniform a to b)",
     )
-    include_uniform: bool = Field(
-        True, description="also emit and evaluate every candidate applied uniformly"
+    include_uniform: bool = Field(True, description="also emit and evaluate every candidate applied uniformly")
+    target: dict[Literal["size", "latency", "damage"], float | str] | None = Field(
+        None,
+        description="the one point `quantkit calibrate` / quantize() emits: {size: B} or {latency: B} (least "
+        "predicted damage within the budget B, written as in `budgets`), or {damage: D} (cheapest in `metric` "
+        "with predicted damage <= D: a number, or 'uniform:<candidate>')",
     )
     tie: Literal["shared_input", "none"] = Field(
         "shared_input",
@@ -320,6 +324,16 @@ class SearchSection(_Strict):
                 )
             if isinstance(b, (int, float)) and b <= 0:
                 raise ValueError(f"budget {b!r} must be > 0 (a fraction of the FP32 cost)")
+        return v
+
+    @field_validator("target")
+    @classmethod
+    def _target(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if len(v) != 1:
+            raise ValueError(f"target needs exactly one of 'size', 'latency', 'damage'; got {sorted(v) or 'none'}")
+        cls._budgets(list(v.values()))
         return v
 
     def candidate_list(self) -> list[Candidate]:

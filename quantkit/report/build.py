@@ -207,6 +207,10 @@ def render_markdown(rep: dict[str, Any]) -> str:
         from quantkit.report.woq import render_woq_markdown
 
         return render_woq_markdown(rep)
+    if rep.get("kind") == "mixed":
+        from quantkit.report.sweep import render_mixed_markdown
+
+        return render_mixed_markdown(rep)
     lines = [f"# quantkit report: {rep['recipe']}", "", f"Model: `{rep['model']}`", ""]
     env = rep["environment"]
     lines.append(

