@@ -40,9 +40,12 @@ between its two extremes.  The MILP is solved by HiGHS through :func:`scipy.opti
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -115,6 +118,25 @@ class Solution:
     damage: float
     costs: dict[str, float]
     status: str
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """Silence C-level writes to stdout (HiGHS prints MIP debug lines that scipy cannot switch off)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (pytest capture, notebooks)
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), fd)
+            yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
 
 
 def _check_finite(value: float, what: str) -> float:
@@ -368,16 +390,17 @@ class _Model:
             for _ in range(_MAX_TIGHTEN):
                 rows = [lay.structure, *extra]
                 rows += [LinearConstraint(c, -np.inf, r - cut[k]) for k, (c, r, _) in budget_rows.items()]
-                res = milp(
-                    objective,
-                    integrality=integrality,
-                    bounds=Bounds(0.0, 1.0),
-                    constraints=rows,
-                    options={
-                        "time_limit": max(deadline - time.monotonic(), 1e-3),
-                        "mip_rel_gap": _MIP_REL_GAP,
-                    },
-                )
+                with _quiet_stdout():
+                    res = milp(
+                        objective,
+                        integrality=integrality,
+                        bounds=Bounds(0.0, 1.0),
+                        constraints=rows,
+                        options={
+                            "time_limit": max(deadline - time.monotonic(), 1e-3),
+                            "mip_rel_gap": _MIP_REL_GAP,
+                        },
+                    )
                 if res.x is None:
                     return int(res.status)
                 choice = lay.choice_of(res.x)

@@ -264,7 +264,10 @@ def prepare_search(
 
     t = time.perf_counter()
     source = model if model is not None else rec.model.source  # type: ignore[union-attr]
-    loaded = load_model(source)
+    load_kw: dict[str, Any] = {}
+    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir() and rec.model is not None:
+        load_kw["seq_len"] = rec.model.seq_len
+    loaded = load_model(source, **load_kw)
     float_model = prepare(loaded.model).model
     inputs = model_inputs(float_model)
     if calibration_data is not None:
