@@ -5,6 +5,7 @@ Public API::
     result = quantkit.quantize(model, calibration_data, recipe)
     result.save("out/")          # model.onnx, report.json, report.md
     result.report                # the report as a dict
+    sweep = quantkit.sweep(model, calibration_data, recipe, output="out/")   # mixed-precision front
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from quantkit.errors import (
 if TYPE_CHECKING:
     from quantkit.api import QuantizeResult, quantize
     from quantkit.recipe import RecipeModel, load_recipe
+    from quantkit.search.sweep import SweepResult, sweep
 
 __all__ = [
     "CalibrationError",
@@ -37,11 +39,13 @@ __all__ = [
     "QuantkitError",
     "RecipeError",
     "RecipeModel",
+    "SweepResult",
     "UnknownNameError",
     "UnsupportedOpError",
     "__version__",
     "load_recipe",
     "quantize",
+    "sweep",
 ]
 
 _LAZY = {
@@ -49,6 +53,8 @@ _LAZY = {
     "QuantizeResult": "quantkit.api",
     "load_recipe": "quantkit.recipe",
     "RecipeModel": "quantkit.recipe",
+    "sweep": "quantkit.search.sweep",
+    "SweepResult": "quantkit.search.sweep",
 }
 
 

@@ -80,7 +80,9 @@ class _Reference:
                 else:
                     total += float(np.sum(kl))
                     count += kl.size
-            return total / max(count, 1)
+            return max(
+                total / max(count, 1), 0.0
+            )  # KL >= 0; float rounding can give -1e-9 for identical outputs
         num = sum(
             float(np.sum((o.astype(np.float64) - y) ** 2)) for o, y in zip(outputs, self.y, strict=True)
         )

@@ -218,18 +218,24 @@ class SearchContext:
         from quantkit.search.solver import solve
 
         srch = self.rec.search
-        (key, expr), = target.items()
+        ((key, expr),) = target.items()
         if key == "damage":
             b = _resolve_budget(expr, "damage", self.uniform_all, 1.0)
-            sol = solve(self.problem, minimize=METRIC_KEY[srch.metric], budgets={"damage": b},
-                        time_limit=srch.time_limit_s)
+            sol = solve(
+                self.problem,
+                minimize=METRIC_KEY[srch.metric],
+                budgets={"damage": b},
+                time_limit=srch.time_limit_s,
+            )
         else:
             m = METRIC_KEY[key]
             b = _resolve_budget(expr, m, self.uniform_all, self.fp32_pred[m])
             sol = solve(self.problem, minimize="damage", budgets={m: b}, time_limit=srch.time_limit_s)
         if sol is None:
-            raise RecipeError(f"search.target {dict(target)}: no assignment of the candidates meets it "
-                              f"(budget {b:.6g}); allowed: a looser budget or more candidates")
+            raise RecipeError(
+                f"search.target {dict(target)}: no assignment of the candidates meets it "
+                f"(budget {b:.6g}); allowed: a looser budget or more candidates"
+            )
         return sol
 
 
@@ -280,7 +286,9 @@ def prepare_search(
         raise QuantkitError("sweep() needs calibration data: pass calibration_data or set calibration.data")
     ev = _eval_dataset(rec, loaded, evaluation_data, inputs)
     if ev is None:
-        raise DataError("the search measures latency and quality: set evaluation.data or pass evaluation_data")
+        raise DataError(
+            "the search measures latency and quality: set evaluation.data or pass evaluation_data"
+        )
     float_proto = ir.to_proto(float_model)
     float_bytes = float_proto.SerializeToString()
     is_lm = (
@@ -367,8 +375,26 @@ def prepare_search(
         base=dict(costs.base),
         edges=list(getattr(space, "edges", lambda _c: [])(costs)),
     )
-    ctx = SearchContext(rec, loaded, float_model, float_bytes, cal, ev, bool(is_lm), space, damage, costs, problem,
-                        feed, units, cnames, {}, {}, timings, t_start)
+    ctx = SearchContext(
+        rec,
+        loaded,
+        float_model,
+        float_bytes,
+        cal,
+        ev,
+        bool(is_lm),
+        space,
+        damage,
+        costs,
+        problem,
+        feed,
+        units,
+        cnames,
+        {},
+        {},
+        timings,
+        t_start,
+    )
     if "fp32" in cnames:
         ctx.fp32_pred = ctx.predicted({u: "fp32" for u in units})
     else:
@@ -396,11 +422,29 @@ def sweep(
     from quantkit.api import save_model
     from quantkit.search.solver import pareto_front, pareto_mask, solve, spearman
 
-    ctx = prepare_search(model, calibration_data, recipe, evaluation_data=evaluation_data, progress=progress,
-                         use_cache=use_cache)
-    rec, srch, space, problem, units, cnames = ctx.rec, ctx.rec.search, ctx.space, ctx.problem, ctx.units, ctx.cnames
-    timings, t_start, loaded, float_model, float_bytes = ctx.timings, ctx.t_start, ctx.loaded, ctx.float_model, \
-        ctx.float_bytes
+    ctx = prepare_search(
+        model,
+        calibration_data,
+        recipe,
+        evaluation_data=evaluation_data,
+        progress=progress,
+        use_cache=use_cache,
+    )
+    rec, srch, space, problem, units, cnames = (
+        ctx.rec,
+        ctx.rec.search,
+        ctx.space,
+        ctx.problem,
+        ctx.units,
+        ctx.cnames,
+    )
+    timings, t_start, loaded, float_model, float_bytes = (
+        ctx.timings,
+        ctx.t_start,
+        ctx.loaded,
+        ctx.float_model,
+        ctx.float_bytes,
+    )
     ev, is_lm, feed, damage, costs = ctx.ev, ctx.is_lm, ctx.feed, ctx.damage, ctx.costs
     uniform_all, fp32_pred, predicted = ctx.uniform_all, ctx.fp32_pred, ctx.predicted
     sens, lat = srch.sensitivity, rec.report.latency
@@ -473,7 +517,15 @@ def sweep(
 
         lat_paths = {"fp32": fp32_path, **{p.id: paths[p.id] for p in points}}
         sessions = {k: make_session(str(v), threads=lat.threads) for k, v in lat_paths.items()}
-        res = compare_latency(sessions, feed, warmup=lat.warmup, repeat=lat.repeat, threads=lat.threads or 0)
+        # many short interleaved rounds: machine drift hits every point alike (points differ by a few %)
+        res = compare_latency(
+            sessions,
+            feed,
+            warmup=lat.warmup,
+            repeat=lat.repeat,
+            threads=lat.threads or 0,
+            rounds=max(3, lat.repeat // 4),
+        )
         del sessions
         fp32_ms = res["fp32"].median_ms
         for p in points:

@@ -20,7 +20,7 @@ def test_public_api_is_frozen() -> None:
     assert sorted(quantkit.__all__) == sorted([
         "CalibrationError", "DataError", "LoweringError", "ModelError", "QuantizeResult", "QuantkitError",
         "RecipeError", "RecipeModel", "UnknownNameError", "UnsupportedOpError", "__version__", "load_recipe",
-        "quantize",
+        "quantize", "sweep", "SweepResult",
     ])
     for name in quantkit.__all__:
         assert getattr(quantkit, name) is not None
