@@ -22,6 +22,14 @@ Calibrator = str  # validated against the calibrator registry when the plan is b
 Metric = Literal["auto", "classification", "embedding", "sqnr"]
 
 
+def _power_of_two_group(v: int | None) -> int | None:
+    if v is not None and v & (v - 1):
+        raise ValueError(
+            f"group_size {v} must be a power of two (MatMulNBits blocks); allowed: 16, 32, ... or null"
+        )
+    return v
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -93,11 +101,7 @@ class LayerScheme(_Strict):
     @field_validator("group_size")
     @classmethod
     def _pow2(cls, v: int | None) -> int | None:
-        if v is not None and v & (v - 1):
-            raise ValueError(
-                f"group_size {v} must be a power of two (MatMulNBits blocks); allowed: 16, 32, ... or null"
-            )
-        return v
+        return _power_of_two_group(v)
 
 
 class Override(_Strict):
@@ -239,11 +243,7 @@ class Candidate(_Strict):
     @field_validator("group_size")
     @classmethod
     def _pow2(cls, v: int | None) -> int | None:
-        if v is not None and v & (v - 1):
-            raise ValueError(
-                f"group_size {v} must be a power of two (MatMulNBits blocks); allowed: 16, 32, ..."
-            )
-        return v
+        return _power_of_two_group(v)
 
     @field_validator("smoothquant")
     @classmethod
@@ -280,7 +280,9 @@ class SearchSection(_Strict):
         description="extra points at these budgets of `metric`: a fraction of FP32 (0.3), 'uniform:<candidate>' "
         "(the cost of that candidate everywhere) or 'between:<a>:<b>:<t>' (t of the way from uniform a to b)",
     )
-    include_uniform: bool = Field(True, description="also emit and evaluate every candidate applied uniformly")
+    include_uniform: bool = Field(
+        True, description="also emit and evaluate every candidate applied uniformly"
+    )
     target: dict[Literal["size", "latency", "damage"], float | str] | None = Field(
         None,
         description="the one point `quantkit calibrate` / quantize() emits: {size: B} or {latency: B} (least "
@@ -332,7 +334,9 @@ class SearchSection(_Strict):
         if v is None:
             return v
         if len(v) != 1:
-            raise ValueError(f"target needs exactly one of 'size', 'latency', 'damage'; got {sorted(v) or 'none'}")
+            raise ValueError(
+                f"target needs exactly one of 'size', 'latency', 'damage'; got {sorted(v) or 'none'}"
+            )
         cls._budgets(list(v.values()))
         return v
 

@@ -98,15 +98,28 @@ def build_report(
                 "zero_point_range": list(w.zero_point_range),
                 "weight_sqnr_db": _finite(w.weight_sqnr_db),
             },
-            "inputs": [{"tensor": a.name, "dtype": a.dtype, "scale": a.scale, "zero_point": a.zero_point,
-                        "calibrator": plan.tensors[a.name].calibrator if a.name in plan.tensors else None,
-                        "note": a.note} for a in acts],
+            "inputs": [
+                {
+                    "tensor": a.name,
+                    "dtype": a.dtype,
+                    "scale": a.scale,
+                    "zero_point": a.zero_point,
+                    "calibrator": plan.tensors[a.name].calibrator if a.name in plan.tensors else None,
+                    "note": a.note,
+                }
+                for a in acts
+            ],
             "lowering_note": lowering.notes.get(name, ""),
             "output_sqnr_db": _finite(per_layer_sqnr[name]) if name in per_layer_sqnr else None,
             "fused": None if fusion is None else fusion.fused,
             "kernel": None if fusion is None else fusion.kernel,
-            "note": ("int8 data movement: ONNX Runtime drops the DQ/Q pair around it (same scale)"
-                     if lp.op_type in PASSTHROUGH else "") if fusion is None else fusion.note,
+            "note": (
+                "int8 data movement: ONNX Runtime drops the DQ/Q pair around it (same scale)"
+                if lp.op_type in PASSTHROUGH
+                else ""
+            )
+            if fusion is None
+            else fusion.note,
         }
         layers.append(row)
         if fusion is not None and not fusion.fused:
@@ -155,7 +168,8 @@ def build_report(
             "leftover_dequantize_linear": census.leftover_dq,
             "leftover_qdq_nodes": list(census.leftover_qdq_nodes),
             "leftover_by_kind": {
-                k: sum(1 for _, kind in leftovers if kind == k) for k in ("boundary", "feeds_fused_kernel", "stray")
+                k: sum(1 for _, kind in leftovers if kind == k)
+                for k in ("boundary", "feeds_fused_kernel", "stray")
             },
         },
         "layers": layers,
@@ -181,8 +195,10 @@ def classify_leftovers(census: Census) -> list[tuple[str, str]]:
     for item in census.leftovers:
         if item.at_graph_input or item.at_graph_output:
             kind = "boundary"
-        elif item.op_type.endswith("QuantizeLinear") and not item.op_type.endswith("DequantizeLinear") and (
-            item.consumers and all(c.split(" ", 1)[0].split(".")[-1] in ok for c in item.consumers)
+        elif (
+            item.op_type.endswith("QuantizeLinear")
+            and not item.op_type.endswith("DequantizeLinear")
+            and (item.consumers and all(c.split(" ", 1)[0].split(".")[-1] in ok for c in item.consumers))
         ):
             kind = "feeds_fused_kernel"
         else:
@@ -217,26 +233,44 @@ def render_markdown(rep: dict[str, Any]) -> str:
         f"Environment: quantkit {env['quantkit']}, onnxruntime {env['onnxruntime']}, onnx {env['onnx']}, "
         f"{env['cpu']} ({env['cores']} cores), {env['date']}"
     )
-    lines.append(f"Samples: {rep['samples']['calibration']} calibration, {rep['samples']['evaluation']} evaluation")
+    lines.append(
+        f"Samples: {rep['samples']['calibration']} calibration, {rep['samples']['evaluation']} evaluation"
+    )
     cal = rep.get("calibration") or {}
     if cal:
-        lines.append(f"Calibration statistics: {cal.get('reused', 0)} reused from cache, {cal.get('collected', 0)} "
-                     f"collected ({cal.get('cache') or 'cache disabled'})")
+        lines.append(
+            f"Calibration statistics: {cal.get('reused', 0)} reused from cache, {cal.get('collected', 0)} "
+            f"collected ({cal.get('cache') or 'cache disabled'})"
+        )
     lines.append("")
     if rep["warnings"]:
         lines += ["## Warnings", ""] + [f"- {w}" for w in rep["warnings"]] + [""]
     s = rep["size"]
-    lines += ["## Size", "", "| FP32 | quantized | ratio |", "|---|---|---|",
-              f"| {s['fp32_bytes'] / 2**20:.2f} MiB | {s['quantized_bytes'] / 2**20:.2f} MiB | {s['ratio']:.3f} |", ""]
+    lines += [
+        "## Size",
+        "",
+        "| FP32 | quantized | ratio |",
+        "|---|---|---|",
+        f"| {s['fp32_bytes'] / 2**20:.2f} MiB | {s['quantized_bytes'] / 2**20:.2f} MiB | {s['ratio']:.3f} |",
+        "",
+    ]
     lat = rep.get("latency") or {}
     if lat:
         f, q = lat["fp32"], lat["quantized"]
-        lines += ["## Latency (same run, interleaved)", "", f"Input: {f['shape']}; {f['runs']} runs after {f['warmup']} warm-up, "
-                  f"threads: {f['threads'] or 'ORT default'}", "",
-                  "| model | median ms | p90 ms |", "|---|---|---|",
-                  f"| FP32 | {f['median_ms']:.3f} | {f['p90_ms']:.3f} |",
-                  f"| quantized | {q['median_ms']:.3f} | {q['p90_ms']:.3f} |", "",
-                  f"Speedup (median): **{lat['speedup']:.2f}x**", ""]
+        lines += [
+            "## Latency (same run, interleaved)",
+            "",
+            f"Input: {f['shape']}; {f['runs']} runs after {f['warmup']} warm-up, "
+            f"threads: {f['threads'] or 'ORT default'}",
+            "",
+            "| model | median ms | p90 ms |",
+            "|---|---|---|",
+            f"| FP32 | {f['median_ms']:.3f} | {f['p90_ms']:.3f} |",
+            f"| quantized | {q['median_ms']:.3f} | {q['p90_ms']:.3f} |",
+            "",
+            f"Speedup (median): **{lat['speedup']:.2f}x**",
+            "",
+        ]
     if rep["fidelity"]:
         lines += ["## Fidelity vs FP32", ""]
         keys = sorted({k for d in rep["fidelity"].values() for k in d})
@@ -245,28 +279,58 @@ def render_markdown(rep: dict[str, Any]) -> str:
             lines.append(f"| {name} | " + " | ".join(_fmt(d.get(k), 4) for k in keys) + " |")
         lines.append("")
     c = rep["census"]
-    lines += ["## ONNX Runtime census (optimized graph)", "",
-              "Quantized kernels: " + (", ".join(f"{k} x{v}" for k, v in sorted(c["quantized_kernels"].items())) or "none"),
-              "", f"Leftover QuantizeLinear: {c['leftover_quantize_linear']}, DequantizeLinear: "
-              f"{c['leftover_dequantize_linear']} (by kind: "
-              + ", ".join(f"{k} {v}" for k, v in c["leftover_by_kind"].items()) + ")", ""]
+    lines += [
+        "## ONNX Runtime census (optimized graph)",
+        "",
+        "Quantized kernels: "
+        + (", ".join(f"{k} x{v}" for k, v in sorted(c["quantized_kernels"].items())) or "none"),
+        "",
+        f"Leftover QuantizeLinear: {c['leftover_quantize_linear']}, DequantizeLinear: "
+        f"{c['leftover_dequantize_linear']} (by kind: "
+        + ", ".join(f"{k} {v}" for k, v in c["leftover_by_kind"].items())
+        + ")",
+        "",
+    ]
     if c["leftover_qdq_nodes"]:
         lines += ["Leftover Q/DQ nodes: " + ", ".join(f"`{n}`" for n in c["leftover_qdq_nodes"][:30]), ""]
     if rep["unfused"]:
-        lines += ["## Unfused layers", "", "| layer | op | expected kernel | note | cost |", "|---|---|---|---|---|"]
+        lines += [
+            "## Unfused layers",
+            "",
+            "| layer | op | expected kernel | note | cost |",
+            "|---|---|---|---|---|",
+        ]
         for u in rep["unfused"]:
-            lines.append(f"| `{u['layer']}` | {u['op']} | {', '.join(u['expected'])} | {u['note']} | {u['cost']} |")
+            lines.append(
+                f"| `{u['layer']}` | {u['op']} | {', '.join(u['expected'])} | {u['note']} | {u['cost']} |"
+            )
         lines.append("")
-    lines += ["## Layers", "", "| layer | op | format | rule | weight scale (min..max) | weight SQNR dB | input scale / zp "
-              "| output SQNR dB | kernel | fused |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "## Layers",
+        "",
+        "| layer | op | format | rule | weight scale (min..max) | weight SQNR dB | input scale / zp "
+        "| output SQNR dB | kernel | fused |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rep["layers"]:
         w = r["weights"]
-        ws = "-" if w is None else f"{w['scale_min']:.2e}..{w['scale_max']:.2e} ({w['dtype']}{', sym' if w['symmetric'] else ''})"
+        ws = (
+            "-"
+            if w is None
+            else f"{w['scale_min']:.2e}..{w['scale_max']:.2e} ({w['dtype']}{', sym' if w['symmetric'] else ''})"
+        )
         wq = "-" if w is None else _fmt(w["weight_sqnr_db"], 1)
-        ins = "; ".join(f"{a['scale']:.3e}/{a['zero_point']} {a['dtype']} ({a['calibrator']})" for a in r["inputs"]) or "-"
+        ins = (
+            "; ".join(
+                f"{a['scale']:.3e}/{a['zero_point']} {a['dtype']} ({a['calibrator']})" for a in r["inputs"]
+            )
+            or "-"
+        )
         note = f" {r['lowering_note']}" if r.get("lowering_note") else ""
-        lines.append(f"| `{r['layer']}` | {r['op']} | {r['format']} | {r['rule']} | {ws} | {wq} | {ins} | "
-                     f"{_fmt(r['output_sqnr_db'], 1)} | {r['kernel'] or '-'}{note} | {_fmt(r['fused'])} |")
+        lines.append(
+            f"| `{r['layer']}` | {r['op']} | {r['format']} | {r['rule']} | {ws} | {wq} | {ins} | "
+            f"{_fmt(r['output_sqnr_db'], 1)} | {r['kernel'] or '-'}{note} | {_fmt(r['fused'])} |"
+        )
     lines.append("")
     if rep["float_layers"]:
         lines += ["## Layers kept in float", "", "| layer | reason |", "|---|---|"]
@@ -329,7 +393,9 @@ def write_report(rep: dict[str, Any], directory: Path, formats: Sequence[str]) -
     """Write the report in each requested format; returns format -> path."""
     out: dict[str, Path] = {}
     if "json" in formats:
-        out["report.json"] = atomic_write_text(directory / "report.json", json.dumps(rep, indent=2, default=str))
+        out["report.json"] = atomic_write_text(
+            directory / "report.json", json.dumps(rep, indent=2, default=str)
+        )
     if "md" in formats:
         out["report.md"] = atomic_write_text(directory / "report.md", render_markdown(rep))
     if "html" in formats:

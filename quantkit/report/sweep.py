@@ -7,24 +7,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from quantkit.report.build import atomic_write_text
 from quantkit.report.plots import Series, scatter_svg, write_svg
 
 __all__ = ["render_mixed_markdown", "sweep_markdown", "write_sweep_report"]
-
-
-def _write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-    return path
 
 
 def _mb(b: float) -> str:
@@ -159,8 +149,8 @@ def _plots(r: Mapping[str, Any], out: Path) -> dict[str, Path]:
 def write_sweep_report(r: Mapping[str, Any], out: Path) -> dict[str, Path]:
     """Write ``sweep.json``, ``sweep.md``, the SVG plots and ``assignments/*.csv`` into ``out``."""
     paths = {
-        "json": _write(out / "sweep.json", json.dumps(r, indent=1, default=str)),
-        "md": _write(out / "sweep.md", sweep_markdown(r)),
+        "json": atomic_write_text(out / "sweep.json", json.dumps(r, indent=1, default=str)),
+        "md": atomic_write_text(out / "sweep.md", sweep_markdown(r)),
     }
     paths.update(_plots(r, out))
     for i, (pid, rows) in enumerate(r["assignments"].items()):
@@ -170,7 +160,7 @@ def write_sweep_report(r: Mapping[str, Any], out: Path) -> dict[str, Path]:
             + "\n"
             + "".join(",".join(str(row.get(c, "")) for c in cols) + "\n" for row in rows)
         )
-        paths[f"assignment:{pid}"] = _write(out / "assignments" / f"point-{i:02d}.csv", text)
+        paths[f"assignment:{pid}"] = atomic_write_text(out / "assignments" / f"point-{i:02d}.csv", text)
     return paths
 
 
@@ -178,37 +168,66 @@ def render_mixed_markdown(rep: Mapping[str, Any]) -> str:
     """Markdown of one searched mixed-precision point (``quantkit calibrate`` with ``search.target``)."""
     env = rep["environment"]
     pr = rep["predicted"]
-    lines = [f"# quantkit report: {rep['recipe']} (mixed precision, searched)", "", f"Model: `{rep['model']}`", "",
-             f"Environment: quantkit {env['quantkit']}, onnxruntime {env['onnxruntime']}, {env['cpu']} "
-             f"({env['cores']} cores), {env['date']}", "",
-             f"Target: `{rep['target']}` (solver status {rep['status']}). Formats (layers): "
-             + ", ".join(f"{k} {v}" for k, v in sorted(rep["formats"].items())),
-             f"Predicted: damage {_f(pr['damage'], 5)}, {_mb(pr['bytes'])} MB, {_f(pr['latency_ms'])} ms", ""]
+    lines = [
+        f"# quantkit report: {rep['recipe']} (mixed precision, searched)",
+        "",
+        f"Model: `{rep['model']}`",
+        "",
+        f"Environment: quantkit {env['quantkit']}, onnxruntime {env['onnxruntime']}, {env['cpu']} "
+        f"({env['cores']} cores), {env['date']}",
+        "",
+        f"Target: `{rep['target']}` (solver status {rep['status']}). Formats (layers): "
+        + ", ".join(f"{k} {v}" for k, v in sorted(rep["formats"].items())),
+        f"Predicted: damage {_f(pr['damage'], 5)}, {_mb(pr['bytes'])} MB, {_f(pr['latency_ms'])} ms",
+        "",
+    ]
     if rep["warnings"]:
         lines += ["## Warnings", ""] + [f"- {w}" for w in rep["warnings"]] + [""]
     s = rep["size"]
-    lines += ["## Size", "", f"FP32 {_mb(s['fp32_bytes'])} MB -> {_mb(s['quantized_bytes'])} MB ({s['ratio']:.3f})", ""]
+    lines += [
+        "## Size",
+        "",
+        f"FP32 {_mb(s['fp32_bytes'])} MB -> {_mb(s['quantized_bytes'])} MB ({s['ratio']:.3f})",
+        "",
+    ]
     q = rep["quality"]
     if "perplexity_fp32" in q:
-        lines += ["## Perplexity", "", f"FP32 {q['perplexity_fp32']['ppl']:.3f} -> {q['perplexity_quantized']['ppl']:.3f} "
-                  f"({100 * q['perplexity_increase']:+.2f}%)", ""]
+        lines += [
+            "## Perplexity",
+            "",
+            f"FP32 {q['perplexity_fp32']['ppl']:.3f} -> {q['perplexity_quantized']['ppl']:.3f} "
+            f"({100 * q['perplexity_increase']:+.2f}%)",
+            "",
+        ]
     for name, d in (q.get("fidelity") or {}).items():
         lines += [f"## Fidelity `{name}`", "", ", ".join(f"{k} {_f(v, 4)}" for k, v in d.items()), ""]
     lat = rep.get("latency") or {}
     if lat:
         lines += ["## Latency (same run, interleaved)", ""]
         if "speedup" in lat and "fp32" in lat:
-            lines.append(f"FP32 {lat['fp32']['median_ms']:.2f} ms, quantized {lat['quantized']['median_ms']:.2f} ms "
-                         f"({lat['speedup']:.2f}x)")
+            lines.append(
+                f"FP32 {lat['fp32']['median_ms']:.2f} ms, quantized {lat['quantized']['median_ms']:.2f} ms "
+                f"({lat['speedup']:.2f}x)"
+            )
         for k, v in lat.items():
             if isinstance(v, dict) and "fp32_ms" in v:
-                lines.append(f"- {v.get('label', k)}: FP32 {v['fp32_ms']:.2f} ms, quantized {v['quantized_ms']:.2f} ms "
-                             f"({v['speedup']:.2f}x)")
+                lines.append(
+                    f"- {v.get('label', k)}: FP32 {v['fp32_ms']:.2f} ms, quantized {v['quantized_ms']:.2f} ms "
+                    f"({v['speedup']:.2f}x)"
+                )
         lines.append("")
     c = rep["census"]
-    lines += ["## ONNX Runtime census", "", "Quantized kernels: "
-              + (", ".join(f"{k} x{v}" for k, v in sorted(c["quantized_kernels"].items())) or "none"), "",
-              "## Layers", "", "| layer | unit | candidate | format |", "|---|---|---|---|"]
+    lines += [
+        "## ONNX Runtime census",
+        "",
+        "Quantized kernels: "
+        + (", ".join(f"{k} x{v}" for k, v in sorted(c["quantized_kernels"].items())) or "none"),
+        "",
+        "## Layers",
+        "",
+        "| layer | unit | candidate | format |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| `{r['layer']}` | {r['unit']} | {r['candidate']} | {r['format']} |" for r in rep["layers"]]
     lines += ["", "## Timings", "", " | ".join(f"{k}: {v:.2f}" for k, v in rep["timings"].items()), ""]
     return "\n".join(lines)

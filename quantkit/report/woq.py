@@ -35,13 +35,19 @@ def build_woq_report(
     rows = []
     for r in outcome.rows:
         fusion = census.per_layer.get(r["layer"])
-        rows.append({**{k: (_finite(v) if isinstance(v, float) else v) for k, v in r.items()},
-                     "kernel": None if fusion is None else fusion.kernel,
-                     "fused": None if fusion is None else fusion.fused})
+        rows.append(
+            {
+                **{k: (_finite(v) if isinstance(v, float) else v) for k, v in r.items()},
+                "kernel": None if fusion is None else fusion.kernel,
+                "fused": None if fusion is None else fusion.fused,
+            }
+        )
     warnings = []
     unfused = [str(r["layer"]) for r in rows if r["fused"] is False]
     if unfused:
-        warnings.append(f"{len(unfused)} quantized layers do not run as MatMulNBits: {', '.join(unfused[:5])}")
+        warnings.append(
+            f"{len(unfused)} quantized layers do not run as MatMulNBits: {', '.join(unfused[:5])}"
+        )
     stray = [d for d, kind in classify_leftovers(census) if kind == "stray"]
     if stray:
         warnings.append(f"{len(stray)} stray Q/DQ nodes remain in ONNX Runtime's optimized graph")
@@ -64,7 +70,8 @@ def build_woq_report(
         "census": {
             "op_counts": dict(census.op_counts),
             "quantized_kernels": dict(census.quantized_kernels),
-            "float_matmul_left": census.op_counts.get("MatMul", 0) + census.op_counts.get("com.microsoft.FusedMatMul", 0),
+            "float_matmul_left": census.op_counts.get("MatMul", 0)
+            + census.op_counts.get("com.microsoft.FusedMatMul", 0),
             "leftover_quantize_linear": census.leftover_q,
             "leftover_dequantize_linear": census.leftover_dq,
         },
@@ -76,40 +83,78 @@ def build_woq_report(
 
 def render_woq_markdown(rep: dict[str, Any]) -> str:
     env = rep["environment"]
-    lines = [f"# quantkit report: {rep['recipe']} (weight-only)", "", f"Model: `{rep['model']}`", "",
-             f"Environment: quantkit {env['quantkit']}, onnxruntime {env['onnxruntime']}, {env['cpu']} "
-             f"({env['cores']} cores), {env['date']}",
-             f"Samples: {rep['samples']['calibration']} calibration windows, {rep['samples']['evaluation']} evaluation windows", ""]
+    lines = [
+        f"# quantkit report: {rep['recipe']} (weight-only)",
+        "",
+        f"Model: `{rep['model']}`",
+        "",
+        f"Environment: quantkit {env['quantkit']}, onnxruntime {env['onnxruntime']}, {env['cpu']} "
+        f"({env['cores']} cores), {env['date']}",
+        f"Samples: {rep['samples']['calibration']} calibration windows, {rep['samples']['evaluation']} evaluation windows",
+        "",
+    ]
     if rep["warnings"]:
         lines += ["## Warnings", ""] + [f"- {w}" for w in rep["warnings"]] + [""]
     s = rep["size"]
-    lines += ["## Size", "", "| FP32 | quantized | ratio |", "|---|---|---|",
-              f"| {s['fp32_bytes'] / 2**20:.1f} MiB | {s['quantized_bytes'] / 2**20:.1f} MiB | {s['ratio']:.3f} |", ""]
+    lines += [
+        "## Size",
+        "",
+        "| FP32 | quantized | ratio |",
+        "|---|---|---|",
+        f"| {s['fp32_bytes'] / 2**20:.1f} MiB | {s['quantized_bytes'] / 2**20:.1f} MiB | {s['ratio']:.3f} |",
+        "",
+    ]
     q = rep["quality"]
     if "perplexity_fp32" in q:
         pf, pq = q["perplexity_fp32"], q["perplexity_quantized"]
-        lines += ["## Perplexity (held-out windows)", "", "| model | perplexity | tokens |", "|---|---|---|",
-                  f"| FP32 | {pf['ppl']:.3f} | {pf['tokens']} |", f"| quantized | {pq['ppl']:.3f} | {pq['tokens']} |", "",
-                  f"Increase: {100 * q['perplexity_increase']:.2f}%", ""]
+        lines += [
+            "## Perplexity (held-out windows)",
+            "",
+            "| model | perplexity | tokens |",
+            "|---|---|---|",
+            f"| FP32 | {pf['ppl']:.3f} | {pf['tokens']} |",
+            f"| quantized | {pq['ppl']:.3f} | {pq['tokens']} |",
+            "",
+            f"Increase: {100 * q['perplexity_increase']:.2f}%",
+            "",
+        ]
     lat = rep.get("latency") or {}
     if lat:
-        lines += ["## Latency (same run, interleaved)", "", "| measurement | FP32 ms | quantized ms | speedup |",
-                  "|---|---|---|---|"]
+        lines += [
+            "## Latency (same run, interleaved)",
+            "",
+            "| measurement | FP32 ms | quantized ms | speedup |",
+            "|---|---|---|---|",
+        ]
         for k, v in lat.items():
             if isinstance(v, dict) and "fp32_ms" in v:
-                lines.append(f"| {v.get('label', k)} | {v['fp32_ms']:.2f} | {v['quantized_ms']:.2f} | {v['speedup']:.2f}x |")
+                lines.append(
+                    f"| {v.get('label', k)} | {v['fp32_ms']:.2f} | {v['quantized_ms']:.2f} | {v['speedup']:.2f}x |"
+                )
         lines.append("")
     c = rep["census"]
-    lines += ["## ONNX Runtime census (optimized graph)", "",
-              "Quantized kernels: " + (", ".join(f"{k} x{v}" for k, v in sorted(c["quantized_kernels"].items())) or "none"),
-              f"; float MatMul left: {c['float_matmul_left']}", ""]
-    lines += ["## Layers", "", "| layer | format | algorithm | bits | group | sym | weight rel. error | output SQNR dB "
-              "| kernel | stage |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "## ONNX Runtime census (optimized graph)",
+        "",
+        "Quantized kernels: "
+        + (", ".join(f"{k} x{v}" for k, v in sorted(c["quantized_kernels"].items())) or "none"),
+        f"; float MatMul left: {c['float_matmul_left']}",
+        "",
+    ]
+    lines += [
+        "## Layers",
+        "",
+        "| layer | format | algorithm | bits | group | sym | weight rel. error | output SQNR dB "
+        "| kernel | stage |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rep["layers"]:
         sq = r.get("output_sqnr_db")
-        lines.append(f"| `{r['layer']}` | {r['format']} | {r['algorithm']}{' +awq-scale' if r.get('awq_scaled') else ''}"
-                     f"{' (tied)' if r.get('tied') else ''} | {r['bits']} | {r['group_size']} | {'y' if r['symmetric'] else 'n'} | "
-                     f"{r['weight_rel_error']:.4f} | {_fmt(sq, 1) if isinstance(sq, float) and math.isfinite(sq) else _fmt(sq)} | "
-                     f"{r['kernel'] or '-'} | {r['stage']} |")
+        lines.append(
+            f"| `{r['layer']}` | {r['format']} | {r['algorithm']}{' +awq-scale' if r.get('awq_scaled') else ''}"
+            f"{' (tied)' if r.get('tied') else ''} | {r['bits']} | {r['group_size']} | {'y' if r['symmetric'] else 'n'} | "
+            f"{r['weight_rel_error']:.4f} | {_fmt(sq, 1) if isinstance(sq, float) and math.isfinite(sq) else _fmt(sq)} | "
+            f"{r['kernel'] or '-'} | {r['stage']} |"
+        )
     lines += ["", "## Timings", "", " | ".join(f"{k}: {v:.2f}" for k, v in rep["timings"].items()), ""]
     return "\n".join(lines)

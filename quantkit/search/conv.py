@@ -30,7 +30,7 @@ import onnx_ir as ir
 from quantkit.errors import RecipeError, UnsupportedOpError
 from quantkit.lowering.select import constant_array
 from quantkit.recipe.schema import Candidate, RecipeModel
-from quantkit.search.linear import Unit
+from quantkit.search.linear import Unit, search_candidates
 
 log = logging.getLogger("quantkit")
 
@@ -79,15 +79,7 @@ class ConvSpace:
         from quantkit.lowering.ops import WEIGHTED
         from quantkit.lowering.select import select
 
-        if rec.search is None:
-            raise RecipeError("the recipe has no 'search' section")
-        cands = {c.name: c for c in rec.search.candidate_list()}
-        bad = {n: c.format for n, c in cands.items() if c.format not in CONV_FORMATS}
-        if bad:
-            raise RecipeError(
-                f"search.candidates {bad}: a static-int8 search (a candidate of format int8) mixes only "
-                f"{list(CONV_FORMATS)}"
-            )
+        cands = search_candidates(rec, CONV_FORMATS, "a static-int8 search (a candidate of format int8) may")
         if rec.quantization.default.format != "int8":
             raise RecipeError(
                 f"quantization.default.format is {rec.quantization.default.format!r}: a search with an int8 "
@@ -95,7 +87,7 @@ class ConvSpace:
             )
         import re
 
-        pattern = re.compile(rec.search.layers) if rec.search.layers else None
+        pattern = re.compile(rec.search.layers) if rec.search is not None and rec.search.layers else None
         plan = select(model, rec)
         shapes = _infer_shapes(model)
         layers: dict[str, _Layer] = {}

@@ -26,9 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import platform
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,11 +95,9 @@ def cost_cache_path(parts: Mapping[str, Any]) -> Path:
 
 
 def _save(path: Path, table: CostTable) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".cost-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(table.to_json(), f)
-    os.replace(tmp, path)
+    from quantkit.report.build import atomic_write_text
+
+    atomic_write_text(path, json.dumps(table.to_json()))
 
 
 def _output_aliases(model: Any, layers: list[str]) -> dict[str, str]:

@@ -65,6 +65,17 @@ class Unit:
     input: str
 
 
+def search_candidates(rec: RecipeModel, allowed: tuple[str, ...], family: str) -> dict[str, Candidate]:
+    """The recipe's candidates by name, checked against the formats a search family can emit."""
+    if rec.search is None:
+        raise RecipeError("the recipe has no 'search' section")
+    cands = {c.name: c for c in rec.search.candidate_list()}
+    bad = {n: c.format for n, c in cands.items() if c.format not in allowed}
+    if bad:
+        raise RecipeError(f"search.candidates {bad}: {family} mix only {list(allowed)}")
+    return cands
+
+
 def find_linear_layers(model: ir.Model, rec: RecipeModel) -> tuple[dict[str, LinearLayer], list[str]]:
     """``(searched layers, pinned layer names)`` in graph order.
 
@@ -150,20 +161,13 @@ class LinearSpace:
     def build(
         cls, model: ir.Model, rec: RecipeModel, calibration: Any, *, progress: bool = True
     ) -> LinearSpace:
-        if rec.search is None:
-            raise RecipeError("the recipe has no 'search' section")
-        cands = {c.name: c for c in rec.search.candidate_list()}
-        bad = {n: c.format for n, c in cands.items() if c.format not in LINEAR_FORMATS}
-        if bad:
-            raise RecipeError(
-                f"search.candidates {bad}: not a format of linear (MatMul) layers; allowed: {list(LINEAR_FORMATS)}"
-            )
+        cands = search_candidates(rec, LINEAR_FORMATS, "linear (MatMul) layers")
         layers, pinned = find_linear_layers(model, rec)
         if not layers:
             raise UnsupportedOpError(
                 "no MatMul layer with a constant weight to search (all pinned or none found)"
             )
-        units = make_units(layers, rec.search.tie)
+        units = make_units(layers, rec.search.tie if rec.search is not None else "shared_input")
         sp = cls(model, rec, cands, layers, units, pinned, calibration, progress)
         for n, lay in layers.items():
             w = constant_array(model.graph.initializers.get(lay.weight))

@@ -32,8 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -112,12 +110,10 @@ class _TableCache:
     def save(self) -> None:
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        from quantkit.report.build import atomic_write_text
+
         blob = json.dumps({"damage": {f"{u}\t{c}": v for (u, c), v in sorted(self.table.items())}})
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".sens-")
-        with os.fdopen(fd, "w") as f:
-            f.write(blob)
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, blob)
 
 
 def cache_path(parts: Mapping[str, Any]) -> Path:

@@ -64,15 +64,6 @@ class SweepResult:
     paths: dict[str, Path]
 
 
-def _atomic_write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-    return path
-
-
 def _resolve_budget(
     expr: float | str, metric: str, uniform: Mapping[str, dict[str, float]], fp32: float
 ) -> float:
@@ -488,6 +479,9 @@ def sweep(
             log.warning("search.budgets %r (%s <= %.4g) is infeasible with these candidates", expr, metric, b)
             continue
         add(f"budget:{expr}", "budget", sol.assignment)
+    if srch.target is not None:  # the point `quantkit calibrate` would emit
+        ((tk, tv),) = srch.target.items()
+        add(f"target:{tk}<={tv}", "budget", ctx.solve_target(srch.target).assignment)
     timings["solve_s"] = time.perf_counter() - t
 
     # -- emit and measure ------------------------------------------------------------------------------

@@ -186,7 +186,7 @@ def test_static_int8_candidate_cannot_mix_with_linear_formats() -> None:
     rec = load_recipe({"version": 1, "search": {"candidates": ["int8", "int4"]}})
     from quantkit.search.conv import ConvSpace
 
-    with pytest.raises(RecipeError, match="mixes only"):
+    with pytest.raises(RecipeError, match="may mix only"):
         ConvSpace.build(fm, rec, image_batches(2), progress=False)
 
 
