@@ -101,12 +101,24 @@ def _plots(r: Mapping[str, Any], out: Path) -> dict[str, Path]:
                 continue
             series.append(
                 Series(
-                    name=f"{kind} (measured)",
+                    name=f"{kind} points",
                     xs=[p["measured"][mkey] * scale for p in sel],
                     ys=[float(p["measured"].get(key, float("nan"))) for p in sel],
-                    labels=[p["id"] for p in sel],
-                    front=[bool(p["on_measured_front"].get(axis)) for p in sel],
+                    labels=[
+                        p["id"] + ("" if p["on_measured_front"].get(axis) else " (dominated)") for p in sel
+                    ],
                     marker=marker,
+                )
+            )
+        # the measured Pareto front across every evaluated point (not per kind)
+        on = [p for p in pts if p["on_measured_front"].get(axis)]
+        if on:
+            series.append(
+                Series(
+                    name="measured Pareto front",
+                    xs=[p["measured"][mkey] * scale for p in on],
+                    ys=[float(p["measured"].get(key, float("nan"))) for p in on],
+                    front=[True] * len(on),
                 )
             )
         fp = r["fp32"]

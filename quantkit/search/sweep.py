@@ -159,7 +159,7 @@ def _quality(path: str, float_bytes: bytes, ev: Any, rec: Any, is_lm: bool) -> d
             num += float(np.sum((got.astype(np.float64) - ref) ** 2))
             den += float(np.sum(ref.astype(np.float64) ** 2))
     out = {k: float(v) for k, v in acc.summary().get(name, {}).items() if isinstance(v, (int, float))}
-    out["damage"] = num / max(den, 1e-30)
+    out["damage"] = max(num / max(den, 1e-30), 0.0)  # KL >= 0 (float rounding: -1e-9 for identical outputs)
     return out
 
 
