@@ -89,7 +89,7 @@ def _cpu() -> str:
 def cost_cache_path(parts: Mapping[str, Any]) -> Path:
     from quantkit.frontends.cache import cache_dir
 
-    full = {**parts, "ort": ort.__version__, "cpu": _cpu(), "version": 1}
+    full = {**parts, "ort": ort.__version__, "cpu": _cpu(), "version": 2}
     key = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:32]
     return cache_dir() / "search" / f"cost-{key}.json"
 
@@ -163,8 +163,7 @@ def measure_costs(
     layer_names = [n for u in units for n in u.layers]
     cands = ["fp32"] + [c for c in space.candidates if c != "fp32"]
     nbytes = {(u.name, c): float(space.unit_bytes(u, c)) for u in units for c in cands}
-    file_fp32 = 0
-    cands = ["fp32"] + [c for c in space.candidates if c != "fp32"]
+    file_size: dict[str, int] = {}
     lat: dict[tuple[str, str], float] = {}
     profiles: dict[str, Any] = {}
     storage16 = [
@@ -175,6 +174,10 @@ def measure_costs(
         and space.candidates[c].compute == "storage"
     ]
     for c in tqdm(cands, desc="profile formats", unit="model", disable=not progress):
+        m = space.emit({u.name: c for u in units})
+        blob = ir.to_proto(m).SerializeToString()
+        del m
+        file_size[c] = len(blob)
         if c in storage16:
             # ORT folds a constant 16-bit weight's Cast back to FP32 at load (RUNTIME.md): the graph it runs
             # is the FP32 one, so the FP32 measurement is used (profiling it again would only add noise)
@@ -182,11 +185,6 @@ def measure_costs(
                 lat[(u.name, c)] = lat[(u.name, "fp32")]
             profiles[c] = {"same_as": "fp32"}
             continue
-        m = space.emit({u.name: c for u in units})
-        blob = ir.to_proto(m).SerializeToString()
-        del m
-        if c == "fp32":
-            file_fp32 = len(blob)
         prof = profile_model(blob, feed, runs=runs, warmup=warmup, threads=threads, level="all")
         per_layer = prof.by_layer(layer_names, aliases=_output_aliases(space.model, layer_names))
         for u in units:
@@ -199,13 +197,26 @@ def measure_costs(
         }
     fp32_layers = sum(lat[(u.name, "fp32")] for u in units)
     base_lat = profiles["fp32"]["run_median_ms"] - fp32_layers
-    base_bytes = float(file_fp32) - sum(nbytes[(u.name, "fp32")] for u in units)  # unsearched weights, graph
+    base_bytes = float(file_size["fp32"]) - sum(
+        nbytes[(u.name, "fp32")] for u in units
+    )  # unsearched weights, graph
+    # graph bytes a format adds or removes per layer besides its weights (helper nodes and constants of the
+    # dynamic int8 pipeline; exporter metadata that leaves with a replaced node), from the uniform files
+    n_layers = max(1, len(layer_names))
+    overhead: dict[str, float] = {}
+    for c in cands:
+        weights_delta = sum(nbytes[(u.name, c)] - nbytes[(u.name, "fp32")] for u in units)
+        overhead[c] = (file_size[c] - file_size["fp32"] - weights_delta) / n_layers
+        for u in units:
+            nbytes[(u.name, c)] += overhead[c] * len(u.layers)
     table = CostTable(
         nbytes,
         lat,
         {"bytes": base_bytes, "latency_ms": base_lat},
         notes={
             "profiles": profiles,
+            "graph_bytes_per_layer": overhead,
+            "file_bytes": file_size,
             "runs": runs,
             "threads": threads,
             "ort": ort.__version__,
