@@ -511,15 +511,10 @@ def sweep(
 
         lat_paths = {"fp32": fp32_path, **{p.id: paths[p.id] for p in points}}
         sessions = {k: make_session(str(v), threads=lat.threads) for k, v in lat_paths.items()}
-        # many short interleaved rounds: machine drift hits every point alike (points differ by a few %)
-        res = compare_latency(
-            sessions,
-            feed,
-            warmup=lat.warmup,
-            repeat=lat.repeat,
-            threads=lat.threads or 0,
-            rounds=max(3, lat.repeat // 4),
-        )
+        # 3 interleaved rounds of repeat/3 runs each: switching sessions every few runs measured FP32
+        # EfficientNet at 10-13 ms instead of 4-5 ms (the previous session's intra-op threads keep spinning
+        # and take the 2 cores from the next one)
+        res = compare_latency(sessions, feed, warmup=lat.warmup, repeat=lat.repeat, threads=lat.threads or 0)
         del sessions
         fp32_ms = res["fp32"].median_ms
         for p in points:
