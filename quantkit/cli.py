@@ -13,30 +13,29 @@ from typing import Any
 from quantkit.errors import QuantkitError
 
 
+def _common_args(p: argparse.ArgumentParser, recipe_help: str, default_out: str) -> None:
+    p.add_argument("--recipe", required=True, help=recipe_help)
+    p.add_argument("--output", "-o", default=None, help=f"output folder (default: {default_out})")
+    p.add_argument("--model", default=None, help="override the recipe's model.source")
+    p.add_argument("--calibration-data", default=None, help="override calibration.data.path")
+    p.add_argument("--evaluation-data", default=None, help="override evaluation.data.path")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="quantkit", description="Post-training quantization to ONNX.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="command")
     c = sub.add_parser("calibrate", help="calibrate, quantize, verify and report as a recipe says")
-    c.add_argument("--recipe", required=True, help="recipe YAML file")
-    c.add_argument("--output", "-o", default=None, help="output folder (default: out/<recipe name>)")
-    c.add_argument("--model", default=None, help="override the recipe's model.source")
-    c.add_argument("--calibration-data", default=None, help="override calibration.data.path")
-    c.add_argument("--evaluation-data", default=None, help="override evaluation.data.path")
+    _common_args(c, "recipe YAML file", "out/<recipe name>")
     c.add_argument("--no-latency", action="store_true", help="skip the latency measurement")
     c.add_argument("--no-cache", action="store_true", help="ignore cached calibration statistics")
-    c.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     w = sub.add_parser(
         "sweep", help="mixed-precision search: sensitivity, cost, Pareto front, measured points"
     )
-    w.add_argument("--recipe", required=True, help="recipe YAML file with a 'search' section")
-    w.add_argument("--output", "-o", default=None, help="output folder (default: out/<recipe name>-sweep)")
-    w.add_argument("--model", default=None, help="override the recipe's model.source")
-    w.add_argument("--calibration-data", default=None, help="override calibration.data.path")
-    w.add_argument("--evaluation-data", default=None, help="override evaluation.data.path")
+    _common_args(w, "recipe YAML file with a 'search' section", "out/<recipe name>-sweep")
     w.add_argument("--no-models", action="store_true", help="do not keep the emitted models of the points")
     w.add_argument("--no-cache", action="store_true", help="measure sensitivity and costs again")
-    w.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     v = sub.add_parser("validate", help="validate a recipe and print it resolved")
     v.add_argument("recipe")
     return p

@@ -8,7 +8,7 @@ import math
 import os
 import platform
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +217,13 @@ def _fmt(x: Any, nd: int = 3) -> str:
     return str(x)
 
 
+def warnings_lines(rep: Mapping[str, Any]) -> list[str]:
+    """The report's warnings as a Markdown section (empty when there are none)."""
+    if not rep.get("warnings"):
+        return []
+    return ["## Warnings", ""] + [f"- {w}" for w in rep["warnings"]] + [""]
+
+
 def render_markdown(rep: dict[str, Any]) -> str:
     """A human-readable Markdown rendering of the report."""
     if rep.get("kind") == "weight_only":
@@ -243,8 +250,7 @@ def render_markdown(rep: dict[str, Any]) -> str:
             f"collected ({cal.get('cache') or 'cache disabled'})"
         )
     lines.append("")
-    if rep["warnings"]:
-        lines += ["## Warnings", ""] + [f"- {w}" for w in rep["warnings"]] + [""]
+    lines += warnings_lines(rep)
     s = rep["size"]
     lines += [
         "## Size",

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from quantkit.report.build import atomic_write_text
+from quantkit.report.build import atomic_write_text, warnings_lines
 from quantkit.report.plots import Series, scatter_svg, write_svg
 
 __all__ = ["render_mixed_markdown", "sweep_markdown", "write_sweep_report"]
@@ -193,8 +193,7 @@ def render_mixed_markdown(rep: Mapping[str, Any]) -> str:
         f"Predicted: damage {_f(pr['damage'], 5)}, {_mb(pr['bytes'])} MB, {_f(pr['latency_ms'])} ms",
         "",
     ]
-    if rep["warnings"]:
-        lines += ["## Warnings", ""] + [f"- {w}" for w in rep["warnings"]] + [""]
+    lines += warnings_lines(rep)
     s = rep["size"]
     lines += [
         "## Size",

@@ -10,7 +10,7 @@ import onnx
 
 from quantkit.lowering.verify import Census
 from quantkit.recipe import RecipeModel
-from quantkit.report.build import _finite, _fmt, classify_leftovers, environment
+from quantkit.report.build import _finite, _fmt, classify_leftovers, environment, warnings_lines
 
 
 def _model_bytes(proto: onnx.ModelProto) -> int:
@@ -93,8 +93,7 @@ def render_woq_markdown(rep: dict[str, Any]) -> str:
         f"Samples: {rep['samples']['calibration']} calibration windows, {rep['samples']['evaluation']} evaluation windows",
         "",
     ]
-    if rep["warnings"]:
-        lines += ["## Warnings", ""] + [f"- {w}" for w in rep["warnings"]] + [""]
+    lines += warnings_lines(rep)
     s = rep["size"]
     lines += [
         "## Size",
