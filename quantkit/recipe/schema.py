@@ -262,8 +262,11 @@ class SensitivitySection(_Strict):
     seq_len: int | None = Field(
         256, ge=2, description="text models: tokens per sample (None: as in the data)"
     )
-    metric: Literal["kl", "mse"] = Field(
-        "kl", description="damage: mean KL divergence of the output distribution (kl) or relative output MSE"
+    metric: Literal["auto", "kl", "mse"] = Field(
+        "auto",
+        description="damage: mean KL divergence of the output distribution (kl: logits) or relative output MSE "
+        "(mse: embeddings, regression); auto = kl when the model's first output is 'logits' or the evaluation "
+        "metric is classification, else mse",
     )
 
 

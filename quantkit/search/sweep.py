@@ -125,7 +125,7 @@ def _latency_feed(ds: Any, rec: Any) -> dict[str, np.ndarray]:
     raise DataError("the dataset yielded no batch for the latency feed")
 
 
-def _quality(path: str, float_bytes: bytes, ev: Any, rec: Any, is_lm: bool) -> dict[str, Any]:
+def _quality(path: str, float_bytes: bytes, ev: Any, rec: Any, is_lm: bool, metric: str = "kl") -> dict[str, Any]:
     """Measured quality of one emitted model (ONNX Runtime, evaluation data).
 
     Causal LMs: perplexity.  Others: the fidelity summary of the first output against FP32
@@ -140,7 +140,6 @@ def _quality(path: str, float_bytes: bytes, ev: Any, rec: Any, is_lm: bool) -> d
     from quantkit.evaluate.metrics import FidelityAccumulator
     from quantkit.search.sensitivity import _log_softmax
 
-    metric = rec.search.sensitivity.metric if rec.search is not None else "kl"
     s_f, s_q = make_session(float_bytes), make_session(path)
     name = s_f.get_outputs()[0].name
     cls = {"classification": True, "embedding": False, "sqnr": False}.get(rec.evaluation.metric)
@@ -161,6 +160,14 @@ def _quality(path: str, float_bytes: bytes, ev: Any, rec: Any, is_lm: bool) -> d
     out = {k: float(v) for k, v in acc.summary().get(name, {}).items() if isinstance(v, (int, float))}
     out["damage"] = max(num / max(den, 1e-30), 0.0)  # KL >= 0 (float rounding: -1e-9 for identical outputs)
     return out
+
+
+def _damage_metric(rec: Any, first_output: str) -> str:
+    """The sensitivity metric: the recipe's, or for ``auto`` KL on logits / classifiers and MSE otherwise."""
+    m = rec.search.sensitivity.metric if rec.search is not None else "auto"
+    if m != "auto":
+        return str(m)
+    return "kl" if first_output == "logits" or rec.evaluation.metric == "classification" else "mse"
 
 
 def _loss_key(is_lm: bool, metric: str) -> tuple[str, str]:
@@ -192,6 +199,7 @@ class SearchContext:
     fp32_pred: dict[str, float]
     timings: dict[str, float]
     t_start: float
+    damage_metric: str = "kl"
 
     def predicted(self, assign: Mapping[str, str]) -> dict[str, float]:
         """Predicted damage and costs of an assignment (additive model + edges)."""
@@ -281,6 +289,7 @@ def prepare_search(
             "the search measures latency and quality: set evaluation.data or pass evaluation_data"
         )
     float_proto = ir.to_proto(float_model)
+    damage_metric = _damage_metric(rec, float_proto.graph.output[0].name)
     float_bytes = float_proto.SerializeToString()
     is_lm = (
         rec.evaluation.perplexity
@@ -325,7 +334,7 @@ def prepare_search(
         cal,
         samples=sens.samples,
         seq_len=sens.seq_len,
-        metric=sens.metric,
+        metric=damage_metric,
         cache_parts={**common, "sens": sens.model_dump()} if use_cache else None,
         progress=progress,
     )
@@ -385,6 +394,7 @@ def prepare_search(
         {},
         timings,
         t_start,
+        damage_metric,
     )
     if "fp32" in cnames:
         ctx.fp32_pred = ctx.predicted({u: "fp32" for u in units})
@@ -438,7 +448,7 @@ def sweep(
     )
     ev, is_lm, feed, damage, costs = ctx.ev, ctx.is_lm, ctx.feed, ctx.damage, ctx.costs
     uniform_all, fp32_pred, predicted = ctx.uniform_all, ctx.fp32_pred, ctx.predicted
-    sens, lat = srch.sensitivity, rec.report.latency
+    lat = rec.report.latency
     cand_spec = [c.model_dump() for c in srch.candidate_list()]
     out_dir = Path(output)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -505,7 +515,7 @@ def sweep(
             p.model_path = str(path) if save_models else None
             paths[p.id] = path
             p.measured["size_bytes"] = sum(f.stat().st_size for f in path.parent.iterdir() if f.is_file())
-            p.measured.update(_quality(str(path), float_bytes, ev, rec, is_lm))
+            p.measured.update(_quality(str(path), float_bytes, ev, rec, is_lm, ctx.damage_metric))
         # latency: all points and FP32, interleaved on one feed
         from quantkit.evaluate.latency import compare_latency, make_session
 
@@ -529,7 +539,7 @@ def sweep(
     timings["evaluate_s"] = time.perf_counter() - t
 
     # -- measured front, rank correlation -------------------------------------------------------------
-    loss_key, loss_label = _loss_key(is_lm, sens.metric)
+    loss_key, loss_label = _loss_key(is_lm, ctx.damage_metric)
     losses = [float(p.measured.get(loss_key, float("nan"))) for p in points]
     for axis, key in (("latency", "latency_ms"), ("size", "size_bytes")):
         mask = pareto_mask([float(p.measured[key]) for p in points], losses)

@@ -347,3 +347,15 @@ def test_quantize_with_search_target_emits_one_mixed_point(
 
     with pytest.raises(QuantkitError, match="no search.target"):
         quantize(ir.from_proto(tiny_lm()), lm_feeds(6), _recipe(), progress=False)
+
+
+def test_auto_damage_metric() -> None:
+    from quantkit.search.sweep import _damage_metric
+
+    rec = load_recipe({"version": 1, "search": {"candidates": ["fp16"]}})
+    assert _damage_metric(rec, "logits") == "kl"
+    assert _damage_metric(rec, "last_hidden_state") == "mse"
+    rec_c = load_recipe({"version": 1, "evaluation": {"metric": "classification"}, "search": {"candidates": ["fp16"]}})
+    assert _damage_metric(rec_c, "output") == "kl"
+    rec_m = load_recipe({"version": 1, "search": {"candidates": ["fp16"], "sensitivity": {"metric": "mse"}}})
+    assert _damage_metric(rec_m, "logits") == "mse"
