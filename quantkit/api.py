@@ -162,7 +162,7 @@ def quantize(
         )
     if rec.search is not None:
         return _quantize_searched(model, calibration_data, rec, evaluation_data, evaluate, measure_latency, progress,
-                                  use_cache)
+                                  use_cache, example_inputs)
     t = time.perf_counter()
     source = model if model is not None else rec.model.source  # type: ignore[union-attr]
     load_kw: dict[str, Any] = {}
@@ -318,7 +318,7 @@ def _quantize_weight_only(
 
 def _quantize_searched(
     model: Any, calibration_data: Any, rec: RecipeModel, evaluation_data: Any, evaluate: bool,
-    measure_latency: bool | None, progress: bool, use_cache: bool,
+    measure_latency: bool | None, progress: bool, use_cache: bool, example_inputs: Any = None,
 ) -> QuantizeResult:
     """A recipe with ``search.target``: measure sensitivity and costs, solve for the target, emit that mix
     (see :mod:`quantkit.search.sweep`; ``quantkit sweep`` gives the whole front instead)."""
@@ -330,8 +330,8 @@ def _quantize_searched(
             "the recipe has a 'search' section but no search.target: run `quantkit sweep` (or "
             "quantkit.search.sweep.sweep) for the whole front, or set search.target: {size|latency|damage: ...}"
         )
-    ctx = prepare_search(model, calibration_data, rec, evaluation_data=evaluation_data, progress=progress,
-                         use_cache=use_cache)
+    ctx = prepare_search(model, calibration_data, rec, evaluation_data=evaluation_data, example_inputs=example_inputs,
+                         progress=progress, use_cache=use_cache)
     timings = ctx.timings
     t = time.perf_counter()
     sol = ctx.solve_target(srch.target)

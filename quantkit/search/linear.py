@@ -162,6 +162,13 @@ class LinearSpace:
         cls, model: ir.Model, rec: RecipeModel, calibration: Any, *, progress: bool = True
     ) -> LinearSpace:
         cands = search_candidates(rec, LINEAR_FORMATS, "linear (MatMul) layers")
+        if any(
+            n.op_type == "Gemm" for n in model.graph
+        ):  # nn.Linear on 2-D input: Gemm -> MatMul (+ Add), exact
+            from quantkit.prep.gemm_to_matmul import gemm_to_matmul
+
+            model = ir.from_proto(ir.to_proto(model))
+            gemm_to_matmul(model)
         layers, pinned = find_linear_layers(model, rec)
         if not layers:
             raise UnsupportedOpError(

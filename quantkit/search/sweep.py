@@ -125,7 +125,9 @@ def _latency_feed(ds: Any, rec: Any) -> dict[str, np.ndarray]:
     raise DataError("the dataset yielded no batch for the latency feed")
 
 
-def _quality(path: str, float_bytes: bytes, ev: Any, rec: Any, is_lm: bool, metric: str = "kl") -> dict[str, Any]:
+def _quality(
+    path: str, float_bytes: bytes, ev: Any, rec: Any, is_lm: bool, metric: str = "kl"
+) -> dict[str, Any]:
     """Measured quality of one emitted model (ONNX Runtime, evaluation data).
 
     Causal LMs: perplexity.  Others: the fidelity summary of the first output against FP32
@@ -244,10 +246,13 @@ def prepare_search(
     recipe: Any = None,
     *,
     evaluation_data: Any = None,
+    example_inputs: Any = None,
     progress: bool = True,
     use_cache: bool = True,
 ) -> SearchContext:
-    """Load, prepare, build the space, measure sensitivity and costs, set up the integer program."""
+    """Load, prepare, build the space, measure sensitivity and costs, set up the integer program.
+
+    ``model`` as for :func:`quantkit.quantize` (a ``torch.nn.Module`` needs ``example_inputs``)."""
     from quantkit.api import _eval_dataset
     from quantkit.calibrate.cache import model_hash
     from quantkit.data import as_dataset, make_dataset, model_inputs
@@ -272,6 +277,8 @@ def prepare_search(
     load_kw: dict[str, Any] = {}
     if isinstance(source, (str, os.PathLike)) and Path(source).is_dir() and rec.model is not None:
         load_kw["seq_len"] = rec.model.seq_len
+    if example_inputs is not None:
+        load_kw["example_inputs"] = example_inputs
     loaded = load_model(source, **load_kw)
     float_model = prepare(loaded.model).model
     inputs = model_inputs(float_model)
@@ -414,6 +421,7 @@ def sweep(
     recipe: Any = None,
     *,
     evaluation_data: Any = None,
+    example_inputs: Any = None,
     output: str | os.PathLike[str] = "sweep-out",
     progress: bool = True,
     use_cache: bool = True,
@@ -428,6 +436,7 @@ def sweep(
         calibration_data,
         recipe,
         evaluation_data=evaluation_data,
+        example_inputs=example_inputs,
         progress=progress,
         use_cache=use_cache,
     )

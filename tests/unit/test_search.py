@@ -355,7 +355,50 @@ def test_auto_damage_metric() -> None:
     rec = load_recipe({"version": 1, "search": {"candidates": ["fp16"]}})
     assert _damage_metric(rec, "logits") == "kl"
     assert _damage_metric(rec, "last_hidden_state") == "mse"
-    rec_c = load_recipe({"version": 1, "evaluation": {"metric": "classification"}, "search": {"candidates": ["fp16"]}})
+    rec_c = load_recipe(
+        {"version": 1, "evaluation": {"metric": "classification"}, "search": {"candidates": ["fp16"]}}
+    )
     assert _damage_metric(rec_c, "output") == "kl"
     rec_m = load_recipe({"version": 1, "search": {"candidates": ["fp16"], "sensitivity": {"metric": "mse"}}})
     assert _damage_metric(rec_m, "logits") == "mse"
+
+
+def test_sweep_torch_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+
+    class MLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = torch.nn.Linear(32, 64)
+            self.down = torch.nn.Linear(64, 10)
+
+        def forward(self, x: Any) -> Any:
+            return self.down(torch.relu(self.up(x)))
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    data = [rng.standard_normal((2, 32)).astype(np.float32) for _ in range(4)]
+    rec = {
+        "version": 1,
+        "name": "torch-mixed",
+        "quantization": {"default": {"format": "fp32", "group_size": 16}},
+        "report": {"latency": {"warmup": 1, "repeat": 3}},
+        "search": {
+            "candidates": ["int8_dynamic", {"name": "int4", "format": "int4", "group_size": 16}],
+            "points": 2,
+            "sensitivity": {"samples": 2, "metric": "mse"},
+        },
+    }
+    res = sweep(
+        MLP().eval(),
+        data,
+        rec,
+        evaluation_data=data,
+        example_inputs=(torch.randn(2, 32),),
+        output=tmp_path / "out",
+        progress=False,
+        save_models=False,
+    )
+    assert {p.id.split(" = ")[0] for p in res.points} >= {"uniform:int8_dynamic", "uniform:int4"}
+    assert all(p.measured["damage"] >= 0 for p in res.points)
