@@ -5,8 +5,9 @@ with every unit in that format (plus once all-FP32), each is profiled with ONNX 
 profiler (:func:`quantkit.search.profile.profile_model`, the feed of ``report.latency``) and
 every optimized kernel's median time is attributed to the layer it came from.  Then::
 
-    latency(u, f)  = sum of the kernel medians of u's layers in the all-f model
-    base           = run median of the all-FP32 model - sum_u latency(u, fp32)
+    latency(u, f)  = k_f * sum of the kernel medians of u's layers in the all-f model
+    k_f            = (run median of the all-f model without the profiler) / (its run median with it)
+    base           = run median of the all-FP32 model without the profiler - sum_u latency(u, fp32)
 
 so a mix is predicted as ``base + sum_u latency(u, f_u)`` (+ boundary edges where a space
 declares them).  ``base`` holds everything that is not a searched layer (attention, norms,
@@ -89,7 +90,7 @@ def _cpu() -> str:
 def cost_cache_path(parts: Mapping[str, Any]) -> Path:
     from quantkit.frontends.cache import cache_dir
 
-    full = {**parts, "ort": ort.__version__, "cpu": _cpu(), "version": 2}
+    full = {**parts, "ort": ort.__version__, "cpu": _cpu(), "version": 3}
     key = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:32]
     return cache_dir() / "search" / f"cost-{key}.json"
 
@@ -98,6 +99,24 @@ def _save(path: Path, table: CostTable) -> None:
     from quantkit.report.build import atomic_write_text
 
     atomic_write_text(path, json.dumps(table.to_json()))
+
+
+def _plain_median_ms(blob: bytes, feed: Mapping[str, np.ndarray], *, runs: int, warmup: int,
+                     threads: int | None) -> float:
+    """Median wall time (ms) of ``session.run`` without the profiler, same settings as the profile."""
+    import time
+
+    from quantkit.evaluate.latency import make_session
+
+    sess = make_session(blob, threads=threads)
+    for _ in range(warmup):
+        sess.run(None, dict(feed))
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        sess.run(None, dict(feed))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e3
 
 
 def _output_aliases(model: Any, layers: list[str]) -> dict[str, str]:
@@ -187,16 +206,22 @@ def measure_costs(
             continue
         prof = profile_model(blob, feed, runs=runs, warmup=warmup, threads=threads, level="all")
         per_layer = prof.by_layer(layer_names, aliases=_output_aliases(space.model, layer_names))
+        # the profiler's own overhead inflates every kernel: rescale this model's kernel times so that they
+        # sum (with the rest) to its wall time measured WITHOUT profiling on the same feed
+        plain_ms = _plain_median_ms(blob, feed, runs=max(5, runs // 2), warmup=warmup, threads=threads)
+        scale = plain_ms / max(prof.run_median_ms, 1e-9)
         for u in units:
-            lat[(u.name, c)] = float(sum(per_layer.get(n, 0.0) for n in u.layers))
+            lat[(u.name, c)] = scale * float(sum(per_layer.get(n, 0.0) for n in u.layers))
         profiles[c] = {
+            "plain_run_median_ms": plain_ms,
+            "profiler_scale": scale,
             "run_median_ms": prof.run_median_ms,
             "node_sum_ms": prof.node_sum_ms,
             "other_ms": per_layer.get("<other>", 0.0),
             "by_op_type": prof.by_op_type(),
         }
     fp32_layers = sum(lat[(u.name, "fp32")] for u in units)
-    base_lat = profiles["fp32"]["run_median_ms"] - fp32_layers
+    base_lat = profiles["fp32"]["plain_run_median_ms"] - fp32_layers
     base_bytes = float(file_size["fp32"]) - sum(
         nbytes[(u.name, "fp32")] for u in units
     )  # unsearched weights, graph
