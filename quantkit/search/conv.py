@@ -65,6 +65,7 @@ class ConvSpace:
     _means: dict[str, np.ndarray] = field(default_factory=dict)
     _proto: Any = None
     _bytes: bytes = b""
+    _shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -141,6 +142,7 @@ class ConvSpace:
         sp = cls(model, rec, cands, layers, units, pinned, calibration, progress, use_cache)
         sp._proto = ir.to_proto(model)
         sp._bytes = sp._proto.SerializeToString()
+        sp._shapes = shapes
         sp._calibrate(plan)
         return sp
 
@@ -242,7 +244,7 @@ class ConvSpace:
                 if o.name:
                     producer[o.name] = n
         unit_names = {u.name for u in self.units}
-        shapes = _infer_shapes(self.model)
+        shapes = self._shapes
         out = []
         for u in self.units:
             v_in = self.layers[u.name].input

@@ -155,7 +155,6 @@ class LinearSpace:
     _int8: dict[tuple[str, str], _Int8Artifact] = field(default_factory=dict)
     _absmax: dict[str, Any] | None = None
     _pinned_outcome: Any = None
-    notes: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def build(

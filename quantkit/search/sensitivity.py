@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 log = logging.getLogger("quantkit")
 
-__all__ = ["DamageTable", "damage_of", "measure_sensitivity", "probe_model"]
+__all__ = ["DamageTable", "measure_sensitivity", "probe_model"]
 
 DamageTable = dict[tuple[str, str], float]
 
@@ -86,11 +86,6 @@ class _Reference:
         )
         den = sum(float(np.sum(y.astype(np.float64) ** 2)) for y in self.y)
         return num / max(den, 1e-30)
-
-
-def damage_of(metric: str, ref: list[np.ndarray], got: list[np.ndarray]) -> float:
-    """The damage of outputs ``got`` against reference outputs ``ref`` (no masks)."""
-    return _Reference(metric, ref, [None] * len(ref)).damage(got)
 
 
 # -- cache ------------------------------------------------------------------------------------------
@@ -349,9 +344,3 @@ def _emit_runner(
         return [sess.run([name], {k: v for k, v in f.items() if k in wanted})[0] for f in feeds]
 
     return run
-
-
-def iter_pairs(space: Any) -> Iterable[tuple[str, str]]:
-    for u in space.units:
-        for c in space.candidates:
-            yield u.name, c
