@@ -96,15 +96,21 @@ class ChannelAbsMax:
         return obj
 
 
-def int8_weight_per_column(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def int8_weight_per_column(w: np.ndarray, *, pair_safe: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per-output-column int8 codes ``[K, N]`` on ``[-127, 127]`` and scales ``[N]``.
 
-    Uses the scheme module's qparams and ``QuantizeLinear`` arithmetic (bit-exact with ORT)."""
+    Uses the scheme module's qparams and ``QuantizeLinear`` arithmetic (bit-exact with ORT).
+    ``pair_safe``: codes obey the int16 pair bound of x86 CPUs without VNNI
+    (:func:`quantkit.algorithms.pair_rounding.pair_safe_weight`)."""
+    from quantkit.algorithms.pair_rounding import pair_safe_weight
     from quantkit.scheme.qparams import QuantSpec, quantize, weight_qparams
 
     spec = QuantSpec(dtype="int8", symmetric=True, granularity="channel", axis=1, narrow=True)
     scale, zp = weight_qparams(np.asarray(w, np.float32), spec)
     q = quantize(w, scale, zp, axis=1)
+    if pair_safe:
+        q, scale, _ = pair_safe_weight(np.asarray(w, np.float32), np.asarray(q), np.asarray(scale), np.asarray(zp),
+                                       op_type="MatMul")
     return np.asarray(q, np.int8), np.asarray(scale, np.float32)
 
 
@@ -131,7 +137,8 @@ def _per_token_dq(x: np.ndarray) -> np.ndarray:
 
 
 def w8a8_error(
-    rows: np.ndarray, weights: Sequence[np.ndarray], s: np.ndarray | None, *, per_token: bool
+    rows: np.ndarray, weights: Sequence[np.ndarray], s: np.ndarray | None, *, per_token: bool,
+    pair_safe: bool = False,
 ) -> float:
     """Relative output error ``sum ||xW - Q(x/s) Q(sW)||^2 / sum ||xW||^2`` over ``weights``."""
     x = np.asarray(rows, np.float32)
@@ -144,7 +151,7 @@ def w8a8_error(
     num = den = 0.0
     for w in weights:
         ws = w if s is None else w * s[:, None]
-        q, sc = int8_weight_per_column(ws)
+        q, sc = int8_weight_per_column(ws, pair_safe=pair_safe)
         ref = x @ w
         got = xq @ (q.astype(np.float32) * sc)
         num += float(np.sum((ref - got).astype(np.float64) ** 2))
@@ -153,7 +160,8 @@ def w8a8_error(
 
 
 def choose_alpha(
-    stats: ChannelAbsMax, weights: Sequence[np.ndarray], alpha: float | str, *, per_token: bool
+    stats: ChannelAbsMax, weights: Sequence[np.ndarray], alpha: float | str, *, per_token: bool,
+    pair_safe: bool = False,
 ) -> tuple[np.ndarray | None, float | None, dict[str, float]]:
     """``(s, alpha, errors)`` for one group of layers sharing an input.
 
@@ -166,11 +174,11 @@ def choose_alpha(
         return smooth_scales(stats.absmax, weights, a), a, {}
     if stats.rows is None or len(stats.rows) == 0:
         return smooth_scales(stats.absmax, weights, 0.5), 0.5, {}
-    errors = {"none": w8a8_error(stats.rows, weights, None, per_token=per_token)}
+    errors = {"none": w8a8_error(stats.rows, weights, None, per_token=per_token, pair_safe=pair_safe)}
     best_s, best_a, best_e = None, None, errors["none"]
     for a in ALPHA_GRID:
         s = smooth_scales(stats.absmax, weights, a)
-        e = w8a8_error(stats.rows, weights, s, per_token=per_token)
+        e = w8a8_error(stats.rows, weights, s, per_token=per_token, pair_safe=pair_safe)
         errors[f"{a:g}"] = e
         if e < best_e:
             best_s, best_a, best_e = s, a, e

@@ -31,6 +31,7 @@ import numpy as np
 import onnx_ir as ir
 
 from quantkit.algorithms.bias_correction import bias_shift
+from quantkit.algorithms.pair_rounding import pair_safe_weight
 from quantkit.errors import CalibrationError
 from quantkit.lowering.ops import WEIGHTED
 from quantkit.lowering.select import QuantPlan, TensorQuant, constant_array
@@ -43,6 +44,7 @@ from quantkit.scheme.qparams import (
     quantize,
     weight_qparams,
 )
+from quantkit.scheme.target import Target
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class WeightParams:
     scale_max: float
     zero_point_range: tuple[int, int]
     weight_sqnr_db: float
+    pair_safe_channels: int = 0  # output channels re-rounded / rescaled to obey the int16 pair bound
 
 
 @dataclass
@@ -75,6 +78,7 @@ class LoweringResult:
     tensors: dict[str, TensorParams] = field(default_factory=dict)
     weights: dict[str, WeightParams] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    target: Target | None = None  # the CPU class the weights were rounded for
 
 
 class _Namer:
@@ -156,6 +160,9 @@ def lower_int8(
     activation_storage: str = "uint8",
     matmul_form: str = "fused",
     input_means: Mapping[str, np.ndarray] | None = None,
+    target: Target | None = None,
+    hessians: Mapping[str, np.ndarray] | None = None,
+    pair_cache: dict[tuple[str, bytes], tuple[np.ndarray, np.ndarray, int]] | None = None,
 ) -> LoweringResult:
     """Insert Q/DQ and quantize weights in ``model`` (in place); return the parameters used.
 
@@ -165,12 +172,18 @@ def lower_int8(
     with the bias inside (:func:`fuse_float_output_linears`); ``"qdq"`` keeps the QDQ form.
     ``input_means`` (layer -> per-channel mean of its activation input, from calibration)
     turns on bias correction (:mod:`quantkit.algorithms.bias_correction`).
+    ``target``: when its CPU class saturates int16 pair sums (``x86-avx2``, ``portable``), int8
+    weights are rounded to obey the pair bound (:func:`quantkit.algorithms.pair_rounding.pair_safe_weight`),
+    so the fused kernels stay exact there; ``hessians`` (layer -> input second moment in kernel K
+    order, :func:`hessian_requests`) lets that rounding compensate its error (pair-constrained GPTQ).
+    ``pair_cache``: memo of that rounding per (layer, weight scale), for callers that lower one model
+    many times (the search).
     """
     graph = model.graph
     if model.opset_imports.get("", 0) < 13:
         model.opset_imports[""] = 13  # per-axis QuantizeLinear/DequantizeLinear
     namer = _Namer(graph)
-    result = LoweringResult()
+    result = LoweringResult(target=target)
 
     # 1. activation qparams
     for name, tq in plan.tensors.items():
@@ -304,7 +317,29 @@ def lower_int8(
                 narrow=True,  # weights: [-127, 127] grid, the largest weight exact (see compute_qparams)
             )
             w_scale, w_zp = weight_qparams(w, spec)
+            w_scale = _bias_safe_scale(node, spec_w.bias_input, w_scale, result.tensors.get(act_inputs.get(node.name or "", "")))
             wq = quantize(w, w_scale, w_zp, axis=axis if per_channel else None)
+            n_safe = 0
+            if target is not None and target.pair_safe and lp.weight_dtype == "int8":
+                g = node.attributes.get("group")
+                tb = node.attributes.get("transB")
+                it_w = int_type(lp.weight_dtype)
+                memo_key = (node.name or "", np.asarray(w_scale, np.float32).tobytes() + np.asarray(w_zp).tobytes())
+                if pair_cache is not None and memo_key in pair_cache:
+                    wq, w_scale, n_safe = pair_cache[memo_key]
+                else:
+                    wq, w_scale, n_safe = pair_safe_weight(
+                        w, wq, np.asarray(w_scale), np.asarray(w_zp), op_type=node.op_type,
+                        trans_b=tb is not None and tb.as_int() == 1, group=g.as_int() if g is not None else 1,
+                        qmin=max(it_w.qmin, -127) if lp.weight_symmetric else it_w.qmin, qmax=it_w.qmax,
+                        hessian=(hessians or {}).get(node.name or ""),
+                    )
+                    if pair_cache is not None:
+                        pair_cache[memo_key] = (wq, w_scale, n_safe)
+                if n_safe:
+                    result.notes[node.name or ""] = (
+                        f"{n_safe} output channel(s) rounded to the int16 pair bound (exact on x86 without VNNI)"
+                    )
             base = w_val.name or node.name or "weight"
             wq_v = const(f"{base}_quantized", wq)
             ws_v = const(f"{base}_scale", np.asarray(w_scale, dtype=np.float32))
@@ -317,6 +352,7 @@ def lower_int8(
                 axis=axis if per_channel else None,
                 scale_min=float(np.min(w_scale)), scale_max=float(np.max(w_scale)),
                 zero_point_range=(int(zr.min()), int(zr.max())), weight_sqnr_db=_sqnr_db(w, deq),
+                pair_safe_channels=n_safe,
             )
         wq_v, ws_v, wz_v, axis, w_scale_arr, w_hat = weight_cache[key]
         attrs = {"axis": axis} if w_scale_arr.ndim == 1 else {}
@@ -328,7 +364,8 @@ def lower_int8(
                                group=g.as_int() if g is not None else 1, trans_b=tb is not None and tb.as_int() == 1)
             if shift is not None:
                 _apply_bias_shift(graph, node, spec_w.bias_input, shift, const)
-                result.notes[node.name or ""] = (
+                prev = result.notes.get(node.name or "")
+                result.notes[node.name or ""] = (prev + "; " if prev else "") + (
                     f"bias corrected: |shift| mean {float(np.mean(np.abs(shift))):.3g}, max {float(np.max(np.abs(shift))):.3g}"
                 )
         dq = ir.node(
@@ -363,6 +400,72 @@ def lower_int8(
             result.notes[layer] = "MatMulIntegerToFloat with the bias folded in (com.microsoft)"
     _drop_unused_initializers(graph)
     return result
+
+
+# Room left in the int32 accumulator of QLinearConv / QGemm beside the bias: 2**30 for the bias, the
+# other half for sum(x_q * w_q) (K * 255 * 127 < 2**30 for K < 33000).
+_BIAS_INT32_LIMIT = float(2**30)
+
+
+def _bias_safe_scale(node: ir.Node, bias_input: int | None, w_scale: Any, x_params: TensorParams | None) -> Any:
+    """Raise the weight scale of output channels whose int32 bias ``b / (s_x * s_w)`` would not fit.
+
+    BatchNorm folding can leave dead channels with weights ~1e-8 and a large bias: their per-channel
+    weight scale is tiny, the int32 bias saturates and - worse - the fused kernel's int32 accumulator
+    wraps around, so the kernel and the QDQ math part (seen on EfficientNet-Lite0's stem).  With
+    ``s_w >= |b| / (s_x * 2**30)`` the bias fits with room to spare; the weights of such a channel are
+    so small next to its bias that the coarser grid costs nothing measurable."""
+    if bias_input is None or x_params is None or len(node.inputs) <= bias_input:
+        return w_scale
+    b = constant_array(node.inputs[bias_input])
+    if b is None:
+        return w_scale
+    floor = np.abs(b.astype(np.float64)) / (float(x_params.scale) * _BIAS_INT32_LIMIT)
+    ws = np.asarray(w_scale, np.float64)
+    if ws.ndim == 0:
+        return np.asarray(max(float(ws), float(np.max(floor, initial=0.0))), np.float32)
+    if floor.shape != ws.shape:
+        return w_scale
+    return np.maximum(ws, floor).astype(np.float32)
+
+
+def hessian_requests(model: ir.Model, plan: QuantPlan, max_k: int = 4096) -> dict[str, tuple[str, int, Any]]:
+    """``layer -> (input tensor, K, conv geometry)`` of the planned int8 GEMM-like layers whose weight
+    pairs pair-constrained GPTQ can use (2-D Conv with one group, Gemm, MatMul; ``K <= max_k``)."""
+    from quantkit.calibrate.kernel_hessian import ConvGeometry
+
+    out: dict[str, tuple[str, int, Any]] = {}
+    for node in model.graph:
+        lp = plan.layers.get(node.name or "")
+        if lp is None or node.op_type not in WEIGHTED or lp.weight_dtype != "int8" or node.inputs[0] is None:
+            continue
+        w = constant_array(node.inputs[WEIGHTED[node.op_type].weight_input])
+        if w is None or w.ndim < 2:
+            continue
+        geo = None
+        if node.op_type == "Conv":
+            g = node.attributes.get("group")
+            if w.ndim != 4 or (g is not None and g.as_int() != 1):
+                continue
+
+            def ints(name: str, default: list[int], node: ir.Node = node) -> tuple[int, ...]:
+                a = node.attributes.get(name)
+                return tuple(a.as_ints()) if a is not None else tuple(default)
+
+            ap = node.attributes.get("auto_pad")
+            if ap is not None and ap.as_string() not in ("NOTSET", ""):
+                continue
+            geo = ConvGeometry(kernel=(int(w.shape[2]), int(w.shape[3])), strides=ints("strides", [1, 1]),  # type: ignore[arg-type]
+                               pads=ints("pads", [0, 0, 0, 0]), dilations=ints("dilations", [1, 1]))  # type: ignore[arg-type]
+            k = int(w.shape[1] * w.shape[2] * w.shape[3])
+        elif node.op_type == "Gemm":
+            tb = node.attributes.get("transB")
+            k = int(w.shape[1] if tb is not None and tb.as_int() == 1 else w.shape[0])
+        else:
+            k = int(w.shape[-2])
+        if k <= max_k:
+            out[node.name or ""] = (node.inputs[0].name or "", k, geo)
+    return out
 
 
 # Ops whose float weights ONNX Runtime (>= 1.20, Level-1 ``WeightBiasQuantization``) quantizes on its own

@@ -206,6 +206,11 @@ class ExportSection(_Strict):
 class ReportSection(_Strict):
     formats: list[Literal["json", "md", "html"]] = Field(default_factory=lambda: ["json", "md"])  # type: ignore[arg-type]
     latency: LatencySection = LatencySection()
+    kernel_check_samples: int = Field(
+        16, ge=0, le=4096,
+        description="evaluation samples run both with this CPU's fused int8 kernels and as the QDQ reference "
+        "(ORT_DISABLE_ALL) to check that they agree; 0 skips the check",
+    )
 
 
 CandidateFormat = Literal["fp32", "fp16", "bf16", "int8", "int8_dynamic", "int8_weight", "int4"]
@@ -347,6 +352,18 @@ class SearchSection(_Strict):
         return [Candidate(name=c, format=c) if isinstance(c, str) else c for c in self.candidates]
 
 
+class TargetSection(_Strict):
+    """The CPU the model is for (ONNX Runtime's int8 kernels compute differently per CPU class)."""
+
+    device: Literal["cpu"] = "cpu"
+    isa: Literal["auto", "portable", "x86-vnni", "x86-avx2", "arm64"] = Field(
+        "auto",
+        description="auto: the running CPU's class; x86-avx2: x86 without VNNI (int8 weights obey the int16 "
+        "pair bound so the saturating kernels stay exact); x86-vnni: VNNI/AVX-VNNI/AMX; arm64; portable: exact "
+        "on every class",
+    )
+
+
 class RecipeModel(_Strict):
     """The whole recipe file."""
 
@@ -359,3 +376,4 @@ class RecipeModel(_Strict):
     export: ExportSection = ExportSection()
     report: ReportSection = ReportSection()
     search: SearchSection | None = None
+    target: TargetSection = TargetSection()

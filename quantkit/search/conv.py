@@ -30,6 +30,7 @@ import onnx_ir as ir
 from quantkit.errors import RecipeError, UnsupportedOpError
 from quantkit.lowering.select import constant_array
 from quantkit.recipe.schema import Candidate, RecipeModel
+from quantkit.scheme.target import resolve_target
 from quantkit.search.linear import Unit, search_candidates
 
 log = logging.getLogger("quantkit")
@@ -63,6 +64,8 @@ class ConvSpace:
     use_cache: bool = True
     _ranges: dict[str, Any] = field(default_factory=dict)
     _means: dict[str, np.ndarray] = field(default_factory=dict)
+    _hessian_cache: dict[str, np.ndarray] = field(default_factory=dict)
+    _pair_cache: dict[tuple[str, bytes], Any] = field(default_factory=dict)
     _proto: Any = None
     _bytes: bytes = b""
     _shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -168,6 +171,21 @@ class ConvSpace:
         if means:
             self._means.update(means)
 
+    def _hessians(self, plan: Any) -> dict[str, Any] | None:
+        """Input second moments (kernel K order) for pair-constrained rounding, once per layer."""
+        if not resolve_target(self.rec.target.isa, self.rec.target.device).pair_safe:
+            return None
+        from quantkit.calibrate.kernel_hessian import collect_kernel_hessians
+        from quantkit.lowering.qdq import hessian_requests
+
+        cache = self._hessian_cache
+        todo = {k: v for k, v in hessian_requests(self.model, plan).items() if k not in cache}
+        if todo:
+            cache.update(collect_kernel_hessians(
+                self._proto, self.calibration, todo, batch_size=self.rec.calibration.batch_size,
+                max_batch_output_bytes=self.rec.calibration.max_batch_output_bytes, progress=self.progress))
+        return {k: v for k, v in cache.items() if k in plan.layers}
+
     def _recipe_for(self, float_units: list[str]) -> RecipeModel:
         from quantkit.recipe import load_recipe
 
@@ -210,6 +228,9 @@ class ConvSpace:
             activation_storage=self.rec.export.activation_storage,
             matmul_form=self.rec.export.matmul_form,
             input_means=means,
+            target=resolve_target(self.rec.target.isa, self.rec.target.device),
+            hessians=self._hessians(plan),
+            pair_cache=self._pair_cache,
         )
         for layer, f in fmt.items():
             if f in ("fp16", "bf16"):

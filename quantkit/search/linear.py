@@ -259,16 +259,19 @@ class LinearSpace:
         key = (unit.name, cand)
         if key not in self._int8:
             from quantkit.algorithms.smoothquant import choose_alpha, int8_weight_per_column
+            from quantkit.scheme.target import resolve_target
 
             c = self.candidates[cand]
             ws = [self._weights[n] for n in unit.layers]
+            safe = resolve_target(self.rec.target.isa, self.rec.target.device).pair_safe
             s, alpha = None, None
             if c.smoothquant is not None:
                 st = self._absmax_stats()[unit.input]
-                s, alpha, _ = choose_alpha(st, ws, c.smoothquant, per_token=c.granularity == "per_token")
+                s, alpha, _ = choose_alpha(st, ws, c.smoothquant, per_token=c.granularity == "per_token",
+                                           pair_safe=safe)
             codes = {}
             for n, w in zip(unit.layers, ws, strict=True):
-                codes[n] = int8_weight_per_column(w if s is None else w * s[:, None])
+                codes[n] = int8_weight_per_column(w if s is None else w * s[:, None], pair_safe=safe)
             self._int8[key] = _Int8Artifact(s, alpha, codes)
         return self._int8[key]
 

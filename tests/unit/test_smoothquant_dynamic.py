@@ -18,6 +18,8 @@ from quantkit.algorithms.smoothquant import (
 from quantkit.errors import RecipeError
 from quantkit.lowering.dynamic import lower_int8_dynamic
 from quantkit.lowering.nbits import apply_input_scale
+from quantkit.scheme.saturation import emulate_u8s8, pair_violations
+from quantkit.scheme.target import _read_cpu, cpu_class_saturates
 
 
 def _model(K: int, N: int, seed: int = 0) -> tuple[ir.Model, np.ndarray, np.ndarray]:
@@ -59,9 +61,33 @@ def test_per_token_lowering_is_exact_against_numpy() -> None:
     h = (x * gamma).reshape(-1, K)
     a = np.maximum(np.abs(h).max(1, keepdims=True) / np.float32(127), np.float32(1e-12))
     codes = np.clip(np.round(h / a), -128, 127)  # uint8 storage with zero point 128 == int8 grid
-    ref = (codes * a) @ (q.astype(np.float32) * sc)
+    # the kernel of the running CPU class: raw uint8 codes x int8 weights (int16 pair sums saturate on x86
+    # without VNNI), the zero point compensated exactly with the column sums
+    acc = emulate_u8s8((codes + 128).astype(np.uint8), q, saturate=cpu_class_saturates(_read_cpu().cpu_class))
+    acc = acc.astype(np.int64) - 128 * q.astype(np.int64).sum(axis=0)
+    ref = acc * a * sc
     # float32 accumulation order differs only: bound well below one activation quantization step
     np.testing.assert_allclose(got.reshape(-1, N), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    exact = (codes * a) @ (q.astype(np.float32) * sc)
+    if not cpu_class_saturates(_read_cpu().cpu_class):
+        np.testing.assert_allclose(got.reshape(-1, N), exact, rtol=1e-4, atol=1e-4 * float(np.abs(exact).max()))
+
+
+def test_pair_safe_per_token_lowering_is_exact_on_every_cpu_class() -> None:
+    K, N = 64, 48
+    model, gamma, W = _model(K, N)
+    q, sc = int8_weight_per_column(W, pair_safe=True)
+    assert not pair_violations(q).any()
+    lower_int8_dynamic(model, _matmul_name(model), q, sc)
+    x = _outlier_x(K)
+    got = _run(model, x)
+    h = (x * gamma).reshape(-1, K)
+    a = np.maximum(np.abs(h).max(1, keepdims=True) / np.float32(127), np.float32(1e-12))
+    codes = np.clip(np.round(h / a), -128, 127)
+    u8 = (codes + 128).astype(np.uint8)
+    np.testing.assert_array_equal(emulate_u8s8(u8, q), emulate_u8s8(u8, q, saturate=False))
+    exact = (codes * a) @ (q.astype(np.float32) * sc)
+    np.testing.assert_allclose(got.reshape(-1, N), exact, rtol=1e-4, atol=1e-4 * float(np.abs(exact).max()))
     ops = [n.op_type for n in model.graph]
     assert "MatMulIntegerToFloat" in ops and "MatMul" not in ops
 

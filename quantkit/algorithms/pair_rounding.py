@@ -1,0 +1,151 @@
+"""Pair-aware int8 weight rounding: exact on x86 CPUs without VNNI at the least accuracy cost.
+
+The rule (:mod:`quantkit.scheme.saturation`): in the kernel's K order, every same-sign pair of int8
+weight codes must have ``|q0 + q1| <= 128``, or some uint8 activation saturates the int16 pair sum.
+Only output channels (columns of the kernel view) that break the rule are touched; two candidate
+fixes are computed for them and the better one is kept per channel:
+
+* **scale search + constrained rounding** (:func:`~quantkit.scheme.saturation.pair_safe_codes`):
+  the channel's scale grows by ``alpha in [1, 127/64]`` (the upper end is 7-bit weights) and each
+  offending pair is rounded onto the boundary ``q0 + q1 = +-128`` at least squared error.
+* **pair-constrained GPTQ** (:func:`pair_gptq`, when the layer input's second moment
+  ``H = sum x x^T`` in kernel K order is known; scales ``alpha * s`` for ``alpha`` in
+  :data:`GPTQ_ALPHAS`, and the scale the search above chose): rows are rounded in K order as in GPTQ
+  (Frantar et al. 2022) with the OBS update of the rows not yet rounded; the first row of a pair
+  takes the boundary midpoint when the pair would break the rule, the second is clipped to
+  ``[-128 - min(q0, 0), 128 - max(q0, 0)]``.  The error the constraint introduces is spread over
+  the other inputs of the same channel, weighted by how the inputs co-vary, instead of being left
+  where it falls.
+
+The choice per channel is by the output-error objective ``d^T H d`` (``d`` the weight error) when
+``H`` is known, else by ``||d||^2``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from quantkit.algorithms.gptq import inverse_hessian_cholesky
+from quantkit.scheme.saturation import (
+    PAIR_LIMIT,
+    constrained_round,
+    from_kernel_view,
+    is_depthwise,
+    kernel_view,
+    pair_safe_codes,
+    pair_violations,
+)
+
+__all__ = ["GPTQ_ALPHAS", "pair_gptq", "pair_safe_weight"]
+
+GPTQ_ALPHAS: tuple[float, ...] = (1.0, 1.15, 1.35, 1.6)
+"""Scale multipliers tried with pair-constrained GPTQ: at alpha = 1 many codes sit at the pair bound and
+the error feedback, pushed into neighbours that are themselves at the bound, can compound; a little
+headroom lets the compensation land.  The best per channel wins."""
+
+
+def _prepared(hessian: np.ndarray, percdamp: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(U, dead)``: the upper Cholesky factor of the damped ``H^-1`` and the inputs that never fire."""
+    H = np.array(hessian, np.float64)
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1.0
+    return inverse_hessian_cholesky(H, percdamp), dead
+
+
+def pair_gptq(
+    w: np.ndarray, scale: np.ndarray, hessian: np.ndarray | None = None, *, qmin: int = -127, qmax: int = 127,
+    percdamp: float = 0.01, block_size: int = 128, prepared: tuple[np.ndarray, np.ndarray] | None = None,
+) -> np.ndarray:
+    """GPTQ-round ``w [K, N]`` (kernel K order) to symmetric int8 codes with per-column ``scale [N]``,
+    every same-sign pair ``(2j, 2j+1)`` obeying ``|q0 + q1| <= 128``.  Returns int8 codes ``[K, N]``.
+    ``prepared``: :func:`_prepared` of the Hessian, when several scales are tried on one layer."""
+    K, N = w.shape
+    if prepared is None:
+        if hessian is None:
+            raise ValueError("pair_gptq needs the hessian or its prepared factor")
+        prepared = _prepared(hessian, percdamp)
+    U, dead = prepared
+    Wm = np.array(w, np.float64)
+    Wm[dead, :] = 0.0
+    s = np.asarray(scale, np.float64).reshape(N)
+    Q = np.zeros((K, N), np.int32)
+    B = max(2, block_size - block_size % 2)  # pairs never straddle a block
+    for i1 in range(0, K, B):
+        i2 = min(i1 + B, K)
+        W1 = Wm[i1:i2].copy()
+        E1 = np.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            r = i1 + i
+            u = W1[i] / s
+            q = np.clip(np.rint(u), qmin, qmax)
+            if r % 2 == 0 and i + 1 < i2:
+                ub = W1[i + 1] / s
+                joint = constrained_round(np.stack([u, ub])[None], qmin, qmax)[0, 0]
+                q = joint  # equals rint(u) wherever the pair already obeys the rule
+            elif r % 2 == 1:
+                qa = Q[r - 1]
+                q = np.clip(q, np.maximum(qmin, -PAIR_LIMIT - np.minimum(qa, 0)),
+                            np.minimum(qmax, PAIR_LIMIT - np.maximum(qa, 0)))
+            Q[r] = q
+            err = (W1[i] - q * s) / U1[i, i]
+            W1[i + 1 :] -= np.outer(U1[i, i + 1 :], err)
+            E1[i] = err
+        Wm[i2:] -= U[i1:i2, i2:].T @ E1
+    return Q.astype(np.int8)
+
+
+def _objective(d: np.ndarray, hessian: np.ndarray | None) -> np.ndarray:
+    """Per column: ``d^T H d`` (or ``||d||^2``) for weight errors ``d [K, N]``."""
+    if hessian is None:
+        return np.sum(d * d, axis=0)
+    return np.einsum("kn,kn->n", d, hessian @ d)
+
+
+def pair_safe_weight(
+    w: np.ndarray, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, *, op_type: str, trans_b: bool = False,
+    group: int = 1, qmin: int = -127, qmax: int = 127, hessian: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Make the int8 codes ``q`` of weight ``w`` (ONNX layout; ``scale`` per output channel or scalar)
+    obey the pair bound in the kernel order of ``op_type``.  Returns ``(codes, scale, changed)`` in the
+    same layouts; ``changed`` counts the output channels whose codes or scale moved.  Depthwise Conv
+    weights and weights that already obey the bound come back unchanged.
+
+    ``hessian``: the layer input's ``sum x x^T`` in kernel K order (``[K, K]``, ``group == 1`` only).
+    A per-tensor scale or a nonzero zero point stays as it is and only the rounding is constrained."""
+    if op_type == "Conv" and is_depthwise(tuple(w.shape), group):
+        return q, scale, 0
+    view_q = kernel_view(q, op_type, trans_b=trans_b, group=group)
+    bad = np.asarray(pair_violations(view_q).any(axis=-2))  # [G, N]
+    if not bad.any():
+        return q, scale, 0
+    view_w = kernel_view(w, op_type, trans_b=trans_b, group=group).astype(np.float64)
+    g, k, n = view_w.shape
+    sc = np.asarray(scale, np.float32)
+    zp = np.asarray(zero_point, np.int64)
+    per_channel = sc.ndim == 1 and sc.size == g * n
+    if not (per_channel and not zp.any()):
+        s_cols = np.broadcast_to(sc.reshape(g, n) if per_channel else sc.reshape(1, 1), (g, n)).astype(np.float64)
+        z_cols = np.broadcast_to(zp.reshape(g, n) if zp.size == g * n else zp.reshape(1, 1), (g, n))
+        codes = constrained_round(view_w / s_cols[:, None, :] + z_cols[:, None, :], qmin, qmax).astype(np.int8)
+        changed = (codes != view_q).any(axis=1)
+        return (from_kernel_view(codes, tuple(w.shape), op_type, trans_b=trans_b, group=group), sc,
+                int(changed.sum()))
+    s0 = sc.reshape(g, n)
+    codes, new_s, _ = pair_safe_codes(view_w, s0, qmin=qmin, qmax=qmax)
+    H = hessian if (hessian is not None and g == 1 and np.shape(hessian) == (k, k)) else None
+    if H is not None:
+        cols = np.flatnonzero(bad[0])
+        wc = view_w[0][:, cols]
+        best_err = _objective(codes[0][:, cols].astype(np.float64) * new_s[0, cols] - wc, H)
+        searched = new_s[0, cols].copy()
+        prep = _prepared(H, 0.01)
+        for s_a in [(s0[0, cols].astype(np.float64) * a).astype(np.float32) for a in GPTQ_ALPHAS] + [searched]:
+            q_g = pair_gptq(wc, s_a, qmin=qmin, qmax=qmax, prepared=prep)
+            err_g = _objective(q_g.astype(np.float64) * s_a - wc, H)
+            take = err_g < best_err
+            best_err = np.where(take, err_g, best_err)
+            codes[0][:, cols[take]] = q_g[:, take]
+            new_s[0, cols[take]] = s_a[take]
+    out_q = from_kernel_view(codes, tuple(w.shape), op_type, trans_b=trans_b, group=group)
+    return out_q, new_s.reshape(sc.shape).astype(np.float32), int(bad.sum())
