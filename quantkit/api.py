@@ -10,6 +10,7 @@ Pipeline (each stage in its own package)::
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import tempfile
@@ -26,17 +27,19 @@ import psutil
 
 from quantkit.calibrate import get_calibrator
 from quantkit.calibrate.collect import collect_statistics
+from quantkit.calibrate.kernel_hessian import collect_kernel_hessians
 from quantkit.data import Dataset, as_dataset, make_dataset, model_inputs
 from quantkit.errors import DataError, LoweringError, QuantkitError, UnsupportedOpError
 from quantkit.evaluate.latency import compare_latency, make_session
 from quantkit.evaluate.metrics import FidelityAccumulator, sqnr_db
 from quantkit.frontends import LoadedModel, load_model
-from quantkit.lowering.qdq import LoweringResult, lower_int8
+from quantkit.lowering.qdq import LoweringResult, hessian_requests, lower_int8
 from quantkit.lowering.select import QuantPlan, select
 from quantkit.lowering.verify import Census, census
 from quantkit.prep.pipeline import prepare
 from quantkit.recipe import RecipeModel, load_recipe
 from quantkit.report.build import build_report, write_report
+from quantkit.scheme.target import resolve_target
 
 log = logging.getLogger("quantkit")
 
@@ -217,8 +220,18 @@ def quantize(
 
     t = time.perf_counter()
     qmodel = _clone(float_model)
+    target = resolve_target(rec.target.isa, rec.target.device)
+    hessians = None
+    if target.pair_safe:
+        hessians = collect_kernel_hessians(
+            float_proto, cal, hessian_requests(float_model, plan), batch_size=rec.calibration.batch_size,
+            max_batch_output_bytes=rec.calibration.max_batch_output_bytes, progress=progress)
+        timings["pair_hessians_s"] = time.perf_counter() - t
+        t = time.perf_counter()
     lowering = lower_int8(qmodel, plan, ranges, activation_storage=rec.export.activation_storage,
-                          matmul_form=rec.export.matmul_form, input_means=input_means)
+                          matmul_form=rec.export.matmul_form, input_means=input_means, target=target,
+                          hessians=hessians)
+    qmodel.metadata_props["quantkit.target"] = json.dumps(target.as_dict())
     qproto = _checked_proto(qmodel)
     timings["lower_s"] = time.perf_counter() - t
 
@@ -231,6 +244,9 @@ def quantize(
     timings["verify_s"] = time.perf_counter() - t
 
     ev = _eval_dataset(rec, loaded, evaluation_data, inputs) if evaluate else None
+    t = time.perf_counter()
+    kernels = verify_kernels(qproto, target, ev or cal, rec.report.kernel_check_samples)
+    timings["kernel_check_s"] = time.perf_counter() - t
     fidelity: dict[str, Any] = {}
     per_layer_sqnr: dict[str, float] = {}
     latency: dict[str, Any] = {}
@@ -251,6 +267,7 @@ def quantize(
         recipe=rec, source=loaded.source, float_proto=float_proto, quant_proto=qproto, plan=plan,
         lowering=lowering, census=cen, fidelity=fidelity, per_layer_sqnr=per_layer_sqnr, latency=latency,
         timings=timings, calibration=cal_info, calibration_samples=len(cal), evaluation_samples=len(ev) if ev is not None else 0,
+        kernels=kernels,
     )
     return QuantizeResult(qmodel, float_model, plan, lowering, cen, report, rec, timings)
 
@@ -459,6 +476,20 @@ def calibrate_ranges(
     info = {"reused": got.reused, "collected": got.collected, "cache": got.cache_path,
             "streamed_separately": len(streaming)}
     return ranges, means, info
+
+
+def verify_kernels(qproto: onnx.ModelProto, target: Any, ds: Dataset | None, samples: int) -> dict[str, Any]:
+    """The target, the CPU we run on, the model's portability per CPU class (from its weights) and, on
+    ``samples`` feeds of ``ds``, whether this CPU's fused kernels agree with the QDQ math."""
+    from quantkit.lowering.kernel_check import kernel_vs_reference, portability
+    from quantkit.scheme.target import detect_cpu
+
+    port = portability(qproto)
+    out: dict[str, Any] = {"target": target.as_dict(), "cpu": detect_cpu().as_dict(), "portability": port}
+    if ds is not None and samples > 0:
+        at_risk = {r["layer"] for r in port["layers_at_risk"]}
+        out["check"] = kernel_vs_reference(qproto, ds.batches(1), samples=samples, emulate=at_risk).as_dict()
+    return out
 
 
 def _factory(cls: Any, dtype: str, symmetric: bool, options: dict[str, Any]) -> Any:

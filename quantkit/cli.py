@@ -150,6 +150,17 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"size: {rep['size']['fp32_bytes'] / 2**20:.1f} MiB -> {rep['size']['quantized_bytes'] / 2**20:.1f} MiB "
         f"({rep['size']['ratio']:.3f})"
     )
+    kern = rep.get("kernels") or {}
+    if kern:
+        tgt, cpu, chk = kern.get("target", {}), kern.get("cpu", {}), kern.get("check")
+        port = (kern.get("portability") or {}).get("classes") or {}
+        exact = [c for c, v in port.items() if v.get("exact")]
+        line = (f"int8 kernels: target {tgt.get('isa')} ({tgt.get('cpu_class')}), this CPU {cpu.get('cpu_class')}; "
+                f"exact for every input on: {', '.join(exact) or 'none'}")
+        if chk:
+            line += (f"; fused kernels vs QDQ math on {chk['samples']} samples: "
+                     + ("agree" if chk.get("agree") else "DISAGREE"))
+        print(line)
     for w in rep.get("warnings", []):
         print(f"WARNING: {w}")
     return 0

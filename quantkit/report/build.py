@@ -69,6 +69,7 @@ def build_report(
     calibration: dict[str, Any] | None = None,
     calibration_samples: int,
     evaluation_samples: int,
+    kernels: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble the report dictionary (JSON-serialisable)."""
     layers = []
@@ -150,6 +151,7 @@ def build_report(
         )
     if latency and latency.get("speedup", 1.0) < 1.0:
         warnings.append(f"the quantized model is slower than FP32 (speedup {latency['speedup']:.2f}x)")
+    warnings += kernel_warnings(kernels or {})
     return {
         "recipe": recipe.name,
         "model": source,
@@ -175,8 +177,93 @@ def build_report(
         "layers": layers,
         "unfused": unfused,
         "float_layers": [{"layer": k, "reason": v} for k, v in plan.skipped.items()],
+        "kernels": _json_safe(kernels or {}),
         "warnings": warnings,
     }
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, float):
+        return _finite(x)
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def kernel_warnings(kernels: Mapping[str, Any]) -> list[str]:
+    """Warnings from the kernel check and the portability table (see :mod:`quantkit.lowering.kernel_check`)."""
+    out = []
+    cpu = (kernels.get("cpu") or {}).get("cpu_class", "?")
+    chk = kernels.get("check")
+    if chk and not chk.get("agree", True):
+        first = chk.get("first_parted") or {}
+        where = (f"they first part at layer {first.get('layer')!r} (tensor {first.get('tensor')!r}, SQNR "
+                 f"{float(first.get('sqnr_db', 0)):.1f} dB)") if first else "at the outputs"
+        outs = ", ".join(f"{k}: SQNR {float(v.get('sqnr_db', 0)):.1f} dB"
+                         + (f", top-1 {v['top1_agreement']:.3f}" if "top1_agreement" in v else "")
+                         for k, v in (chk.get("outputs") or {}).items())
+        out.append(
+            f"ONNX Runtime's fused int8 kernels on this CPU ({cpu}) DISAGREE with the model's QDQ math: {where}; "
+            f"outputs vs the QDQ reference: {outs}. Rebuild with target: {{isa: auto}} on this machine, or "
+            "{isa: portable} for a model that is exact on every CPU"
+        )
+    port = (kernels.get("portability") or {}).get("classes") or {}
+    broken = [c for c, v in port.items() if not v.get("exact", True)]
+    if broken:
+        emu = (chk or {}).get("emulated_x86_avx2") or {}
+        worst = max(emu.items(), key=lambda kv: kv[1]) if emu else None
+        seen = (f" (emulated on the evaluation data: up to {100 * worst[1]:.1f}% of the int32 accumulators of "
+                f"{worst[0]!r} wrong there)") if worst and worst[1] > 0 else ""
+        out.append(
+            "not exact on CPU class(es) " + ", ".join(broken) + ": " + "; ".join(port[c]["why"] for c in broken)
+            + seen + ". x86 CPUs without VNNI add u8*s8 product pairs in saturating int16; build with "
+            "target: {isa: portable} to ship one model that is exact everywhere"
+        )
+    return out
+
+
+def kernel_lines(rep: Mapping[str, Any]) -> list[str]:
+    """The 'CPU kernels' Markdown section: target, running CPU, kernel check, portability table."""
+    k = rep.get("kernels") or {}
+    if not k:
+        return []
+    tgt, cpu = k.get("target") or {}, k.get("cpu") or {}
+    lines = ["## CPU kernels: target, check, portability", "",
+             f"Target: isa `{tgt.get('isa')}` -> class `{tgt.get('cpu_class')}`. Running CPU: "
+             f"{cpu.get('model_name')} ({cpu.get('machine')}, flags {', '.join(cpu.get('flags') or []) or '-'}), "
+             f"class `{cpu.get('cpu_class')}`.", ""]
+    chk = k.get("check")
+    if chk:
+        verdict = "agree" if chk.get("agree") else "**DISAGREE**"
+        lines.append(f"Fused kernels (ORT_ENABLE_ALL) vs QDQ reference (ORT_DISABLE_ALL) on {chk.get('samples')} "
+                     f"evaluation samples: {verdict}.")
+        for name, v in (chk.get("outputs") or {}).items():
+            lines.append(f"- `{name}`: SQNR {_fmt(v.get('sqnr_db'), 1)} dB"
+                         + (f", top-1 agreement {v['top1_agreement']:.3f}" if "top1_agreement" in v else ""))
+        if chk.get("first_parted"):
+            f = chk["first_parted"]
+            lines.append(f"- first layer where they part: `{f['layer']}` (alone, on the reference's input codes: "
+                         f"{100 * f['off']:.2f}% of its codes more than one step off, SQNR {_fmt(f['sqnr_db'], 1)} dB)")
+        lyr = chk.get("layers") or []
+        if lyr:
+            worst = min(lyr, key=lambda r: r["drift_db"] if isinstance(r["drift_db"], float) else 1e9)
+            lines.append(f"- every layer alone: at most {100 * max(r['off'] for r in lyr):.3f}% of codes more than "
+                         f"one step off; in the whole model one-step rounding differences compound to "
+                         f"{_fmt(worst['drift_db'], 1)} dB at `{worst['layer']}`")
+        emu = chk.get("emulated_x86_avx2") or {}
+        if emu:
+            bad = sorted(((v, k) for k, v in emu.items() if v > 0), reverse=True)
+            lines.append(f"- emulated x86-avx2 kernels on the first sample: {len(bad)} of {len(emu)} at-risk layers "
+                         "saturate" + (f", worst `{bad[0][1]}` ({100 * bad[0][0]:.2f}% of accumulators)" if bad else ""))
+        lines.append("")
+    port = (k.get("portability") or {}).get("classes") or {}
+    if port:
+        lines += ["| CPU class | exact for every input | why |", "|---|---|---|"]
+        lines += [f"| {c} | {'yes' if v['exact'] else '**no**'} | {v['why']} |" for c, v in port.items()]
+        lines.append("")
+    return lines
 
 
 def classify_leftovers(census: Census) -> list[tuple[str, str]]:
@@ -251,6 +338,7 @@ def render_markdown(rep: dict[str, Any]) -> str:
         )
     lines.append("")
     lines += warnings_lines(rep)
+    lines += kernel_lines(rep)
     s = rep["size"]
     lines += [
         "## Size",

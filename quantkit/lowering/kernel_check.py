@@ -1,0 +1,361 @@
+"""Kernel-exact verification: do ONNX Runtime's fused int8 kernels compute what the QDQ math says?
+
+A fused graph is not yet a right one.  On x86 CPUs without VNNI the u8 x s8 kernels add product pairs
+in saturating int16 (:mod:`quantkit.scheme.saturation`), so the same model can be right on one machine
+and wrong on another.  Two checks, both on the emitted ONNX model:
+
+* :func:`portability` — from the weights alone: for every int8 GEMM-like layer (QLinearConv / QGemm /
+  QLinearMatMul / MatMulInteger(ToFloat) / DynamicQuantizeMatMul after fusion), the weight pairs in
+  the kernel's K order that some uint8 activation can push out of int16.  A model without such pairs
+  is exact on every CPU class, for every input; one with them is exact only on VNNI / ARM.
+* :func:`kernel_vs_reference` — on data: the model run as users will (``ORT_ENABLE_ALL``: the fused
+  kernels of *this* CPU) against the QDQ reference (``ORT_DISABLE_ALL``: DequantizeLinear -> float op
+  -> QuantizeLinear, the math the model states).  Every quantized activation is exposed in both runs;
+  the first one whose codes part (SQNR of kernel vs reference below ``part_db``) names the layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from quantkit.scheme.saturation import (
+    PAIR_LIMIT,
+    emulate_u8s8,
+    is_depthwise,
+    kernel_view,
+    pair_violations,
+    saturating_conv_reference,
+)
+from quantkit.scheme.target import CPU_CLASSES, cpu_class_saturates
+
+__all__ = ["KernelCheck", "PairRisk", "emulate_saturation", "kernel_vs_reference", "pair_risks", "portability"]
+
+_DIRECT_INT8 = {"MatMulInteger": 1, "MatMulIntegerToFloat": 1, "DynamicQuantizeMatMul": 1}
+_QDQ_WEIGHTED = {"Conv": 1, "Gemm": 1, "MatMul": 1}
+
+
+@dataclass(frozen=True)
+class PairRisk:
+    """One int8 layer's weight pairs against the int16 bound (kernel K order)."""
+
+    layer: str
+    op_type: str
+    pairs: int
+    at_risk: int  # pairs some uint8 activation saturates on x86 without VNNI
+    worst_pair_sum: int  # max |q0 + q1| over same-sign pairs (<= 128 is safe)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"layer": self.layer, "op": self.op_type, "pairs": self.pairs, "at_risk": self.at_risk,
+                "worst_pair_sum": self.worst_pair_sum}
+
+
+def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
+    for a in node.attribute:
+        if a.name == name:
+            return int(a.i)
+    return default
+
+
+def pair_risks(model: onnx.ModelProto) -> list[PairRisk]:
+    """Every layer of ``model`` that ONNX Runtime runs as a u8 x s8 GEMM, with its weight pairs."""
+    inits = {t.name: t for t in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    out: list[PairRisk] = []
+
+    def int8_init(name: str) -> np.ndarray | None:
+        t = inits.get(name)
+        if t is None or t.data_type != onnx.TensorProto.INT8:
+            return None
+        return numpy_helper.to_array(t)
+
+    for node in model.graph.node:
+        q = None
+        if node.op_type in _DIRECT_INT8 and node.domain in ("", "com.microsoft") and len(node.input) > 1:
+            q = int8_init(node.input[_DIRECT_INT8[node.op_type]])
+        elif node.op_type in _QDQ_WEIGHTED and len(node.input) > 1:
+            wdq, xdq = producer.get(node.input[1]), producer.get(node.input[0])
+            if (wdq is not None and wdq.op_type == "DequantizeLinear" and xdq is not None
+                    and xdq.op_type == "DequantizeLinear"):
+                q = int8_init(wdq.input[0])
+        if q is None or q.ndim < 2:
+            continue
+        group = _attr(node, "group", 1)
+        if node.op_type == "Conv" and is_depthwise(tuple(q.shape), group):
+            continue  # MLAS's depthwise kernel accumulates in int32: exact
+        view = kernel_view(q, "Conv" if node.op_type == "Conv" else node.op_type,
+                           trans_b=_attr(node, "transB", 0) == 1, group=group)
+        bad = pair_violations(view)
+        k = view.shape[-2]
+        p = view.astype(np.int32)
+        if k % 2:
+            p = np.concatenate([p, np.zeros((*p.shape[:-2], 1, p.shape[-1]), np.int32)], axis=-2)
+        p = p.reshape(*p.shape[:-2], -1, 2, p.shape[-1])
+        worst = int(max(np.maximum(p, 0).sum(axis=-2).max(initial=0), -np.minimum(p, 0).sum(axis=-2).min(initial=0)))
+        out.append(PairRisk(node.name, node.op_type, int(bad.size), int(bad.sum()), worst))
+    return out
+
+
+def portability(model: onnx.ModelProto, risks: list[PairRisk] | None = None) -> dict[str, Any]:
+    """Per CPU class: is the model's int8 arithmetic exact there for every input (from its weights)?"""
+    risks = pair_risks(model) if risks is None else risks
+    risky = [r for r in risks if r.at_risk]
+    table = {}
+    for cls in CPU_CLASSES:
+        if cpu_class_saturates(cls):
+            table[cls] = {
+                "exact": not risky,
+                "why": (f"all {len(risks)} int8 GEMM layers obey the int16 pair bound (|q0+q1| <= {PAIR_LIMIT})"
+                        if not risky else
+                        f"{len(risky)} of {len(risks)} int8 GEMM layers have weight pairs that saturate int16 "
+                        f"(first: {risky[0].layer}, {risky[0].at_risk} pairs, worst |q0+q1| = "
+                        f"{risky[0].worst_pair_sum})"),
+            }
+        else:
+            table[cls] = {"exact": True, "why": "int8 products accumulate in int32"}
+    return {"classes": table, "layers_at_risk": [r.as_dict() for r in risky], "int8_gemm_layers": len(risks)}
+
+
+@dataclass
+class _Agg:
+    sig: float = 0.0
+    noise: float = 0.0
+    far: int = 0  # codes differing by more than 1
+    n: int = 0
+
+    def add(self, got: np.ndarray, ref: np.ndarray, zero_point: float | None) -> None:
+        x64, y64 = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+        if zero_point is not None:  # codes: measure around the zero point (the quantized value 0)
+            x64, y64 = x64 - zero_point, y64 - zero_point
+            self.far += int(np.sum(np.abs(x64 - y64) > 1))
+        self.sig += float(np.sum(y64**2))
+        self.noise += float(np.sum((x64 - y64) ** 2))
+        self.n += y64.size
+
+    @property
+    def db(self) -> float:
+        return float("inf") if self.noise == 0 else float(10 * np.log10(max(self.sig, 1e-300) / self.noise))
+
+
+@dataclass
+class KernelCheck:
+    """What :func:`kernel_vs_reference` found.  ``layers``: per quantized tensor, the layer alone (fed the
+    reference's input codes) - ``off`` is the fraction of its codes more than one step from the QDQ
+    math; ``drift_db``: the same tensor in the whole-model runs (rounding ties compound with depth)."""
+
+    samples: int = 0
+    outputs: dict[str, dict[str, float]] = field(default_factory=dict)
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    first_parted: dict[str, Any] | None = None
+    agree: bool = True
+    emulated_avx2: dict[str, float] = field(default_factory=dict)  # layer -> accumulators wrong on x86-avx2
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"samples": self.samples, "outputs": self.outputs, "first_parted": self.first_parted,
+                "agree": self.agree, "layers": self.layers, "emulated_x86_avx2": self.emulated_avx2}
+
+
+def _quantized_tensors(model: onnx.ModelProto) -> list[tuple[str, str, float]]:
+    """(QuantizeLinear output, layer that produced its input, zero point) in graph order."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    inits = {t.name: t for t in model.graph.initializer}
+    outs = []
+    for n in model.graph.node:
+        if n.op_type != "QuantizeLinear" or not n.output:
+            continue
+        src = producer.get(n.input[0])
+        if src is not None and src.op_type in ("Relu", "Clip") and src.input:
+            src = producer.get(src.input[0], src)
+        zp_t = inits.get(n.input[2]) if len(n.input) > 2 else None
+        if zp_t is not None:
+            zp = float(np.mean(numpy_helper.to_array(zp_t)))
+        else:  # a zero point computed at run time (per-token): the grid's midpoint
+            zp = 128.0 if len(n.input) > 2 else 0.0
+        outs.append((n.output[0], src.name if src is not None else n.input[0], zp))
+    return outs
+
+
+def _ints(node: onnx.NodeProto, name: str, default: list[int]) -> list[int]:
+    for a in node.attribute:
+        if a.name == name:
+            return list(a.ints)
+    return default
+
+
+def emulate_saturation(model: onnx.ModelProto, env: dict[str, np.ndarray], layers: set[str]) -> dict[str, float]:
+    """For each layer in ``layers`` (names of QDQ Conv / Gemm / MatMul or MatMulInteger(ToFloat) nodes),
+    the fraction of its int32 accumulators that the ``x86-avx2`` kernel would get wrong on the input codes
+    in ``env`` (tensor name -> value, e.g. from a reference run), emulated in NumPy
+    (:func:`quantkit.scheme.saturation.emulate_u8s8`).  Layers whose input codes are not in ``env``
+    are left out."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    inits = {t.name: t for t in model.graph.initializer}
+    out: dict[str, float] = {}
+
+    def arr(name: str) -> np.ndarray | None:
+        t = inits.get(name)
+        return None if t is None else numpy_helper.to_array(t)
+
+    for node in model.graph.node:
+        if node.name not in layers or len(node.input) < 2:
+            continue
+        if node.op_type in _DIRECT_INT8:
+            x, w, xzp = env.get(node.input[0]), arr(node.input[1]), 0
+        else:
+            xdq, wdq = producer.get(node.input[0]), producer.get(node.input[1])
+            if xdq is None or wdq is None or xdq.op_type != "DequantizeLinear" or wdq.op_type != "DequantizeLinear":
+                continue
+            x, w = env.get(xdq.input[0]), arr(wdq.input[0])
+            z = arr(xdq.input[2]) if len(xdq.input) > 2 else None
+            xzp = int(np.asarray(z).reshape(-1)[0]) if z is not None else 0
+        if x is None or w is None or w.dtype != np.int8:
+            continue
+        if x.dtype == np.int8:  # ONNX Runtime runs s8 activations as u8 (+128)
+            x, xzp = (x.astype(np.int16) + 128).astype(np.uint8), xzp + 128
+        if node.op_type == "Conv":
+            if x.ndim != 4:
+                continue
+            kw = {"group": _attr(node, "group", 1), "strides": tuple(_ints(node, "strides", [1, 1])),
+                  "pads": tuple(_ints(node, "pads", [0, 0, 0, 0])), "dilations": tuple(_ints(node, "dilations", [1, 1])),
+                  "x_zero_point": xzp}
+            sat = saturating_conv_reference(x, w, saturate=True, **kw)  # type: ignore[arg-type]
+            exact = saturating_conv_reference(x, w, saturate=False, **kw)  # type: ignore[arg-type]
+        else:
+            view = kernel_view(w, node.op_type, trans_b=_attr(node, "transB", 0) == 1)[0]
+            rows = x.reshape(-1, x.shape[-1])
+            sat, exact = emulate_u8s8(rows, view), emulate_u8s8(rows, view, saturate=False)
+        out[node.name] = float(np.mean(sat != exact))
+    return out
+
+
+def _layer_model(model: onnx.ModelProto, target: str, codes: set[str], ref: dict[str, np.ndarray]) -> bytes | None:
+    """The part of ``model`` that computes quantized tensor ``target`` from other quantized tensors
+    (``codes``), as a model whose inputs are those tensors; None if it computes nothing."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    inits = {t.name for t in model.graph.initializer}
+    graph_inputs = {i.name for i in model.graph.input}
+    keep: list[onnx.NodeProto] = []
+    seen: set[int] = set()
+    inputs: list[str] = []
+    stack = [target]
+    while stack:
+        t = stack.pop()
+        if t in inits or t == "":
+            continue
+        if (t in codes and t != target) or t in graph_inputs:
+            if t not in inputs:
+                inputs.append(t)
+            continue
+        n = producer.get(t)
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        keep.append(n)
+        stack.extend(n.input)
+    if not any(n.op_type not in ("QuantizeLinear", "DequantizeLinear") for n in keep):
+        return None
+    if any(i not in ref for i in inputs):
+        return None
+    order = {id(n): i for i, n in enumerate(model.graph.node)}
+    keep.sort(key=lambda n: order[id(n)])
+    used = {i for n in keep for i in n.input}
+    g = onnx.helper.make_graph(
+        keep, "layer",
+        [onnx.helper.make_tensor_value_info(i, onnx.helper.np_dtype_to_tensor_dtype(ref[i].dtype), None)
+         for i in inputs],
+        [onnx.helper.make_empty_tensor_value_info(target)],
+        [t for t in model.graph.initializer if t.name in used],
+    )
+    m = onnx.helper.make_model(g, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    return m.SerializeToString()
+
+
+def kernel_vs_reference(
+    model: onnx.ModelProto, feeds: Any, *, samples: int = 16, layer_samples: int = 2, max_off: float = 1e-3,
+    emulate: set[str] | None = None,
+) -> KernelCheck:
+    """Run ``model`` with the fused kernels of this CPU (``ORT_ENABLE_ALL``) and as the QDQ reference
+    (``ORT_DISABLE_ALL``) on up to ``samples`` feeds (an iterable of feed dicts).
+
+    * outputs: SQNR and top-1 agreement (last axis) of the fused run against the reference;
+    * per quantized tensor, the layer that computes it *alone*, on the reference's own input codes
+      (first ``layer_samples`` feeds): with identical inputs the kernel may differ from the QDQ math by
+      one step where float rounding ties, never by more - unless int16 pair sums saturate or an int32
+      accumulator wraps.  A layer with more than ``max_off`` of its codes off by more than one step has
+      *parted*; ``agree`` is False when any has.
+    In the whole-model runs the one-step differences compound with depth (reported as ``drift_db``,
+    not judged).  ``emulate``: layers whose ``x86-avx2`` saturation is emulated on the first feed's
+    reference codes (:func:`emulate_saturation`)."""
+    from quantkit.evaluate.latency import make_session
+
+    qt = _quantized_tensors(model)
+    zps = {t: z for t, _, z in qt}
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    have = {o.name for o in m.graph.output}
+    for t, _, _ in qt:
+        if t not in have:
+            m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
+    data = m.SerializeToString()
+    fused = make_session(data, level="all")
+    ref = make_session(data, level="disabled")
+    out_names = [o.name for o in model.graph.output]
+    t_names = [t for t, _, _ in qt if t not in out_names]
+    names = out_names + t_names
+    agg = {n: _Agg() for n in names}
+    iso = {t: _Agg() for t in t_names}
+    top1 = dict.fromkeys(out_names, 0)
+    rows = dict.fromkeys(out_names, 0)
+    layer_sessions: dict[str, Any] = {}
+    res = KernelCheck()
+    for feed in feeds:
+        a = dict(zip(names, fused.run(names, feed), strict=True))
+        b = dict(zip(names, ref.run(names, feed), strict=True))
+        for n in names:
+            y = np.asarray(b[n])
+            if not np.issubdtype(y.dtype, np.number):
+                continue
+            agg[n].add(a[n], y, zps.get(n))
+            if n in top1 and y.ndim >= 2 and y.shape[-1] > 1 and np.issubdtype(y.dtype, np.floating):
+                top1[n] += int(np.sum(np.argmax(a[n], -1) == np.argmax(y, -1)))
+                rows[n] += int(np.prod(y.shape[:-1]))
+        if res.samples == 0 and emulate:
+            res.emulated_avx2 = emulate_saturation(model, {**{k: np.asarray(v) for k, v in feed.items()}, **b},
+                                                   emulate)
+        if res.samples < layer_samples:
+            env = {**{k: np.asarray(v) for k, v in feed.items()}, **b}
+            for t in t_names:
+                if t not in layer_sessions:
+                    lm = _layer_model(model, t, set(t_names), env)
+                    layer_sessions[t] = None if lm is None else make_session(lm, level="all")
+                sess = layer_sessions[t]
+                if sess is None:
+                    continue
+                ins = {i.name: env[i.name] for i in sess.get_inputs()}
+                iso[t].add(sess.run([t], ins)[0], b[t], zps.get(t))
+        res.samples += 1
+        if res.samples >= samples:
+            break
+
+    for n in out_names:
+        if agg[n].n == 0:
+            continue
+        d: dict[str, float] = {"sqnr_db": agg[n].db}
+        if rows[n]:
+            d["top1_agreement"] = top1[n] / rows[n]
+        res.outputs[n] = d
+    for t, layer, _ in qt:
+        if t not in iso or iso[t].n == 0:
+            continue
+        g = iso[t]
+        off = g.far / g.n
+        row = {"tensor": t, "layer": layer, "off": off, "sqnr_db": g.db, "drift_db": agg[t].db}
+        res.layers.append(row)
+        if res.first_parted is None and off > max_off:
+            res.first_parted = row
+    res.agree = res.first_parted is None
+    return res
