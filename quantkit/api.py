@@ -492,6 +492,37 @@ def verify_kernels(qproto: onnx.ModelProto, target: Any, ds: Dataset | None, sam
     return out
 
 
+def verify_model(model: str | os.PathLike[str] | onnx.ModelProto, data: Any = None, *, samples: int = 16,
+                 tokenizer: Any = None) -> dict[str, Any]:
+    """Check an emitted int8 model on *this* machine: its target (from the model's metadata), this CPU's
+    class, its portability per CPU class, and - given ``data`` (anything :func:`quantkit.data.as_dataset`
+    takes) - whether this CPU's fused kernels compute its QDQ math, layer by layer.  ``warnings`` lists
+    what a report would warn about; ``ok`` is False when the kernels part from the math here."""
+    from quantkit.report.build import kernel_warnings
+    from quantkit.scheme.target import Target
+
+    if isinstance(model, onnx.ModelProto):
+        proto = model
+    else:
+        path = Path(model)
+        if not path.is_file():
+            raise QuantkitError(f"model file {str(path)!r} does not exist")
+        try:
+            proto = onnx.load(str(path))
+        except Exception as exc:  # noqa: BLE001 - protobuf raises several types on a broken file
+            raise QuantkitError(f"{path}: not a readable ONNX model ({exc})") from None
+    meta = {p.key: p.value for p in proto.metadata_props}
+    tgt = json.loads(meta["quantkit.target"]) if "quantkit.target" in meta else None
+    target = Target(**tgt) if tgt else Target(device="cpu", isa="unknown", cpu_class="unknown")
+    ds = None
+    if data is not None:
+        ds = as_dataset(data, model_inputs(ir.from_proto(proto)), tokenizer=tokenizer, split="evaluation")
+    out = verify_kernels(proto, target, ds, samples)
+    out["warnings"] = kernel_warnings(out)
+    out["ok"] = bool(out.get("check", {}).get("agree", True))
+    return out
+
+
 def _factory(cls: Any, dtype: str, symmetric: bool, options: dict[str, Any]) -> Any:
     return lambda: cls(dtype=dtype, symmetric=symmetric, **options)
 

@@ -38,6 +38,12 @@ def _build_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-cache", action="store_true", help="measure sensitivity and costs again")
     v = sub.add_parser("validate", help="validate a recipe and print it resolved")
     v.add_argument("recipe")
+    k = sub.add_parser(
+        "verify", help="check an emitted int8 model on this machine: do the fused kernels compute its QDQ math?"
+    )
+    k.add_argument("model", help="the emitted model.onnx")
+    k.add_argument("--data", default=None, help="inputs to run: an .npz file or a folder of them")
+    k.add_argument("--samples", type=int, default=16, help="samples to compare (default 16)")
     return p
 
 
@@ -90,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _calibrate(args)
         if args.command == "sweep":
             return _sweep(args)
+        if args.command == "verify":
+            return _verify(args)
         if args.command == "validate":
             from quantkit.recipe import load_recipe
 
@@ -164,6 +172,29 @@ def _calibrate(args: argparse.Namespace) -> int:
     for w in rep.get("warnings", []):
         print(f"WARNING: {w}")
     return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    """Exit 0 when this CPU's kernels compute the model's QDQ math (or no data was given), 3 when not."""
+    from quantkit.api import verify_model
+
+    rep = verify_model(args.model, args.data, samples=args.samples)
+    tgt, cpu = rep["target"], rep["cpu"]
+    print(f"model target: {tgt['isa']} ({tgt['cpu_class']}); this CPU: {cpu['model_name']}, class {cpu['cpu_class']}")
+    for cls, v in rep["portability"]["classes"].items():
+        print(f"  {cls:<9} exact for every input: {'yes' if v['exact'] else 'NO '}  {v['why']}")
+    chk = rep.get("check")
+    if chk:
+        outs = "; ".join(f"{k}: SQNR {v['sqnr_db']:.1f} dB" + (f", top-1 {v['top1_agreement']:.3f}"
+                                                              if "top1_agreement" in v else "")
+                         for k, v in chk["outputs"].items())
+        print(f"fused kernels vs QDQ math on {chk['samples']} samples: {'agree' if chk['agree'] else 'DISAGREE'} "
+              f"({outs})")
+    else:
+        print("no --data: only the weights were checked")
+    for w in rep["warnings"]:
+        print(f"WARNING: {w}")
+    return 0 if rep["ok"] else 3
 
 
 def _sweep(args: argparse.Namespace) -> int:

@@ -64,3 +64,29 @@ def test_minilm_int8_linear_layers_only(tmp_path: Path) -> None:
     assert res.report["census"]["leftover_by_kind"]["stray"] == 0
     # bench (200 sentences): 0.993.  0.985 leaves room for the smaller sample, fails on a broken lowering.
     assert res.report["fidelity"]["sentence_embedding"]["mean_cosine"] >= 0.985
+
+
+@pytest.mark.slow
+def test_efficientnet_lite0_portable_is_exact_on_every_cpu_class(tmp_path: Path) -> None:
+    """target portable: weights obey the int16 pair bound, so the fused kernels compute the QDQ math on
+    x86 without VNNI too (checked from the weights and by emulating that kernel on real activations);
+    on this CPU the kernels agree with the QDQ math layer by layer."""
+    pytest.importorskip("efficientnet_lite_pytorch")
+    rec = _recipe("efficientnet-int8.yaml", 32, 64)
+    rec["target"] = {"isa": "portable"}
+    res = quantize(recipe=rec, progress=False)
+    kern = res.report["kernels"]
+    assert all(v["exact"] for v in kern["portability"]["classes"].values()), kern["portability"]
+    assert kern["check"]["agree"], kern["check"]["first_parted"]
+    assert kern["check"]["emulated_x86_avx2"] == {}  # no layer at risk: nothing to emulate
+    assert res.census.quantized_kernels.get("QLinearConv") == 49
+    fid = res.report["fidelity"]["logits"]
+    # bench (200 crops): 0.925 with pair-safe weights vs 0.925 unconstrained (AVX512-VNNI machine); the
+    # same floor as the unconstrained test above
+    assert fid["top1_agreement"] >= 0.65 and fid["mean_kl"] < 0.15
+    vnni = quantize(recipe={**rec, "target": {"isa": "x86-vnni"}}, progress=False, evaluate=True,
+                    measure_latency=False)
+    assert not vnni.report["kernels"]["portability"]["classes"]["x86-avx2"]["exact"]
+    # the emulated x86-avx2 kernel on real activations: the stem conv's pairs saturate (measured 17%)
+    assert max(vnni.report["kernels"]["check"]["emulated_x86_avx2"].values()) > 0.01
+    assert any("not exact on CPU class(es) x86-avx2" in w for w in vnni.report["warnings"])

@@ -180,3 +180,24 @@ def test_emulated_saturation_of_a_matmul_integer_to_float() -> None:
     frac = emulate_saturation(m, {"a": np.full((4, 32), 255, np.uint8)}, {"mm"})
     assert frac["mm"] == 1.0
     assert emulate_saturation(m, {"a": np.full((4, 32), 60, np.uint8)}, {"mm"})["mm"] == 0.0
+
+
+def test_cli_verify_warns_about_other_classes_and_fails_when_kernels_part(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from quantkit.cli import main
+
+    res = quantize(_big_weight_cnn(), image_batches(8), _recipe("x86-vnni"), evaluate=False, progress=False)
+    path = res.save(tmp_path / "vnni")["model"]
+    data = tmp_path / "in.npz"
+    np.savez(data, input=np.concatenate([b["input"] for b in image_batches(2, seed=5)]))
+    assert main(["verify", str(path), "--data", str(data), "--samples", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "model target: x86-vnni" in out and "agree" in out
+    assert "WARNING: not exact on CPU class(es) x86-avx2" in out
+    bad = tmp_path / "wrap.onnx"
+    onnx.save(_conv_with_wrapping_bias(), bad)
+    np.savez(tmp_path / "x.npz", x=np.random.default_rng(0).uniform(0, 5, (2, 4, 8, 8)).astype(np.float32))
+    assert main(["verify", str(bad), "--data", str(tmp_path / "x.npz")]) == 3
+    assert "DISAGREE" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "missing.onnx")]) == 2
