@@ -8,7 +8,10 @@ Usage::
 
 Methods: ``fp32``; ``ort:dynamic`` (``quantize_dynamic``, per-channel int8 weights, MatMul only);
 ``quantkit:<granularity>[:<smoothquant>]`` with granularity ``per_token`` | ``per_tensor`` and
-smoothquant ``auto`` (default) | ``none`` | an alpha.  quantkit variants apply the format to every
+smoothquant ``auto`` (default) | ``none`` | an alpha, optionally ``@<isa>`` for the CPU class the
+int8 weights are built for (``portable`` / ``x86-avx2``: pair-safe codes, exact on x86 without VNNI;
+default: the running CPU's class).  The table says for every model whether it is exact on x86 without
+VNNI (from its weights: int16 pair saturation of the u8 x s8 kernels).  quantkit variants apply the format to every
 linear layer of the decoder blocks; the tied embedding / lm_head is 8-bit weight-only as in
 ``recipes/llama-mixed.yaml`` (ORT's ``quantize_dynamic`` quantizes the lm_head MatMul to W8A8 too).
 Each method quantizes in its own process (wall time, peak RSS); perplexity on the same held-out
@@ -36,7 +39,7 @@ DEFAULT = "ort:dynamic,quantkit:per_token,quantkit:per_token:none,quantkit:per_t
 
 
 def _slug(m: str) -> str:
-    return m.replace(":", "_")
+    return m.replace(":", "_").replace("@", "_at_")
 
 
 def worker(method: str, out: Path) -> None:
@@ -65,11 +68,14 @@ def worker(method: str, out: Path) -> None:
         from quantkit.recipe import load_recipe
         from quantkit.search.linear import LinearSpace
 
+        rest, _, isa = rest.partition("@")
         gran, _, sq = rest.partition(":")
         alpha: Any = "auto" if not sq else (None if sq == "none" else float(sq))
         d = yaml.safe_load(RECIPE.read_text())
         d["search"]["candidates"] = [{"name": "int8", "format": "int8_dynamic", "granularity": gran,
                                       "smoothquant": alpha}]
+        if isa:
+            d["target"] = {"isa": isa}
         rec = load_recipe(d)
         loaded = load_model("smollm2-135m")
         fm = prepare(loaded.model).model
@@ -125,7 +131,14 @@ def main() -> None:
             results[m]["size_mb"] = _size(paths[m]) / 2**20
             results[m]["ppl"] = perplexity(str(paths[m]), ev)["ppl"]
             if m != "fp32":
+                import onnx
+
+                from quantkit.lowering.kernel_check import portability
+
                 results[m]["kernels"] = dict(census(str(paths[m])).quantized_kernels)
+                port = portability(onnx.load(str(paths[m])))
+                results[m]["exact_x86_avx2"] = port["classes"]["x86-avx2"]["exact"]
+                results[m]["layers_at_risk"] = len(port["layers_at_risk"])
             print(f"[bench] {m}: ppl {results[m]['ppl']:.3f}, {results[m]['size_mb']:.1f} MB", flush=True)
         pre = measure_prefill({m: str(p) for m, p in paths.items()}, seq_len=128, warmup=3, repeat=20)
         dec = measure_decode({m: str(p) for m, p in paths.items()}, warmup=5, repeat=40)
@@ -135,13 +148,15 @@ def main() -> None:
     env = environment()
     print("\nenvironment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     print(f"perplexity on {args.eval} x 512-token windows of Emma; prefill 1 x 128 tokens; decode = one-token forward\n")
-    hdr = f"{'method':<28}{'ppl':>9}{'vs FP32':>9}{'size MB':>9}{'quant s':>9}{'prefill ms':>12}{'x FP32':>8}{'decode ms':>11}"
+    hdr = (f"{'method':<34}{'ppl':>9}{'vs FP32':>9}{'size MB':>9}{'quant s':>9}{'prefill ms':>12}{'x FP32':>8}"
+           f"{'decode ms':>11}  exact on x86-avx2")
     print(hdr)
     print("-" * len(hdr))
     f = results["fp32"]
     for m, r in results.items():
-        print(f"{m:<28}{r['ppl']:>9.3f}{r['ppl'] / f['ppl'] - 1:>+9.1%}{r['size_mb']:>9.1f}{r.get('wall_s', 0):>9.1f}"
-              f"{r['prefill_ms']:>12.2f}{f['prefill_ms'] / r['prefill_ms']:>8.2f}{r['decode_ms']:>11.2f}")
+        exact = "" if m == "fp32" else ("yes" if r["exact_x86_avx2"] else f"NO ({r['layers_at_risk']} layers at risk)")
+        print(f"{m:<34}{r['ppl']:>9.3f}{r['ppl'] / f['ppl'] - 1:>+9.1%}{r['size_mb']:>9.1f}{r.get('wall_s', 0):>9.1f}"
+              f"{r['prefill_ms']:>12.2f}{f['prefill_ms'] / r['prefill_ms']:>8.2f}{r['decode_ms']:>11.2f}  {exact}")
     if args.out:
         Path(args.out).write_text(json.dumps({"environment": env, "results": results}, indent=2, default=str))
 
