@@ -60,17 +60,25 @@ class QuantizeResult:
     recipe: RecipeModel
     timings: dict[str, float] = field(default_factory=dict)
 
-    def save(self, directory: str | os.PathLike[str], *, report: bool = True) -> dict[str, Path]:
+    def save(self, directory: str | os.PathLike[str], *, report: bool = True, overwrite: bool = False
+             ) -> dict[str, Path]:
         """Write ``model.onnx`` (+ external data when large), ``report.json`` and ``report.md``.
 
-        Every file is written to a temporary name in ``directory`` and renamed into place,
-        so an interrupted save never leaves a half-written model or report.
+        All-or-nothing (:func:`quantkit.report.output.write_outputs`): the files are written into a
+        staging folder and moved into ``directory`` as a set; quantkit's own earlier outputs there are
+        replaced, a folder holding other files is refused unless ``overwrite``.
         """
+        from quantkit.report.output import write_outputs
+
+        def fill(stage: Path) -> None:
+            save_model(self.model, stage / "model.onnx", self.recipe.export.external_data)
+            if report:
+                write_report(self.report, stage, self.recipe.report.formats)
+
+        written = write_outputs(directory, fill, overwrite=overwrite)
         out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        paths = {"model": save_model(self.model, out / "model.onnx", self.recipe.export.external_data)}
-        if report:
-            paths.update(write_report(self.report, out, self.recipe.report.formats))
+        paths = {"model": out / "model.onnx"}
+        paths.update({n: p for n, p in written.items() if n.startswith("report.")})
         return paths
 
 
@@ -217,6 +225,10 @@ def quantize(
     )
     timings["calibrate_s"] = time.perf_counter() - t
     timings["calibrate_peak_rss_mb"] = max(_rss_mb(), rss0)
+    zero_range = sorted(n for n, (lo, hi) in ranges.items() if float(np.max(hi)) - float(np.min(lo)) <= 0.0)
+    if zero_range:
+        log.warning("%d activation tensor(s) never varied over the calibration data: %s", len(zero_range),
+                    ", ".join(zero_range[:8]))
 
     t = time.perf_counter()
     qmodel = _clone(float_model)
@@ -269,6 +281,12 @@ def quantize(
         timings=timings, calibration=cal_info, calibration_samples=len(cal), evaluation_samples=len(ev) if ev is not None else 0,
         kernels=kernels,
     )
+    if zero_range:
+        report["warnings"].append(
+            f"{len(zero_range)} activation tensor(s) had zero range over the calibration data (constant or all "
+            f"zero: their scale is a placeholder and any other value will saturate): {', '.join(zero_range[:8])}"
+            + (" ..." if len(zero_range) > 8 else "") + ". Calibrate on representative data"
+        )
     return QuantizeResult(qmodel, float_model, plan, lowering, cen, report, rec, timings)
 
 

@@ -20,6 +20,8 @@ def _common_args(p: argparse.ArgumentParser, recipe_help: str, default_out: str)
     p.add_argument("--calibration-data", default=None, help="override calibration.data.path")
     p.add_argument("--evaluation-data", default=None, help="override evaluation.data.path")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into an --output folder that holds files quantkit did not write")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -51,14 +53,13 @@ def _override(rec_path: str, args: argparse.Namespace) -> dict[str, Any] | str:
     """Apply CLI path overrides to the recipe (as a dict, so validation still runs)."""
     if not (args.model or args.calibration_data or args.evaluation_data):
         return rec_path
-    import yaml
 
-    from quantkit.recipe.load import _resolve_paths
+    from quantkit.recipe.load import _resolve_paths, safe_load_yaml
 
     path = Path(rec_path)
     if not path.is_file():
         raise QuantkitError(f"recipe file {rec_path!r} does not exist")
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    data = safe_load_yaml(path.read_text(encoding="utf-8"), str(path))
     if not isinstance(data, dict):
         raise QuantkitError(f"recipe {rec_path} must be a mapping at the top level")
     data = _resolve_paths(data, path.resolve().parent)
@@ -76,14 +77,71 @@ def _override(rec_path: str, args: argparse.Namespace) -> dict[str, Any] | str:
     return data
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("quantkit: %(message)s"))
+EXIT_OK, EXIT_BUG, EXIT_USER, EXIT_KERNELS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+"""Exit codes: 0 ok; 1 an internal error (a bug: the traceback is saved, its path printed); 2 an error in
+what the user gave (recipe, model, data, output folder); 3 ``verify``: the kernels part from the QDQ math;
+130 interrupted (Ctrl-C or SIGTERM)."""
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
+def _setup_logging() -> None:
+    """One stderr handler however often :func:`main` is called (tests, notebooks)."""
     qlog = logging.getLogger("quantkit")
+    for h in list(qlog.handlers):
+        if getattr(h, "_quantkit_cli", False):
+            qlog.removeHandler(h)
+    handler = logging.StreamHandler()  # binds the current sys.stderr
+    handler.setFormatter(logging.Formatter("quantkit: %(message)s"))
+    handler._quantkit_cli = True  # type: ignore[attr-defined]
     qlog.addHandler(handler)
     qlog.setLevel(logging.INFO)
     qlog.propagate = False
+
+
+def _save_traceback() -> str:
+    import tempfile
+    import traceback
+
+    fd, path = tempfile.mkstemp(prefix="quantkit-crash-", suffix=".txt")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        traceback.print_exc(file=fh)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (see :data:`EXIT_OK` ...)."""
+    import signal
+
+    args = _build_parser().parse_args(argv)
+    _setup_logging()
+    previous = None
+    try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not in the main thread: leave signals alone
+        previous = None
+    try:
+        return _main(args)
+    except BrokenPipeError:  # `quantkit validate R | head`: the reader went away
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - swallow the flush at exit
+        except OSError:
+            pass
+        return EXIT_OK
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from quantkit.report.output import SaveInterrupted
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if args.version:
@@ -106,27 +164,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
     except QuantkitError as exc:
         print(f"quantkit: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("quantkit: interrupted; nothing was written", file=sys.stderr)
-        return 130
+        return EXIT_USER
+    except SaveInterrupted as exc:
+        print(f"quantkit: {exc}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:
+        what = "terminated (SIGTERM)" if isinstance(exc, _Terminated) else "interrupted"
+        print(f"quantkit: {what}; nothing was written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an internal bug: a short message, the traceback in a file
+        path = _save_traceback()
+        print(f"quantkit: internal error ({type(exc).__name__}: {exc}); this is a bug in quantkit. The full "
+              f"traceback is in {path}", file=sys.stderr)
+        return EXIT_BUG
     _build_parser().print_help()
-    return 1
+    return EXIT_BUG
 
 
 def _calibrate(args: argparse.Namespace) -> int:
     from quantkit.api import quantize
     from quantkit.recipe import load_recipe
+    from quantkit.report.output import check_output_dir
 
     rec = load_recipe(_override(args.recipe, args))
     out = Path(args.output) if args.output else Path("out") / rec.name
+    check_output_dir(out, overwrite=args.overwrite)  # before any work, not after it
     result = quantize(
         recipe=rec,
         progress=not args.quiet,
         measure_latency=False if args.no_latency else None,
         use_cache=not args.no_cache,
     )
-    paths = result.save(out)
+    paths = result.save(out, overwrite=args.overwrite)
     rep = result.report
     print(f"quantized {len(rep['layers'])} layers; model: {paths['model']}")
     for k, p in paths.items():
@@ -199,10 +270,12 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     from quantkit.recipe import load_recipe
+    from quantkit.report.output import check_output_dir
     from quantkit.search.sweep import sweep
 
     rec = load_recipe(_override(args.recipe, args))
     out = Path(args.output) if args.output else Path("out") / f"{rec.name}-sweep"
+    check_output_dir(out, overwrite=args.overwrite)
     res = sweep(
         recipe=rec,
         output=out,

@@ -45,36 +45,66 @@ def cache_key(model_digest: str, data_fingerprint: str, settings: Mapping[str, A
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
+_DIGEST = "__sha256__"
+
+
+def _digest(flat: Mapping[str, np.ndarray]) -> str:
+    """sha256 over every array's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for k in sorted(flat):
+        a = np.ascontiguousarray(flat[k])
+        h.update(k.encode())
+        h.update(str(a.dtype).encode())
+        h.update(str(a.shape).encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
 class StatsCache:
-    """Per-tensor statistics states (``state()`` dicts) stored in one ``.npz`` per key."""
+    """Per-tensor statistics states (``state()`` dicts) stored in one ``.npz`` per key.
+
+    The file carries a sha256 of its contents: a truncated, emptied, edited or bit-flipped file is a
+    cache miss with a warning (and is recomputed), never an error.  A cache folder that cannot be
+    written (read-only, disk full) is a warning too: the run carries on without caching."""
 
     def __init__(self, root: Path, key: str) -> None:
         self.path = root / "stats" / f"{key}.npz"
 
     def load(self) -> dict[str, dict[str, Any]]:
-        """tensor -> state dict ({} when there is no cache file or it is unreadable)."""
+        """tensor -> state dict ({} when there is no cache file or it is unreadable or corrupt)."""
         if not self.path.is_file():
             return {}
         try:
             with np.load(self.path, allow_pickle=False) as z:
-                out: dict[str, dict[str, Any]] = {}
-                for k in z.files:
-                    tensor, _, field = k.rpartition("//")
-                    arr = z[k]
-                    out.setdefault(tensor, {})[field] = arr.item() if arr.ndim == 0 else arr
-                return out
-        except (OSError, ValueError, KeyError) as exc:  # a corrupt cache is a miss, never a failure
-            log.warning("ignoring unreadable statistics cache %s (%s)", self.path, exc)
+                flat = {k: z[k] for k in z.files}
+            stored = flat.pop(_DIGEST, None)
+            if stored is None or str(stored) != _digest(flat):
+                raise ValueError("content does not match its checksum")
+        except Exception as exc:  # noqa: BLE001 - zipfile/zlib/numpy raise many types; a bad cache is a miss
+            log.warning("ignoring corrupt statistics cache %s (%s: %s); collecting again", self.path,
+                        type(exc).__name__, exc)
             return {}
+        out: dict[str, dict[str, Any]] = {}
+        for k, arr in flat.items():
+            tensor, _, field = k.rpartition("//")
+            out.setdefault(tensor, {})[field] = arr.item() if arr.ndim == 0 else arr
+        return out
 
-    def save(self, states: Mapping[str, Mapping[str, Any]]) -> None:
+    def save(self, states: Mapping[str, Mapping[str, Any]]) -> bool:
+        """Write atomically; False (and a warning) when the cache folder cannot be written."""
         flat = {f"{t}//{f}": np.asarray(v) for t, st in states.items() for f, v in st.items()}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".stats-", suffix=".npz")
-        os.close(fd)
+        flat[_DIGEST] = np.asarray(_digest(flat))
+        tmp = None
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".stats-", suffix=".npz")
+            os.close(fd)
             np.savez(tmp, **flat)  # type: ignore[arg-type]
             os.replace(tmp, self.path)
+            return True
+        except OSError as exc:
+            log.warning("cannot write the statistics cache %s (%s); carrying on without it", self.path, exc)
+            return False
         finally:
-            if os.path.exists(tmp):
+            if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)

@@ -272,7 +272,19 @@ def _check_feeds(batch: Batch, required: set[str], optional: set[str]) -> dict[s
             + (f"; missing {sorted(missing)}" if missing else "")
             + (f"; unexpected {sorted(unexpected)}" if unexpected else "")
         )
-    return {k: np.asarray(v) for k, v in batch.items()}
+    feeds = {k: np.asarray(v) for k, v in batch.items()}
+    for k, v in feeds.items():
+        if np.issubdtype(v.dtype, np.floating):
+            bad = int(v.size - np.count_nonzero(np.isfinite(v)))
+            if bad:
+                rows: list[int] = (np.flatnonzero(~np.isfinite(v.reshape(v.shape[0], -1)).all(axis=1)).tolist()
+                                   if v.ndim else [])
+                raise DataError(
+                    f"calibration input {k!r} holds {bad} non-finite value(s) (NaN/Inf) of {v.size} in this batch "
+                    f"(samples {list(rows[:5])} of the batch): statistics of such data are meaningless; allowed: "
+                    "finite values only - drop or repair those samples"
+                )
+    return feeds
 
 
 def _run(

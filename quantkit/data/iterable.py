@@ -1,22 +1,19 @@
 """Wrap arbitrary Python iterables (of dicts, arrays or tuples) as a :class:`Dataset`.
 
-A plain iterator can be consumed only once; pass a *callable* returning a fresh
-iterator (or a re-iterable such as a list) to iterate several times (calibration,
-then evaluation, then fingerprinting).
+A plain iterator (a generator) can be consumed only once, but the pipeline reads its data several
+times (fingerprint, calibration passes, evaluation): its samples are spooled to a private temporary
+folder on disk as they are first read (memory stays bounded) and replayed from there; the folder is
+removed when the dataset is garbage-collected or the process exits.  A *callable* returning a fresh
+iterator, or a re-iterable such as a list, is read directly each time.
 
 ``fingerprint()`` hashes content as it streams: it is a sha256 over the input names
 and every sample's arrays -- or only the first ``fingerprint_samples`` samples when
-that is set.  For a re-iterable source it is computed by one streaming pass (no
-samples are kept).  For a one-shot iterator, calling ``fingerprint()`` before the data
-is consumed buffers the first ``fingerprint_samples`` samples (default 64 in that
-case) and replays them in the following ``batches()``; after a completed
-``batches()`` pass it is available without buffering.  Either way the same data gives
-the same digest.
+that is set -- computed by one streaming pass (no samples are kept in memory).  The
+same data gives the same digest whatever form it came in.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -27,7 +24,6 @@ from quantkit.errors import DataError
 
 __all__ = ["IterableDataset"]
 
-_ONE_SHOT_FINGERPRINT_SAMPLES = 64
 
 
 class IterableDataset:
@@ -70,10 +66,13 @@ class IterableDataset:
         self.fingerprint_samples = fingerprint_samples
         self._factory: Callable[[], Iterable[Any]] | None = None
         self._once: Iterator[Any] | None = None
+        self._spool_dir: str | None = None
+        self._spool_n = 0
         if callable(iterable_or_callable) and not isinstance(iterable_or_callable, Iterable):
             self._factory = iterable_or_callable
         elif isinstance(iterable_or_callable, Iterator):
             self._once = iterable_or_callable
+            self._factory = self._spooled  # one-shot: replayed from a disk spool
         elif isinstance(iterable_or_callable, (Iterable, np.ndarray)):
             source = iterable_or_callable
             self._factory = lambda: source
@@ -81,9 +80,6 @@ class IterableDataset:
             raise DataError(
                 f"IterableDataset needs an iterable or a callable returning one, got {type(iterable_or_callable).__name__}"
             )
-        self._consumed = False
-        self._replay: list[dict[str, np.ndarray]] = []  # samples buffered by an early fingerprint()
-        self._pending: Iterator[dict[str, np.ndarray]] | None = None
         self._len: int | None = None
         if self._factory is not None and isinstance(iterable_or_callable, Sequence | np.ndarray):
             self._len = None if batched else len(iterable_or_callable)
@@ -111,26 +107,39 @@ class IterableDataset:
             )
         return {self.input_names[0]: np.asarray(item)}
 
+    def _spooled(self) -> Iterator[dict[str, np.ndarray]]:
+        """Yield the one-shot iterator's samples: those already read from the spool, the rest from the
+        iterator (spooling each as it comes), so partial passes and later passes see the same data."""
+        import shutil
+        import tempfile
+        import weakref
+
+        if self._spool_dir is None:
+            self._spool_dir = tempfile.mkdtemp(prefix="quantkit-data-")
+            weakref.finalize(self, shutil.rmtree, self._spool_dir, True)
+        i = 0
+        while True:
+            if i < self._spool_n:
+                with np.load(f"{self._spool_dir}/{i}.npz", allow_pickle=False) as z:
+                    yield {k: z[k] for k in z.files}
+            else:
+                assert self._once is not None
+                try:
+                    item = next(self._once)
+                except StopIteration:
+                    return
+                sample = self._as_dict(item, i)
+                np.savez(f"{self._spool_dir}/{i}.npz", **sample)  # type: ignore[arg-type]
+                self._spool_n += 1
+                yield sample
+            i += 1
+
     def _source(self) -> Iterator[Any]:
-        if self._factory is not None:
-            return iter(self._factory())
-        if self._consumed or self._once is None:
-            raise DataError(
-                "this IterableDataset wraps a one-shot iterator that was already consumed; "
-                "pass a list or a callable returning a fresh iterator to iterate again"
-            )
-        self._consumed = True
-        return self._once
+        assert self._factory is not None  # set for every source kind in __init__
+        return iter(self._factory())
 
     def samples(self) -> Iterator[dict[str, np.ndarray]]:
         """One feed dict per sample (no batch dim)."""
-        if self._pending is not None:
-            # Left over from an early fingerprint() of a one-shot iterator.
-            replay, pending = self._replay, self._pending
-            self._replay, self._pending = [], None
-            yield from replay
-            yield from pending
-            return
         for index, item in enumerate(self._source()):
             d = self._as_dict(item, index)
             if not self.batched:
@@ -190,42 +199,20 @@ class IterableDataset:
         """sha256 over the (first ``fingerprint_samples``) samples; see the module docstring."""
         if self._fp is not None:
             return self._fp
-        if self._factory is None and self.fingerprint_samples is None:
-            # One-shot iterator not consumed yet: only a bounded prefix can be buffered.
-            self.fingerprint_samples = _ONE_SHOT_FINGERPRINT_SAMPLES
         h = self._hasher()
-        if self._factory is not None:
-            count = 0
-            for sample in self.samples():
-                if self.fingerprint_samples is not None and count >= self.fingerprint_samples:
-                    break
-                self._hash_sample(h, sample)
-                count += 1
-            if self.fingerprint_samples is None:
-                self._len = count
-            self._fp = self._finish(h, count)
-            return self._fp
-        # One-shot iterator not consumed yet: buffer the prefix and replay it later.
-        stream = self.samples()
-        prefix = list(itertools.islice(stream, self.fingerprint_samples))
-        for sample in prefix:
+        count = 0
+        for sample in self.samples():
+            if self.fingerprint_samples is not None and count >= self.fingerprint_samples:
+                break
             self._hash_sample(h, sample)
-        self._replay = prefix
-        self._pending = stream
-        self._fp = self._finish(h, len(prefix))
+            count += 1
+        if self.fingerprint_samples is None:
+            self._len = count
+        self._fp = self._finish(h, count)
         return self._fp
 
     def __len__(self) -> int:
-        """Number of samples; counted by one streaming pass if not known yet.
-
-        Raises:
-            DataError: a one-shot iterator that has not been consumed yet.
-        """
+        """Number of samples; counted by one streaming pass if not known yet."""
         if self._len is None:
-            if self._factory is None:
-                raise DataError(
-                    "the length of a one-shot iterator is unknown until it has been consumed; "
-                    "pass a list or a callable returning a fresh iterator"
-                )
             self._len = sum(1 for _ in self.samples())
         return self._len

@@ -18,15 +18,35 @@ from pathlib import Path
 __all__ = ["atomic_write_bytes", "atomic_write_dir", "cache_dir"]
 
 
+_FALLBACK: list[Path] = []
+
+
 def cache_dir() -> Path:
     """Return the quantkit cache directory, creating it if needed.
 
-    ``$QUANTKIT_CACHE`` when set (and non-empty), else ``~/.cache/quantkit``.
+    ``$QUANTKIT_CACHE`` when set (and non-empty), else ``~/.cache/quantkit``.  When that folder cannot
+    be created or written (read-only, not a folder), a warning is logged once and a private temporary
+    folder, removed when the process exits, stands in: the run carries on without a persistent cache.
     """
     env = os.environ.get("QUANTKIT_CACHE")
     path = Path(env).expanduser() if env else Path.home() / ".cache" / "quantkit"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(f"{path} is not writable")
+        return path
+    except OSError as exc:
+        if not _FALLBACK:
+            import atexit
+            import logging
+
+            tmp = Path(tempfile.mkdtemp(prefix="quantkit-cache-"))
+            atexit.register(shutil.rmtree, tmp, True)
+            _FALLBACK.append(tmp)
+            logging.getLogger("quantkit").warning(
+                "cache folder %s is unusable (%s); carrying on with a temporary cache (set QUANTKIT_CACHE to a "
+                "writable folder to keep results between runs)", path, exc)
+        return _FALLBACK[0]
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:

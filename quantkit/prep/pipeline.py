@@ -96,6 +96,24 @@ def _shape_inference(step: str, model: ir.Model) -> int:
     return int(_run(step, common_passes.ShapeInferencePass(strict_mode=False), model))
 
 
+RUNNABLE_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft"})
+"""Operator domains ONNX Runtime's CPU provider implements (model-local functions are runnable too)."""
+
+
+def check_runnable(model: ir.Model) -> None:
+    """Refuse a model with operators of a domain ONNX Runtime's CPU provider cannot run, naming them,
+    before any work (ONNX Runtime would fail later with a raw NOT_IMPLEMENTED traceback)."""
+    local = {(f.domain, f.name) for f in model.functions.values()}
+    bad = [n for n in model.graph.all_nodes() if n.domain not in RUNNABLE_DOMAINS and (n.domain, n.op_type) not in local]
+    if bad:
+        n = bad[0]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise ModelError(
+            f"node {n.name or '(unnamed)'!r} is {n.op_type!r} of domain {n.domain!r}, which ONNX Runtime's CPU "
+            f"provider cannot run{more}; allowed domains: {sorted(RUNNABLE_DOMAINS)} (or model-local functions)"
+        )
+
+
 def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
     """Prepare ``model`` (modified in place) for quantization and return it with per-transform counts.
 
@@ -110,6 +128,7 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
     """
     if not isinstance(model, ir.Model):
         raise ModelError(f"prepare() expects an onnx_ir.Model, got {type(model).__name__}")
+    check_runnable(model)
     applied: dict[str, int] = {}
     namer = NameNodesPass()
     _run("name_nodes", namer, model)

@@ -69,6 +69,46 @@ def _lookup_fields(loc: tuple[Any, ...]) -> list[str]:
     return sorted(getattr(model, "model_fields", {}))
 
 
+MAX_RECIPE_BYTES = 1 << 20
+MAX_ALIASES = 64
+MAX_DEPTH = 64
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` with bounded aliases and nesting: a "billion laughs" document or one nested
+    thousands deep is refused at once instead of exhausting memory, time or the stack."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._aliases = 0
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                raise yaml.YAMLError(f"more than {MAX_ALIASES} aliases (*ref): refused (alias expansion bomb?)")
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise yaml.YAMLError(f"nested more than {MAX_DEPTH} levels deep: refused")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def safe_load_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load`` with a size limit, bounded aliases and nesting; errors become :class:`RecipeError`."""
+    if len(text) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"recipe {where} is {len(text)} characters; allowed: at most {MAX_RECIPE_BYTES}")
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe {where} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise RecipeError(f"recipe {where} is nested too deeply; allowed: at most {MAX_DEPTH} levels") from None
+
+
 def load_recipe(recipe: str | os.PathLike[str] | Mapping[str, Any] | RecipeModel) -> RecipeModel:
     """Return a validated, immutable recipe.
 
@@ -88,9 +128,10 @@ def load_recipe(recipe: str | os.PathLike[str] | Mapping[str, Any] | RecipeModel
         where = str(path)
         base = path.resolve().parent
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            raise RecipeError(f"recipe {where} is not valid YAML: {exc}") from None
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RecipeError(f"recipe {where} cannot be read as UTF-8 text: {exc}") from None
+        data = safe_load_yaml(text, where)
     elif isinstance(recipe, Mapping):
         data = dict(recipe)
     else:
@@ -111,6 +152,8 @@ def load_recipe(recipe: str | os.PathLike[str] | Mapping[str, Any] | RecipeModel
         model = RecipeModel.model_validate(data)
     except ValidationError as exc:
         raise RecipeError(_format_errors(exc, where)) from None
+    except RecursionError:
+        raise RecipeError(f"recipe {where} is nested too deeply; allowed: at most {MAX_DEPTH} levels") from None
     _check_registry_names(model, where)
     return model
 
@@ -159,10 +202,62 @@ def _check_registry_names(model: RecipeModel, where: str) -> None:
             raise RecipeError(
                 f"recipe {where}: {key}: unknown weight algorithm {name!r}; allowed: {', '.join(WEIGHT_ALGORITHMS.names())}"
             ) from None
+    schemes = [("quantization.default.activations", model.quantization.default.activations)] + [
+        (f"quantization.overrides[{i}].activations", ov.activations)
+        for i, ov in enumerate(model.quantization.overrides) if ov.activations is not None
+    ]
+    for key, act in schemes:
+        if act.dtype == "uint8" and act.symmetric:
+            raise RecipeError(
+                f"recipe {where}: {key}: symmetric uint8 is not supported "
+                "(ONNX Runtime's QDQ kernels need zero point 128 with a half-wasted grid); "
+                "allowed: uint8 asymmetric, int8 symmetric or asymmetric"
+            )
+    _check_calibrator_options(model, where)
+    _check_algorithm_options(model, where)
+
+
+def _check_calibrator_options(model: RecipeModel, where: str) -> None:
+    """``calibration.calibrator_options`` are the keyword options of the recipe's calibrator: construct one
+    now, so a typo or a bad value fails when the recipe loads, not after the calibration pass."""
+    import inspect
+
+    from quantkit.calibrate import get_calibrator
+
+    name, options = model.calibration.calibrator, dict(model.calibration.calibrator_options)
+    cls = get_calibrator(name)
+    params = inspect.signature(cls.__init__).parameters
+    allowed = sorted(p for p in params if p not in ("self", "dtype", "symmetric", "axis")
+                     and params[p].kind is inspect.Parameter.KEYWORD_ONLY)
+    unknown = sorted(k for k in options if k not in allowed)
+    if unknown:
+        raise RecipeError(f"recipe {where}: calibration.calibrator_options: unknown option(s) {unknown} for calibrator "
+                          f"{name!r}; allowed: {allowed or 'none'}")
+    try:
+        cls(**options)
+    except RecipeError as exc:
+        raise RecipeError(f"recipe {where}: calibration.calibrator_options ({name}): {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise RecipeError(f"recipe {where}: calibration.calibrator_options ({name}): {exc}; allowed: {allowed}") from None
+
+
+def _check_algorithm_options(model: RecipeModel, where: str) -> None:
+    """Weight-algorithm options are the algorithm function's keyword parameters (checked by name)."""
+    import inspect
+
+    from quantkit.algorithms.woq import get_weight_algorithm
+
     d = model.quantization.default
-    if d.activations.dtype == "uint8" and d.activations.symmetric:
-        raise RecipeError(
-            f"recipe {where}: quantization.default.activations: symmetric uint8 is not supported "
-            "(ONNX Runtime's QDQ kernels need zero point 128 with a half-wasted grid); "
-            "allowed: uint8 asymmetric, int8 symmetric or asymmetric"
-        )
+    items = [("quantization.default", d.algorithm, dict(d.algorithm_options))] + [
+        (f"quantization.overrides[{i}]", ov.algorithm or d.algorithm, dict(ov.algorithm_options))
+        for i, ov in enumerate(model.quantization.overrides) if ov.algorithm_options is not None
+    ]
+    reserved = {"W", "w", "bits", "group_size", "symmetric", "stats", "hessian"}
+    for key, name, options in items:
+        fn = get_weight_algorithm(name)
+        params = inspect.signature(fn).parameters
+        allowed = sorted(p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY and p not in reserved)
+        unknown = sorted(k for k in options if k not in allowed)
+        if unknown:
+            raise RecipeError(f"recipe {where}: {key}.algorithm_options: unknown option(s) {unknown} for algorithm "
+                              f"{name!r}; allowed: {allowed or 'none'}")

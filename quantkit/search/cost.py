@@ -98,7 +98,10 @@ def cost_cache_path(parts: Mapping[str, Any]) -> Path:
 def _save(path: Path, table: CostTable) -> None:
     from quantkit.report.build import atomic_write_text
 
-    atomic_write_text(path, json.dumps(table.to_json()))
+    try:
+        atomic_write_text(path, json.dumps(table.to_json()))
+    except OSError as exc:
+        log.warning("cannot write the cost cache %s (%s); carrying on without it", path, exc)
 
 
 def _plain_median_ms(blob: bytes, feed: Mapping[str, np.ndarray], *, runs: int, warmup: int,

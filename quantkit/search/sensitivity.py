@@ -108,7 +108,10 @@ class _TableCache:
         from quantkit.report.build import atomic_write_text
 
         blob = json.dumps({"damage": {f"{u}\t{c}": v for (u, c), v in sorted(self.table.items())}})
-        atomic_write_text(self.path, blob)
+        try:
+            atomic_write_text(self.path, blob)
+        except OSError as exc:
+            log.warning("cannot write the sensitivity cache %s (%s); carrying on without it", self.path, exc)
 
 
 def cache_path(parts: Mapping[str, Any]) -> Path:

@@ -52,7 +52,8 @@ def test_torch_module_with_iterable_of_arrays(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "model.onnx").is_file() and paths["report.json"].is_file()
     onnx.checker.check_model(str(tmp_path / "out" / "model.onnx"))
     # nothing half-written or temporary left behind
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.onnx", "report.json", "report.md"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "model.onnx", "quantkit-manifest.json", "report.json", "report.md"]
 
 
 def test_save_is_atomic_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
