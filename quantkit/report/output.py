@@ -86,6 +86,10 @@ def check_output_dir(directory: str | os.PathLike[str], *, overwrite: bool = Fal
     return out
 
 
+def _move(src: Path, dst: Path) -> None:
+    os.replace(src, dst)
+
+
 def write_outputs(directory: str | os.PathLike[str], fill: Callable[[Path], object], *,
                   overwrite: bool = False) -> dict[str, Path]:
     """Run ``fill(staging)`` to write the files of a run, then put them into ``directory`` as a set.
@@ -117,7 +121,7 @@ def write_outputs(directory: str | os.PathLike[str], fill: Callable[[Path], obje
                 dest = out / n
                 if dest.is_dir() and not dest.is_symlink():
                     shutil.rmtree(dest)
-                os.replace(staging / n, dest)
+                _move(staging / n, dest)
                 moved.append(n)
             for n in stale:
                 p = out / n
