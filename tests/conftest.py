@@ -11,6 +11,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The tests never write into the user's own cache (~/.cache/quantkit): a cache inside the checkout
+# (git-ignored) keeps exported models between test runs without touching anything outside.
+os.environ.setdefault("QUANTKIT_CACHE", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                     ".cache", "quantkit"))
 
 
 def _init(name: str, arr: np.ndarray) -> onnx.TensorProto:
