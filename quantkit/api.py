@@ -37,6 +37,7 @@ from quantkit.lowering.qdq import LoweringResult, hessian_requests, lower_int8
 from quantkit.lowering.select import QuantPlan, select
 from quantkit.lowering.verify import Census, census
 from quantkit.prep.pipeline import prepare
+from quantkit.progress import stage
 from quantkit.recipe import RecipeModel, load_recipe
 from quantkit.report.build import build_report, write_report
 from quantkit.scheme.target import resolve_target
@@ -181,7 +182,8 @@ def quantize(
         load_kw["example_inputs"] = example_inputs
     if isinstance(source, (str, os.PathLike)) and Path(source).is_dir() and rec.model is not None:
         load_kw["seq_len"] = rec.model.seq_len
-    loaded = load_model(source, **load_kw)
+    with stage("load the model (the first use of a built-in exports it to ONNX, cached)", enabled=progress):
+        loaded = load_model(source, **load_kw)
     timings["load_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -220,9 +222,10 @@ def quantize(
     rss0 = _rss_mb()
     float_proto = ir.to_proto(float_model)
     float_bytes = float_proto.SerializeToString()
-    ranges, input_means, cal_info = calibrate_ranges(
-        float_model, float_proto, float_bytes, plan, cal, rec, progress=progress, use_cache=use_cache
-    )
+    with stage("calibrate: activation statistics over the calibration data", enabled=progress):
+        ranges, input_means, cal_info = calibrate_ranges(
+            float_model, float_proto, float_bytes, plan, cal, rec, progress=progress, use_cache=use_cache
+        )
     timings["calibrate_s"] = time.perf_counter() - t
     timings["calibrate_peak_rss_mb"] = max(_rss_mb(), rss0)
     zero_range = sorted(n for n, (lo, hi) in ranges.items() if float(np.max(hi)) - float(np.min(lo)) <= 0.0)
@@ -235,14 +238,16 @@ def quantize(
     target = resolve_target(rec.target.isa, rec.target.device)
     hessians = None
     if target.pair_safe:
-        hessians = collect_kernel_hessians(
-            float_proto, cal, hessian_requests(float_model, plan), batch_size=rec.calibration.batch_size,
-            max_batch_output_bytes=rec.calibration.max_batch_output_bytes, progress=progress)
+        with stage("pair-safe rounding: input second moments (one pass)", enabled=progress):
+            hessians = collect_kernel_hessians(
+                float_proto, cal, hessian_requests(float_model, plan), batch_size=rec.calibration.batch_size,
+                max_batch_output_bytes=rec.calibration.max_batch_output_bytes, progress=progress)
         timings["pair_hessians_s"] = time.perf_counter() - t
         t = time.perf_counter()
-    lowering = lower_int8(qmodel, plan, ranges, activation_storage=rec.export.activation_storage,
-                          matmul_form=rec.export.matmul_form, input_means=input_means, target=target,
-                          hessians=hessians)
+    with stage("lower to INT8 QDQ", enabled=progress):
+        lowering = lower_int8(qmodel, plan, ranges, activation_storage=rec.export.activation_storage,
+                              matmul_form=rec.export.matmul_form, input_means=input_means, target=target,
+                              hessians=hessians)
     qmodel.metadata_props["quantkit.target"] = json.dumps(target.as_dict())
     qproto = _checked_proto(qmodel)
     timings["lower_s"] = time.perf_counter() - t
@@ -257,7 +262,8 @@ def quantize(
 
     ev = _eval_dataset(rec, loaded, evaluation_data, inputs) if evaluate else None
     t = time.perf_counter()
-    kernels = verify_kernels(qproto, target, ev or cal, rec.report.kernel_check_samples)
+    with stage("check the fused kernels against the QDQ math", enabled=progress):
+        kernels = verify_kernels(qproto, target, ev or cal, rec.report.kernel_check_samples)
     timings["kernel_check_s"] = time.perf_counter() - t
     fidelity: dict[str, Any] = {}
     per_layer_sqnr: dict[str, float] = {}
@@ -272,7 +278,8 @@ def quantize(
     do_lat = rec.report.latency.enabled if measure_latency is None else measure_latency
     if do_lat:
         t = time.perf_counter()
-        latency = measure_pair_latency(float_bytes, q_bytes, ev or cal, rec)
+        with stage("measure latency (FP32 vs quantized, interleaved)", enabled=progress):
+            latency = measure_pair_latency(float_bytes, q_bytes, ev or cal, rec)
         timings["latency_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - t_start
     report = build_report(
@@ -306,7 +313,8 @@ def _quantize_weight_only(
     timings["weights_peak_rss_mb"] = max(_rss_mb(), rss0)
     t = time.perf_counter()
     qmodel = _clone(float_model)
-    lower_weight_only(qmodel, rec, outcome)
+    with stage("lower to MatMulNBits / GatherBlockQuantized", enabled=progress):
+        lower_weight_only(qmodel, rec, outcome)
     qproto = _checked_proto(qmodel)
     timings["lower_s"] = time.perf_counter() - t
     float_proto = ir.to_proto(float_model)
@@ -314,7 +322,8 @@ def _quantize_weight_only(
     cen = census(qproto, quantizable=list(layers))
     timings["verify_s"] = time.perf_counter() - t
     inputs = model_inputs(float_model)
-    ev = _eval_dataset(rec, loaded, evaluation_data, inputs) if evaluate else None
+    with stage("prepare the evaluation data", enabled=progress):
+        ev = _eval_dataset(rec, loaded, evaluation_data, inputs) if evaluate else None
     quality: dict[str, Any] = {}
     fbytes = float_proto.SerializeToString()
     qbytes = qproto.SerializeToString()
@@ -341,7 +350,8 @@ def _quantize_weight_only(
         from quantkit.evaluate.decode import llm_latency
 
         t = time.perf_counter()
-        latency = llm_latency(fbytes, qbytes, rec.report.latency, vocab_input=inputs)
+        with stage("measure prefill / decode latency (FP32 vs quantized, interleaved)", enabled=progress):
+            latency = llm_latency(fbytes, qbytes, rec.report.latency, vocab_input=inputs)
         timings["latency_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - t_start
     report = build_woq_report(recipe=rec, source=loaded.source, float_proto=float_proto, quant_proto=qproto,

@@ -78,7 +78,10 @@ class StatsCache:
             with np.load(self.path, allow_pickle=False) as z:
                 flat = {k: z[k] for k in z.files}
             stored = flat.pop(_DIGEST, None)
-            if stored is None or str(stored) != _digest(flat):
+            if stored is None:
+                log.info("statistics cache %s has no checksum (an older format); collecting again", self.path)
+                return {}
+            if str(stored) != _digest(flat):
                 raise ValueError("content does not match its checksum")
         except Exception as exc:  # noqa: BLE001 - zipfile/zlib/numpy raise many types; a bad cache is a miss
             log.warning("ignoring corrupt statistics cache %s (%s: %s); collecting again", self.path,

@@ -135,7 +135,10 @@ def austen_folder() -> Path:
 
     if folder.exists():  # incomplete (interrupted by hand): start again
         shutil.rmtree(folder)
-    return atomic_write_dir(folder, fill)
+    from quantkit.progress import stage
+
+    with stage(f"fetch Jane Austen's novels once (apt-get download {_PACKAGE} + dpkg-deb -x, cached)"):
+        return atomic_write_dir(folder, fill)
 
 
 def austen_text(book: str = "Emma") -> str:

@@ -55,7 +55,13 @@ def build_woq_report(
     if pf and pq:
         quality["perplexity_increase"] = pq["ppl"] / pf["ppl"] - 1.0
     if latency.get("prefill", {}).get("speedup", 1.0) < 1.0:
-        warnings.append(f"prefill is slower than FP32 ({latency['prefill']['speedup']:.2f}x)")
+        warnings.append(
+            f"prefill is slower than FP32 ({latency['prefill']['speedup']:.2f}x): at many tokens per call the "
+            "matrix products are compute-bound and ONNX Runtime's 4-bit kernel unpacks weights on the fly, so "
+            "INT4 pays off in decoding (one token per call, memory-bound), not in long prefills. For prefill-heavy "
+            "use, try int8_dynamic (W8A8) on the largest layers (`quantkit sweep` with search.metric: latency "
+            "finds the mix), keep export.accuracy_level at 4, and judge the decode figure for generation"
+        )
     return {
         "kind": "weight_only",
         "recipe": recipe.name,
