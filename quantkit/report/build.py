@@ -192,6 +192,39 @@ def _json_safe(x: Any) -> Any:
     return x
 
 
+def summary_lines(rep: Mapping[str, Any]) -> list[str]:
+    """A one-screen summary: what was quantized, fidelity, size, speed, kernel exactness, warnings."""
+    out = ["## Summary", ""]
+    kinds = (rep.get("census") or {}).get("quantized_kernels") or {}
+    n = len(rep.get("layers") or [])
+    out.append(f"- quantized: {n} layers ({', '.join(f'{k} x{v}' for k, v in sorted(kinds.items())) or 'no kernels'})")
+    for name, d in (rep.get("fidelity") or {}).items():
+        keys = [k for k in ("top1_agreement", "mean_kl", "mean_cosine", "sqnr_db") if k in d]
+        out.append(f"- fidelity `{name}`: " + ", ".join(f"{k} {_fmt(d[k], 4)}" for k in keys))
+    q = rep.get("quality") or {}
+    if "perplexity_fp32" in q:
+        out.append(f"- perplexity: FP32 {q['perplexity_fp32']['ppl']:.3f} -> {q['perplexity_quantized']['ppl']:.3f} "
+                   f"({100 * q.get('perplexity_increase', 0):+.1f}%)")
+    sz = rep.get("size") or {}
+    if sz:
+        out.append(f"- size: {sz['fp32_bytes'] / 2**20:.2f} MiB -> {sz['quantized_bytes'] / 2**20:.2f} MiB "
+                   f"({sz['ratio']:.3f})")
+    lat = rep.get("latency") or {}
+    if "speedup" in lat:
+        out.append(f"- latency: {lat['fp32']['median_ms']:.3f} ms -> {lat['quantized']['median_ms']:.3f} ms "
+                   f"(**{lat['speedup']:.2f}x**, same run)")
+    k = rep.get("kernels") or {}
+    if k:
+        port = (k.get("portability") or {}).get("classes") or {}
+        chk = k.get("check") or {}
+        out.append(f"- CPU: built for `{(k.get('target') or {}).get('cpu_class')}`; exact on "
+                   f"{', '.join(c for c, v in port.items() if v.get('exact')) or 'none'}"
+                   + (f"; this CPU's kernels {'agree with' if chk.get('agree') else '**DISAGREE** with'} the QDQ math"
+                      if chk else ""))
+    out.append(f"- warnings: {len(rep.get('warnings') or [])}")
+    return [*out, ""]
+
+
 def kernel_warnings(kernels: Mapping[str, Any]) -> list[str]:
     """Warnings from the kernel check and the portability table (see :mod:`quantkit.lowering.kernel_check`)."""
     out = []
@@ -261,7 +294,8 @@ def kernel_lines(rep: Mapping[str, Any]) -> list[str]:
     port = (k.get("portability") or {}).get("classes") or {}
     if port:
         lines += ["| CPU class | exact for every input | why |", "|---|---|---|"]
-        lines += [f"| {c} | {'yes' if v['exact'] else '**no**'} | {v['why']} |" for c, v in port.items()]
+        lines += [f"| {c} | {'yes' if v['exact'] else '**no**'} | {v['why'].replace('|', chr(92) + '|')} |"
+                  for c, v in port.items()]
         lines.append("")
     return lines
 
@@ -322,6 +356,7 @@ def render_markdown(rep: dict[str, Any]) -> str:
 
         return render_mixed_markdown(rep)
     lines = [f"# quantkit report: {rep['recipe']}", "", f"Model: `{rep['model']}`", ""]
+    lines += summary_lines(rep)
     env = rep["environment"]
     lines.append(
         f"Environment: quantkit {env['quantkit']}, onnxruntime {env['onnxruntime']}, onnx {env['onnx']}, "
@@ -438,13 +473,24 @@ def render_markdown(rep: dict[str, Any]) -> str:
 def render_html(rep: dict[str, Any]) -> str:
     """A minimal standalone HTML page wrapping the Markdown tables (no external assets)."""
     import html
+    import re
+
+    def inline(text: str) -> str:
+        """Markdown inline marks -> HTML (escaped first, so report text can never inject markup)."""
+        t = html.escape(text)
+        t = re.sub(r"`([^`]+)`", r"<code>\1</code>", t)
+        return re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", t)
 
     md = render_markdown(rep)
     body = []
     in_table = False
+    in_list = False
     for line in md.splitlines():
+        if in_list and not line.startswith("- "):
+            body.append("</ul>")
+            in_list = False
         if line.startswith("|"):
-            cells = [html.escape(c.strip()) for c in line.strip("|").split("|")]
+            cells = [inline(c.strip().replace("\\|", "|")) for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
             if set("".join(cells)) <= set("-"):
                 continue
             if not in_table:
@@ -459,11 +505,18 @@ def render_html(rep: dict[str, Any]) -> str:
             in_table = False
         if line.startswith("#"):
             level = len(line) - len(line.lstrip("#"))
-            body.append(f"<h{level}>{html.escape(line.lstrip('#').strip())}</h{level}>")
+            body.append(f"<h{level}>{inline(line.lstrip('#').strip())}</h{level}>")
+        elif line.startswith("- "):
+            if not in_list:
+                body.append("<ul>")
+                in_list = True
+            body.append(f"<li>{inline(line[2:])}</li>")
         elif line.strip():
-            body.append(f"<p>{html.escape(line)}</p>")
+            body.append(f"<p>{inline(line)}</p>")
     if in_table:
         body.append("</table>")
+    if in_list:
+        body.append("</ul>")
     style = "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}"
     return f"<!doctype html><html><head><meta charset='utf-8'><title>quantkit report</title><style>{style}</style></head><body>{''.join(body)}</body></html>"
 
