@@ -52,10 +52,10 @@ def worker(method: str, out: Path, block: int) -> None:
         ir.save(loaded.model, target, external_data=target.name + ".data")
         info: dict[str, Any] = {}
     elif kind == "quantkit":
+        import yaml
+
         from quantkit.api import quantize
         from quantkit.recipe import load_recipe
-
-        import yaml
 
         d = yaml.safe_load(RECIPE.read_text())
         d["quantization"]["default"]["algorithm"] = algo
@@ -111,6 +111,12 @@ def main() -> None:
     from quantkit.report.build import environment
 
     methods = ["fp32", *args.methods.split(",")]
+    allowed = {"quantkit": ("rtn", "gptq", "awq"), "ort": ("rtn_sym", "rtn_asym", "hqq")}
+    for m in methods[1:]:
+        kind, _, algo = m.partition(":")
+        if algo not in allowed.get(kind, ()):
+            raise SystemExit(f"unknown method {m!r}; allowed: " + ", ".join(
+                f"{k}:{a}" for k, algos in allowed.items() for a in algos))
     loaded = load_model("smollm2-135m")
     from quantkit.data import model_inputs
 

@@ -116,6 +116,17 @@ def main() -> None:
     from quantkit.report.build import environment
 
     methods = ["fp32", *args.methods.split(",")]
+    isas = ("auto", "portable", "x86-vnni", "x86-avx2", "arm64")
+    for m in methods[1:]:
+        kind, _, rest = m.partition(":")
+        rest, _, isa = rest.partition("@")
+        gran, _, sq = rest.partition(":")
+        ok = (kind == "ort" and rest == "dynamic" and not isa) or (
+            kind == "quantkit" and gran in ("per_token", "per_tensor") and (not isa or isa in isas)
+            and (sq in ("", "auto", "none") or sq.replace(".", "", 1).isdigit()))
+        if not ok:
+            raise SystemExit(f"unknown method {m!r}; allowed: ort:dynamic, quantkit:<per_token|per_tensor>"
+                             f"[:<auto|none|alpha>][@<{'|'.join(isas)}>]")
     loaded = load_model("smollm2-135m")
     ev = make_dataset({"kind": "text", "source": "austen:emma", "mode": "windows", "seq_len": 512, "count": args.eval},
                       inputs=model_inputs(loaded.model), tokenizer=loaded.tokenizer, split="evaluation")
