@@ -270,19 +270,22 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     from quantkit.recipe import load_recipe
-    from quantkit.report.output import check_output_dir
+    from quantkit.report.output import check_output_dir, write_outputs
     from quantkit.search.sweep import sweep
 
     rec = load_recipe(_override(args.recipe, args))
     out = Path(args.output) if args.output else Path("out") / f"{rec.name}-sweep"
     check_output_dir(out, overwrite=args.overwrite)
-    res = sweep(
-        recipe=rec,
-        output=out,
-        progress=not args.quiet,
-        use_cache=not args.no_cache,
-        save_models=not args.no_models,
-    )
+    holder: dict[str, Any] = {}
+
+    def fill(stage: Path) -> None:  # everything is written into a staging folder, then moved as one set
+        holder["stage"] = stage
+        holder["res"] = sweep(recipe=rec, output=stage, progress=not args.quiet, use_cache=not args.no_cache,
+                              save_models=not args.no_models)
+
+    write_outputs(out, fill, overwrite=args.overwrite)
+    res = holder["res"]
+    res.paths = {k: out / Path(p).relative_to(holder["stage"]) for k, p in res.paths.items()}
     r = res.report
     key, label = r["quality_key"], r["quality_label"]
     fp = r["fp32"]

@@ -577,7 +577,9 @@ def sweep(
         "candidates": cand_spec,
         "spearman_predicted_damage_vs_measured": rho,
         "spearman_predicted_vs_measured_latency": rho_lat,
-        "points": [asdict(p) for p in points],
+        # model paths relative to the output folder: the folder may be staged and moved (CLI), or copied
+        "points": [{**asdict(p), "model_path": str(Path(p.model_path).relative_to(out_dir)) if p.model_path else None}
+                   for p in points],
         "predicted_front": [{"damage": s.damage, **s.costs, "status": s.status} for s in front],
         "uniform_predicted": uniform_all,
         "costs": {"base": costs.base, "notes": costs.notes},
