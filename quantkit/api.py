@@ -187,7 +187,8 @@ def quantize(
     timings["load_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    prep = prepare(loaded.model)
+    with stage("prepare the graph (shape inference, constant folding, BatchNorm folding)", enabled=progress):
+        prep = prepare(loaded.model)
     float_model = prep.model
     timings["prepare_s"] = time.perf_counter() - t
     inputs = model_inputs(float_model)

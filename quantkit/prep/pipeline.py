@@ -14,7 +14,9 @@ Rule
 4. ``fold_batchnorm`` — ``BatchNormalization`` folded into the preceding
    Conv / Gemm / MatMul(+Add) (see :mod:`quantkit.prep.fold_batchnorm` for the math),
    then ``fold_pad`` — a zero ``Pad`` folded into the ``Conv`` it feeds
-   (:mod:`quantkit.prep.fold_pad`), so no Pad sits between a DQ and its Conv.
+   (:mod:`quantkit.prep.fold_pad`), so no Pad sits between a DQ and its Conv; then ``global_pool`` — a
+   spatial ``ReduceMean`` becomes ``GlobalAveragePool`` (:mod:`quantkit.prep.global_pool`), which
+   ONNX Runtime fuses in int8 (it leaves a QDQ ReduceMean in float).
 5. ``identity_elimination``, ``unused_removal`` (dead nodes and initializers).
 6. ``topological_sort``, ``name_nodes`` again (for nodes created above), value
    names made unique, and a last shape inference so every value a calibrator
@@ -43,6 +45,7 @@ from onnxscript.optimizer import _constant_folding
 from quantkit.errors import ModelError
 from quantkit.prep.fold_batchnorm import fold_batchnorm_rules
 from quantkit.prep.fold_pad import fold_pad_rules
+from quantkit.prep.global_pool import global_pool_rules
 from quantkit.prep.name_nodes import NameNodesPass
 
 __all__ = ["PrepResult", "prepare"]
@@ -162,6 +165,10 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
         applied["fold_pad"] = fold_pad_rules().apply_to_model(model)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ModelError(f"graph preparation step 'fold_pad' failed: {exc}") from exc
+    try:
+        applied["global_pool"] = global_pool_rules().apply_to_model(model)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ModelError(f"graph preparation step 'global_pool' failed: {exc}") from exc
 
     applied["identity_elimination"] = _run_counting_nodes(
         "identity_elimination", common_passes.IdentityEliminationPass(), model
