@@ -29,7 +29,7 @@ from quantkit.calibrate import get_calibrator
 from quantkit.calibrate.collect import collect_statistics
 from quantkit.calibrate.kernel_hessian import collect_kernel_hessians
 from quantkit.data import Dataset, as_dataset, make_dataset, model_inputs
-from quantkit.errors import DataError, LoweringError, QuantkitError, UnsupportedOpError
+from quantkit.errors import DataError, LoweringError, QuantkitError
 from quantkit.evaluate.latency import compare_latency, make_session
 from quantkit.evaluate.metrics import FidelityAccumulator, sqnr_db
 from quantkit.frontends import LoadedModel, load_model
@@ -203,17 +203,10 @@ def quantize(
     if len(cal) == 0:
         raise DataError("the calibration dataset is empty")
 
-    from quantkit.weight_only import select_weight_only
 
-    woq_layers = select_weight_only(float_model, rec)
+    woq_layers = _weight_only_layers(float_model, rec)
     plan = select(float_model, rec)
-    if woq_layers:
-        if plan.layers:
-            raise UnsupportedOpError(
-                f"the recipe mixes static int8 layers ({len(plan.layers)}, e.g. {next(iter(plan.layers))!r}) with "
-                f"weight-only layers ({len(woq_layers)}); allowed: one family per model in this version - set "
-                "quantization.default.format to int4/int8_weight and keep other layers fp32"
-            )
+    if woq_layers and not plan.layers:
         return _quantize_weight_only(loaded, float_model, woq_layers, cal, rec, evaluation_data, evaluate,
                                      measure_latency, progress, timings, t_start)
     log.info("quantizing %d layers, %d activation tensors", len(plan.layers), len(plan.tensors))
@@ -249,6 +242,14 @@ def quantize(
         lowering = lower_int8(qmodel, plan, ranges, activation_storage=rec.export.activation_storage,
                               matmul_form=rec.export.matmul_form, input_means=input_means, target=target,
                               hessians=hessians)
+    woq_outcome = None
+    if woq_layers:  # a mixed model: these layers are weight-only (MatMulNBits), the rest static int8
+        from quantkit.weight_only import lower_weight_only, quantize_weights
+
+        with stage(f"weight-only layers ({len(woq_layers)}): {rec.quantization.default.algorithm} and lowering",
+                   enabled=progress):
+            woq_outcome = quantize_weights(float_model, rec, woq_layers, cal, progress=progress)
+            lower_weight_only(qmodel, rec, woq_outcome)
     qmodel.metadata_props["quantkit.target"] = json.dumps(target.as_dict())
     qproto = _checked_proto(qmodel)
     timings["lower_s"] = time.perf_counter() - t
@@ -258,7 +259,8 @@ def quantize(
 
     # passthrough ops (Reshape, Transpose, ...) have no quantized kernel: ORT drops their DQ/Q
     # pair; stray Q/DQ around them would show up in the census' leftovers instead.
-    cen = census(qproto, quantizable=[k for k, lp in plan.layers.items() if lp.op_type not in PASSTHROUGH])
+    cen = census(qproto, quantizable=[k for k, lp in plan.layers.items() if lp.op_type not in PASSTHROUGH]
+                 + list(woq_layers))
     timings["verify_s"] = time.perf_counter() - t
 
     ev = _eval_dataset(rec, loaded, evaluation_data, inputs) if evaluate else None
@@ -289,6 +291,18 @@ def quantize(
         timings=timings, calibration=cal_info, calibration_samples=len(cal), evaluation_samples=len(ev) if ev is not None else 0,
         kernels=kernels,
     )
+    if woq_outcome is not None:
+        report["weight_only"] = [
+            {**{k: (v if not isinstance(v, float) or np.isfinite(v) else str(v)) for k, v in r.items()},
+             "kernel": getattr(cen.per_layer.get(r["layer"]), "kernel", None),
+             "fused": getattr(cen.per_layer.get(r["layer"]), "fused", None)}
+            for r in woq_outcome.rows
+        ]
+        report["float_layers"] = [f for f in report["float_layers"] if f["layer"] not in woq_layers]
+        unfused = [r["layer"] for r in report["weight_only"] if r["fused"] is False]
+        if unfused:
+            report["warnings"].append(f"{len(unfused)} weight-only layers do not run as MatMulNBits: "
+                                      + ", ".join(unfused[:5]))
     if zero_range:
         report["warnings"].append(
             f"{len(zero_range)} activation tensor(s) had zero range over the calibration data (constant or all "
@@ -296,6 +310,21 @@ def quantize(
             + (" ..." if len(zero_range) > 8 else "") + ". Calibrate on representative data"
         )
     return QuantizeResult(qmodel, float_model, plan, lowering, cen, report, rec, timings)
+
+
+def _weight_only_layers(float_model: ir.Model, rec: RecipeModel) -> dict[str, Any]:
+    """Layers the recipe puts in a weight-only format (int4 / int8_weight).  A Gemm among them (a
+    classifier exported from ``nn.Linear``) is first rewritten as MatMul + Add (exact, same name), the
+    form MatMulNBits replaces."""
+    from quantkit.prep.gemm_to_matmul import gemm_to_matmul
+    from quantkit.recipe.plan import resolve_layer
+    from quantkit.weight_only import WEIGHT_ONLY_FORMATS, select_weight_only
+
+    gemms = {n.name or "" for n in float_model.graph
+             if n.op_type == "Gemm" and resolve_layer(rec, n.name or "", "Gemm").format in WEIGHT_ONLY_FORMATS}
+    if gemms:
+        gemm_to_matmul(float_model, only=gemms)
+    return select_weight_only(float_model, rec)
 
 
 def _quantize_weight_only(

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from quantkit.algorithms.woq import WOQResult, get_weight_algorithm
 from quantkit.calibrate.layer_stats import LayerStats
 from quantkit.errors import DataError, UnsupportedOpError
-from quantkit.lowering.select import _weighted_ok, constant_array
+from quantkit.lowering.select import _weighted_ok, constant_array, recipe_op_type
 from quantkit.recipe.plan import LayerPlan, resolve_layer
 from quantkit.recipe.schema import RecipeModel
 
@@ -93,7 +93,7 @@ def select_weight_only(model: ir.Model, rec: RecipeModel) -> dict[str, WOQLayer]
     for node in model.graph:
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
             continue
-        lp = resolve_layer(rec, node.name or "", node.op_type)
+        lp = resolve_layer(rec, node.name or "", recipe_op_type(node))
         if lp.format not in WEIGHT_ONLY_FORMATS:
             continue
         w_val = node.inputs[1]

@@ -559,7 +559,7 @@ def fuse_float_output_linears(model: ir.Model, plan: QuantPlan, result: Lowering
         )
         graph.insert_before(node, new)
         was_output = final.is_graph_output()
-        final.replace_all_uses_with(new.outputs[0])
+        final.replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
         if was_output:
             for i, o in enumerate(graph.outputs):
                 if o is final:

@@ -67,6 +67,16 @@ class QuantPlan:
         return {k: v for k, v in self.tensors.items() if v.inherit_from is None}
 
 
+ORIGINAL_OP_TYPE = "quantkit.original_op_type"
+"""Node metadata set by graph rewrites that change a layer's op type (Gemm -> MatMul): recipe overrides
+by ``op_type`` keep matching the op the user saw in the exported model."""
+
+
+def recipe_op_type(node: ir.Node) -> str:
+    """The op type recipe overrides match: the original one when a rewrite changed it."""
+    return node.metadata_props.get(ORIGINAL_OP_TYPE, node.op_type)
+
+
 def constant_array(value: ir.Value | None) -> np.ndarray | None:
     """The numpy value of a constant (initializer or ``Constant`` node output), else None."""
     if value is None:
@@ -154,7 +164,9 @@ def select(model: ir.Model, recipe: RecipeModel) -> QuantPlan:
             continue
         name = node.name or ""
         nodes[name] = node
-        lp = resolve_layer(recipe, name, node.op_type)
+        lp = resolve_layer(recipe, name, recipe_op_type(node))
+        if lp.op_type != node.op_type:  # matched as the original op; lowered as the node it is now
+            lp = dataclasses.replace(lp, op_type=node.op_type)
         if node.op_type not in allowed_ops:
             plan.skipped[name] = f"op type {node.op_type} not in quantization.op_types"
             continue

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from quantkit.lowering.select import constant_array
+from quantkit.lowering.select import ORIGINAL_OP_TYPE, constant_array, recipe_op_type
 
 __all__ = ["gemm_to_matmul"]
 
@@ -29,8 +29,9 @@ def _attr(node: ir.Node, name: str, default: float) -> float:
     return default if a is None else float(a.value)
 
 
-def gemm_to_matmul(model: ir.Model) -> int:
-    """Rewrite every eligible Gemm in ``model`` (in place); return how many."""
+def gemm_to_matmul(model: ir.Model, only: set[str] | None = None) -> int:
+    """Rewrite every eligible Gemm in ``model`` (in place; only those named in ``only`` when given);
+    return how many."""
     from quantkit.lowering.nbits import _const, _drop_if_unused, _replace_node
     from quantkit.lowering.qdq import _Namer
 
@@ -39,6 +40,8 @@ def gemm_to_matmul(model: ir.Model) -> int:
     done = 0
     for node in list(graph):
         if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or _attr(node, "transA", 0) != 0:
+            continue
+        if only is not None and node.name not in only:
             continue
         a, b = node.inputs[0], node.inputs[1]
         c = node.inputs[2] if len(node.inputs) > 2 else None
@@ -58,6 +61,7 @@ def gemm_to_matmul(model: ir.Model) -> int:
             np.ascontiguousarray(w2),
         )
         mm = ir.node("MatMul", [a, wv], name=name, outputs=[ir.Value(name=namer(f"{name}/matmul_out"))])
+        mm.metadata_props[ORIGINAL_OP_TYPE] = recipe_op_type(node)  # overrides by op_type still match
         last = mm
         if c is not None:
             cv = (

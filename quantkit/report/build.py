@@ -374,6 +374,15 @@ def render_markdown(rep: dict[str, Any]) -> str:
     lines.append("")
     lines += warnings_lines(rep)
     lines += kernel_lines(rep)
+    woq = rep.get("weight_only") or []
+    if woq:
+        lines += ["## Weight-only layers (MatMulNBits) in this mixed model", "",
+                  "| layer | format | algorithm | bits | group | K x N | weight rel. error | output SQNR dB | kernel |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['layer']} | {r['format']} | {r['algorithm']} | {r['bits']} | {r['group_size']} | "
+                  f"{r['K']} x {r['N']} | {_fmt(r['weight_rel_error'], 4)} | {_fmt(r.get('output_sqnr_db'), 1)} | "
+                  f"{r.get('kernel') or '-'} |" for r in woq]
+        lines.append("")
     s = rep["size"]
     lines += [
         "## Size",

@@ -36,7 +36,7 @@ import numpy as np
 import onnx_ir as ir
 
 from quantkit.errors import RecipeError, UnsupportedOpError
-from quantkit.lowering.select import constant_array
+from quantkit.lowering.select import constant_array, recipe_op_type
 from quantkit.recipe.schema import Candidate, RecipeModel
 
 log = logging.getLogger("quantkit")
@@ -89,7 +89,7 @@ def find_linear_layers(model: ir.Model, rec: RecipeModel) -> tuple[dict[str, Lin
     for node in model.graph:
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or not node.name:
             continue
-        lp = resolve_layer(rec, node.name, node.op_type)
+        lp = resolve_layer(rec, node.name, recipe_op_type(node))
         if lp.rule != "default":
             pinned.append(node.name)
             continue
