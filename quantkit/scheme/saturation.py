@@ -176,16 +176,20 @@ def pair_safe_codes(
     bad = np.asarray(pair_violations(q_plain).any(axis=-2))  # [G, N]
     best_q = q_plain.copy()
     best_s = s0.copy()
-    if bad.any():
-        best_err = np.full((g, n), np.inf)
+    for gi in range(g):  # only the offending columns are searched
+        cols = np.flatnonzero(bad[gi])
+        if cols.size == 0:
+            continue
+        wc, sc, ic = w[gi][:, cols], s0[gi, cols], imp[gi]
+        best_err = np.full(cols.size, np.inf)
         for alpha in np.geomspace(1.0, qmax / 64.0, steps):
-            s = (s0 * alpha).astype(np.float32).astype(np.float64)
-            q = constrained_round(w / s[:, None, :], qmin, qmax)
-            err = (imp * (q * s[:, None, :] - w) ** 2).sum(axis=1)
-            take = bad & (err < best_err)
+            s = (sc * alpha).astype(np.float32).astype(np.float64)
+            q = constrained_round(wc / s, qmin, qmax)
+            err = (ic * (q * s - wc) ** 2).sum(axis=0)
+            take = err < best_err
             best_err = np.where(take, err, best_err)
-            best_s = np.where(take, s, best_s)
-            best_q = np.where(take[:, None, :], q, best_q)
+            best_s[gi, cols[take]] = s[take]
+            best_q[gi][:, cols[take]] = q[:, take]
     return best_q.astype(np.int8), best_s.astype(np.float32), bad
 
 

@@ -267,8 +267,9 @@ class LinearSpace:
             s, alpha = None, None
             if c.smoothquant is not None:
                 st = self._absmax_stats()[unit.input]
-                s, alpha, _ = choose_alpha(st, ws, c.smoothquant, per_token=c.granularity == "per_token",
-                                           pair_safe=safe)
+                # alpha is chosen on plain codes (pair-safe rounding moves the error by far less than alpha
+                # does, and costs a scale search per try); the final codes below are pair-safe
+                s, alpha, _ = choose_alpha(st, ws, c.smoothquant, per_token=c.granularity == "per_token")
             codes = {}
             for n, w in zip(unit.layers, ws, strict=True):
                 codes[n] = int8_weight_per_column(w if s is None else w * s[:, None], pair_safe=safe)
