@@ -192,6 +192,26 @@ def _json_safe(x: Any) -> Any:
     return x
 
 
+def data_lines(rep: Mapping[str, Any]) -> list[str]:
+    """The calibration / evaluation data and the scheme, as the recipe set them (from the settings)."""
+    st = rep.get("settings") or {}
+
+    def spec(d: Any) -> str:
+        return ", ".join(f"{k}={v}" for k, v in d.items()) if isinstance(d, dict) else "given through the API"
+
+    cal, ev = st.get("calibration") or {}, st.get("evaluation") or {}
+    q = (st.get("quantization") or {}).get("default") or {}
+    out = [f"Calibration data: {spec(cal.get('data'))}; calibrator {cal.get('calibrator')}. "
+           f"Evaluation data: {spec(ev.get('data'))}."]
+    if q:
+        fmt = q.get("format")
+        detail = (f"algorithm {q.get('algorithm')}, group size {q.get('group_size')}" if fmt in ("int4", "int8_weight")
+                  else f"weights {spec(q.get('weights'))}; activations {spec(q.get('activations'))}")
+        out.append(f"Default scheme: {fmt}, {detail}; {len((st.get('quantization') or {}).get('overrides') or [])} "
+                   "override(s).")
+    return out
+
+
 def summary_lines(rep: Mapping[str, Any]) -> list[str]:
     """A one-screen summary: what was quantized, fidelity, size, speed, kernel exactness, warnings."""
     out = ["## Summary", ""]
@@ -365,6 +385,7 @@ def render_markdown(rep: dict[str, Any]) -> str:
     lines.append(
         f"Samples: {rep['samples']['calibration']} calibration, {rep['samples']['evaluation']} evaluation"
     )
+    lines += data_lines(rep)
     cal = rep.get("calibration") or {}
     if cal:
         lines.append(
@@ -471,8 +492,16 @@ def render_markdown(rep: dict[str, Any]) -> str:
         )
     lines.append("")
     if rep["float_layers"]:
-        lines += ["## Layers kept in float", "", "| layer | reason |", "|---|---|"]
-        lines += [f"| `{f['layer']}` | {f['reason']} |" for f in rep["float_layers"]]
+        groups: dict[str, list[str]] = {}
+        for f in rep["float_layers"]:
+            groups.setdefault(f["reason"], []).append(f["layer"])
+        lines += ["## Layers kept in float, by reason", "",
+                  "Most are by design: activation x activation products (attention) have no constant weight to "
+                  "quantize, and ops outside an int8 chain would only add conversions.", "",
+                  "| reason | layers | examples |", "|---|---|---|"]
+        lines += [f"| {reason} | {len(names)} | " + ", ".join(f"`{n}`" for n in names[:4])
+                  + (" ..." if len(names) > 4 else "") + " |"
+                  for reason, names in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
         lines.append("")
     t = rep["timings"]
     lines += ["## Timings", "", " | ".join(f"{k}: {v:.2f}" for k, v in t.items()), ""]

@@ -10,7 +10,15 @@ import onnx
 
 from quantkit.lowering.verify import Census
 from quantkit.recipe import RecipeModel
-from quantkit.report.build import _finite, _fmt, classify_leftovers, environment, warnings_lines
+from quantkit.report.build import (
+    _finite,
+    _fmt,
+    classify_leftovers,
+    data_lines,
+    environment,
+    summary_lines,
+    warnings_lines,
+)
 
 
 def _model_bytes(proto: onnx.ModelProto) -> int:
@@ -94,9 +102,11 @@ def render_woq_markdown(rep: dict[str, Any]) -> str:
         "",
         f"Model: `{rep['model']}`",
         "",
+        *summary_lines(rep),
         f"Environment: quantkit {env['quantkit']}, onnxruntime {env['onnxruntime']}, {env['cpu']} "
         f"({env['cores']} cores), {env['date']}",
         f"Samples: {rep['samples']['calibration']} calibration windows, {rep['samples']['evaluation']} evaluation windows",
+        *data_lines(rep),
         "",
     ]
     lines += warnings_lines(rep)
@@ -142,12 +152,18 @@ def render_woq_markdown(rep: dict[str, Any]) -> str:
         "## ONNX Runtime census (optimized graph)",
         "",
         "Quantized kernels: "
-        + (", ".join(f"{k} x{v}" for k, v in sorted(c["quantized_kernels"].items())) or "none"),
-        f"; float MatMul left: {c['float_matmul_left']}",
+        + (", ".join(f"{k} x{v}" for k, v in sorted(c["quantized_kernels"].items())) or "none")
+        + f". MatMuls left in float: {c['float_matmul_left']} (attention products, activation x activation: "
+        "no constant weight, kept float by design).",
         "",
     ]
     lines += [
         "## Layers",
+        "",
+        "Columns: `weight rel. error` = ||W - W_q|| / ||W||; `output SQNR dB` = the layer's output error on "
+        "calibration inputs, 10 log10(E||xW||^2 / E||x(W - W_q)||^2) (no calibration statistics: -); `stage` = "
+        "the sequential calibration pass the layer was quantized in (later stages see earlier layers already "
+        "quantized).",
         "",
         "| layer | format | algorithm | bits | group | sym | weight rel. error | output SQNR dB "
         "| kernel | stage |",

@@ -131,8 +131,11 @@ def test_dq_form_and_tied_table_error() -> None:
         assert ok or any(layer in w for w in res.report["warnings"])
 
 
-def test_mixing_static_int8_and_weight_only_is_a_clear_error() -> None:
+def test_static_int8_and_weight_only_layers_mix_in_one_model() -> None:
     rec = _recipe("rtn")
     rec["quantization"]["overrides"] = [{"layer": "up", "format": "int8"}]
-    with pytest.raises(UnsupportedOpError, match="mixes static int8"):
-        quantize(tiny_lm(), windows(2, 1), rec, evaluate=False, progress=False)
+    res = quantize(tiny_lm(), windows(2, 1), rec, evaluate=False, progress=False)
+    assert list(res.plan.layers) == ["up"]  # static int8
+    assert {r["layer"] for r in res.report["weight_only"]} and "up" not in {r["layer"] for r in res.report["weight_only"]}
+    k = res.census.quantized_kernels
+    assert k.get("MatMulNBits", 0) >= 1 and k.get("MatMulIntegerToFloat", 0) + k.get("QLinearMatMul", 0) >= 1, k
