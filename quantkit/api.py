@@ -34,7 +34,7 @@ from quantkit.evaluate.latency import compare_latency, make_session
 from quantkit.evaluate.metrics import FidelityAccumulator, sqnr_db
 from quantkit.frontends import LoadedModel, load_model
 from quantkit.lowering.qdq import LoweringResult, hessian_requests, lower_int8
-from quantkit.lowering.select import QuantPlan, select
+from quantkit.lowering.select import QuantPlan, constant_array, select
 from quantkit.lowering.verify import Census, census
 from quantkit.prep.pipeline import prepare
 from quantkit.progress import stage
@@ -205,8 +205,9 @@ def quantize(
 
 
     woq_layers = _weight_only_layers(float_model, rec)
+    linear_layers = _linear_format_layers(float_model, rec)
     plan = select(float_model, rec)
-    if woq_layers and not plan.layers:
+    if woq_layers and not plan.layers and not linear_layers:
         return _quantize_weight_only(loaded, float_model, woq_layers, cal, rec, evaluation_data, evaluate,
                                      measure_latency, progress, timings, t_start)
     log.info("quantizing %d layers, %d activation tensors", len(plan.layers), len(plan.tensors))
@@ -250,6 +251,9 @@ def quantize(
                    enabled=progress):
             woq_outcome = quantize_weights(float_model, rec, woq_layers, cal, progress=progress)
             lower_weight_only(qmodel, rec, woq_outcome)
+    if linear_layers:
+        with stage(f"int8_dynamic / fp16 / bf16 layers ({len(linear_layers)})", enabled=progress):
+            _lower_linear_formats(qmodel, linear_layers, target.pair_safe)
     qmodel.metadata_props["quantkit.target"] = json.dumps(target.as_dict())
     qproto = _checked_proto(qmodel)
     timings["lower_s"] = time.perf_counter() - t
@@ -260,7 +264,7 @@ def quantize(
     # passthrough ops (Reshape, Transpose, ...) have no quantized kernel: ORT drops their DQ/Q
     # pair; stray Q/DQ around them would show up in the census' leftovers instead.
     cen = census(qproto, quantizable=[k for k, lp in plan.layers.items() if lp.op_type not in PASSTHROUGH]
-                 + list(woq_layers))
+                 + list(woq_layers) + [k for k, f in linear_layers.items() if f == "int8_dynamic"])
     timings["verify_s"] = time.perf_counter() - t
 
     ev = _eval_dataset(rec, loaded, evaluation_data, inputs) if evaluate else None
@@ -291,6 +295,12 @@ def quantize(
         timings=timings, calibration=cal_info, calibration_samples=len(cal), evaluation_samples=len(ev) if ev is not None else 0,
         kernels=kernels,
     )
+    if linear_layers:
+        report["linear_formats"] = [
+            {"layer": k, "format": f, "kernel": getattr(cen.per_layer.get(k), "kernel", None)}
+            for k, f in linear_layers.items()
+        ]
+        report["float_layers"] = [f for f in report["float_layers"] if f["layer"] not in linear_layers]
     if woq_outcome is not None:
         report["weight_only"] = [
             {**{k: (v if not isinstance(v, float) or np.isfinite(v) else str(v)) for k, v in r.items()},
@@ -312,16 +322,53 @@ def quantize(
     return QuantizeResult(qmodel, float_model, plan, lowering, cen, report, rec, timings)
 
 
+LINEAR_ONLY_FORMATS = ("int4", "int8_weight", "int8_dynamic", "fp16", "bf16")
+"""Formats lowered on ``MatMul(x, W)``: a Gemm given one of them is rewritten to MatMul + Add first."""
+
+
+def _linear_format_layers(float_model: ir.Model, rec: RecipeModel) -> dict[str, str]:
+    """MatMul layers with a constant weight that the recipe puts in int8_dynamic / fp16 / bf16."""
+    from quantkit.lowering.select import recipe_op_type
+    from quantkit.recipe.plan import resolve_layer
+
+    out = {}
+    for n in float_model.graph:
+        if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx") or len(n.inputs) < 2:
+            continue
+        fmt = resolve_layer(rec, n.name or "", recipe_op_type(n)).format
+        if fmt in ("int8_dynamic", "fp16", "bf16") and constant_array(n.inputs[1]) is not None:
+            out[n.name or ""] = fmt
+    return out
+
+
+def _lower_linear_formats(qmodel: ir.Model, layers: Mapping[str, str], pair_safe: bool) -> None:
+    """fp16 / bf16 (16-bit weight storage, :mod:`quantkit.lowering.cast`) and int8_dynamic (per-token
+    W8A8, :mod:`quantkit.lowering.dynamic`; int8 codes pair-safe when the target needs it)."""
+    from quantkit.algorithms.smoothquant import int8_weight_per_column
+    from quantkit.lowering.cast import lower_cast
+    from quantkit.lowering.dynamic import lower_int8_dynamic
+
+    for name, fmt in layers.items():
+        if fmt == "int8_dynamic":
+            node = next(n for n in qmodel.graph if n.name == name)
+            w = constant_array(node.inputs[1])
+            assert w is not None  # checked by _linear_format_layers
+            q, sc = int8_weight_per_column(np.asarray(w, np.float32), pair_safe=pair_safe)
+            lower_int8_dynamic(qmodel, name, q, sc, granularity="per_token")
+        else:
+            lower_cast(qmodel, name, fmt)
+
+
 def _weight_only_layers(float_model: ir.Model, rec: RecipeModel) -> dict[str, Any]:
     """Layers the recipe puts in a weight-only format (int4 / int8_weight).  A Gemm among them (a
     classifier exported from ``nn.Linear``) is first rewritten as MatMul + Add (exact, same name), the
     form MatMulNBits replaces."""
     from quantkit.prep.gemm_to_matmul import gemm_to_matmul
     from quantkit.recipe.plan import resolve_layer
-    from quantkit.weight_only import WEIGHT_ONLY_FORMATS, select_weight_only
+    from quantkit.weight_only import select_weight_only
 
     gemms = {n.name or "" for n in float_model.graph
-             if n.op_type == "Gemm" and resolve_layer(rec, n.name or "", "Gemm").format in WEIGHT_ONLY_FORMATS}
+             if n.op_type == "Gemm" and resolve_layer(rec, n.name or "", "Gemm").format in LINEAR_ONLY_FORMATS}
     if gemms:
         gemm_to_matmul(float_model, only=gemms)
     return select_weight_only(float_model, rec)

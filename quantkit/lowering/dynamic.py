@@ -93,7 +93,10 @@ def lower_int8_dynamic(
 
     x2 = add("Reshape", [x, c("rows_shape", np.array([-1, K], np.int64))], "rows")
     ab = add("Abs", [x2], "abs")
-    mx = add("ReduceMax", [ab, c("axis1", np.array([1], np.int64))], "absmax", keepdims=1)
+    if model.opset_imports.get("", 0) >= 18:  # axes became an input in opset 18
+        mx = add("ReduceMax", [ab, c("axis1", np.array([1], np.int64))], "absmax", keepdims=1)
+    else:
+        mx = add("ReduceMax", [ab], "absmax", keepdims=1, axes=[1])
     sc0 = add("Div", [mx, c("qmax", np.array([127.0], np.float32))], "scale_raw")
     sc = add("Max", [sc0, c("tiny", np.array([1e-12], np.float32))], "scale")  # all-zero rows
     sc1 = add("Reshape", [sc, c("flat", np.array([-1], np.int64))], "scale_1d")

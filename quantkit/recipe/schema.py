@@ -16,8 +16,10 @@ SCHEMA_VERSION = 1
 
 ActDType = Literal["uint8", "int8"]
 WeightDType = Literal["int8", "uint8"]
-Format = Literal["int8", "int4", "int8_weight", "fp32"]
-"""int8: static W8A8 QDQ; int4 / int8_weight: weight-only (MatMulNBits); fp32: keep."""
+Format = Literal["int8", "int4", "int8_weight", "int8_dynamic", "fp16", "bf16", "fp32"]
+"""int8: static W8A8 QDQ; int4 / int8_weight: weight-only (MatMulNBits); int8_dynamic: W8A8 with per-token
+activation scales computed at run time (MatMulIntegerToFloat); fp16 / bf16: 16-bit weight storage; fp32:
+keep.  Any mix of them can live in one model (linear-layer formats apply to MatMul / Gemm layers)."""
 Calibrator = str  # validated against the calibrator registry when the plan is built
 Metric = Literal["auto", "classification", "embedding", "sqnr"]
 

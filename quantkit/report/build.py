@@ -395,6 +395,14 @@ def render_markdown(rep: dict[str, Any]) -> str:
     lines.append("")
     lines += warnings_lines(rep)
     lines += kernel_lines(rep)
+    lin = rep.get("linear_formats") or []
+    if lin:
+        lines += ["## int8_dynamic / fp16 / bf16 layers in this mixed model", "",
+                  "int8_dynamic: W8A8 with per-token activation scales computed at run time; fp16 / bf16: 16-bit "
+                  "weight storage (ONNX Runtime's CPU provider computes in FP32).", "",
+                  "| layer | format | kernel |", "|---|---|---|"]
+        lines += [f"| `{r['layer']}` | {r['format']} | {r.get('kernel') or '-'} |" for r in lin]
+        lines.append("")
     woq = rep.get("weight_only") or []
     if woq:
         lines += ["## Weight-only layers (MatMulNBits) in this mixed model", "",

@@ -33,3 +33,31 @@ def test_the_gemm_rewrite_keeps_op_type_overrides_matching() -> None:
     assert gemm_to_matmul(m, only={"fc"}) == 1
     fc = next(n for n in m.graph if n.name == "fc")
     assert fc.op_type == "MatMul" and recipe_op_type(fc) == "Gemm"
+
+
+def test_a_transformer_mixes_static_int8_dynamic_int8_int4_and_fp16() -> None:
+    import numpy as np
+
+    from tests.conftest import tiny_encoder
+
+    rng = np.random.default_rng(0)
+    data = [{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)} for _ in range(4)]
+    rec = {"version": 1, "report": {"latency": {"enabled": False}},
+           "quantization": {"overrides": [{"layer": "k_proj", "format": "int8_dynamic"},
+                                          {"layer": "o_proj", "format": "int4", "group_size": 16}]}}
+    res = quantize(tiny_encoder(), data, rec, evaluation_data=data[:2], progress=False)
+    assert list(res.plan.layers) == ["q_proj"]  # static int8 (the default)
+    assert res.report["linear_formats"] == [{"layer": "k_proj", "format": "int8_dynamic",
+                                             "kernel": "MatMulIntegerToFloat"}]
+    assert [r["layer"] for r in res.report["weight_only"]] == ["o_proj"]
+    k = res.census.quantized_kernels
+    assert k.get("MatMulIntegerToFloat") == 2 and k.get("MatMulNBits") == 1, k  # static q_proj + dynamic k_proj
+    ops = {n.name: n.op_type for n in res.model.graph}
+    assert ops["k_proj"] == "MatMulIntegerToFloat" and ops["o_proj"] == "MatMulNBits"
+    assert any(n.op_type == "ReduceMax" and n.name.startswith("k_proj/") for n in res.model.graph)  # per token
+    assert res.report["fidelity"]["y"]["mean_cosine"] > 0.99
+    fp16 = quantize(tiny_encoder(), data, {**rec, "quantization": {"overrides": [{"layer": "k_proj", "format": "fp16"}]}},
+                    evaluate=False, progress=False)
+    assert fp16.report["linear_formats"][0]["format"] == "fp16"
+    k_w = next(n for n in fp16.model.graph if n.name == "k_proj").inputs[1]
+    assert k_w is not None and k_w.producer() is not None and k_w.producer().op_type == "Cast"  # 16-bit storage
