@@ -94,7 +94,10 @@ def _size(p: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default=DEFAULT)
-    ap.add_argument("--eval", type=int, default=16, help="evaluation windows of 512 tokens (Emma)")
+    ap.add_argument("--eval", type=int, default=16, help="evaluation windows of 512 tokens")
+    ap.add_argument("--text", default="emma",
+                    help="held-out evaluation novel: emma | northangerabbey | sensesensibility | ... (the recipe "
+                         "calibrates on Pride and Prejudice)")
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -120,7 +123,8 @@ def main() -> None:
     loaded = load_model("smollm2-135m")
     from quantkit.data import model_inputs
 
-    ev = make_dataset({"kind": "text", "source": "austen:emma", "mode": "windows", "seq_len": 512, "count": args.eval},
+    ev = make_dataset({"kind": "text", "source": f"austen:{args.text}", "mode": "windows", "seq_len": 512,
+                       "count": args.eval},
                       inputs=model_inputs(loaded.model), tokenizer=loaded.tokenizer, split="evaluation")
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmpd:
@@ -146,7 +150,7 @@ def main() -> None:
             results[m]["decode_label"] = dec[m].label
     env = environment()
     print("\nenvironment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
-    print(f"perplexity on {args.eval} x 512-token windows of Emma (evaluation split); block {args.block}, 4-bit; "
+    print(f"perplexity on {args.eval} x 512-token windows of {args.text} (evaluation split); block {args.block}, 4-bit; "
           f"decode = {results['fp32']['decode_label']}\n")
     hdr = f"{'method':<18}{'ppl':>9}{'size MB':>9}{'x FP32':>8}{'quant s':>9}{'RSS MB':>8}{'prefill ms':>12}{'decode ms':>11}  kernels"
     print(hdr)

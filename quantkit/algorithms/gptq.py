@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import scipy.linalg
 
+from quantkit.algorithms.rtn import clip_ranges
 from quantkit.algorithms.woq import WOQResult, check_weight, register_weight_algorithm, resolve_group_size
 from quantkit.calibrate.layer_stats import LayerStats
 from quantkit.errors import CalibrationError, RecipeError
@@ -85,6 +86,7 @@ def gptq(
     block_size: int = 128,
     narrow: bool = False,
     hessian: np.ndarray | None = None,
+    clip: bool = True,
     **options: Any,
 ) -> WOQResult:
     """GPTQ-quantize ``W`` ``[K, N]`` using the input second moment from ``stats`` (or ``hessian``).
@@ -93,7 +95,7 @@ def gptq(
     """
     if options:
         raise RecipeError(
-            f"gptq: unknown options {sorted(options)}; allowed: percdamp, act_order, block_size, narrow, hessian"
+            f"gptq: unknown options {sorted(options)}; allowed: percdamp, act_order, block_size, narrow, hessian, clip"
         )
     w32 = check_weight(W, bits)
     K, N = w32.shape
@@ -114,10 +116,15 @@ def gptq(
     H[dead, dead] = 1.0
     Wm[dead, :] = 0.0
 
-    def group_qparams(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        s, _, z = group_weight_codes(
-            rows.astype(np.float32), bits, rows.shape[0], symmetric=symmetric, narrow=narrow
-        )
+    diag = np.diag(H).copy()
+
+    def group_qparams(rows: np.ndarray, imp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        r32 = rows.astype(np.float32)
+        mn = mx = None
+        if clip:  # the range of least H-diagonal-weighted rounding error (see rtn.clip_ranges)
+            mn, mx = clip_ranges(r32, bits, rows.shape[0], symmetric=symmetric, narrow=narrow, importance=imp)
+        s, _, z = group_weight_codes(r32, bits, rows.shape[0], symmetric=symmetric, narrow=narrow,
+                                     min_val=mn, max_val=mx)
         return s[0], z[0]
 
     scales = np.zeros((kb, N), np.float32)
@@ -125,7 +132,7 @@ def gptq(
     static = act_order or g == K
     if static:
         for b in range(kb):
-            scales[b], zeros[b] = group_qparams(Wm[b * g : (b + 1) * g])
+            scales[b], zeros[b] = group_qparams(Wm[b * g : (b + 1) * g], diag[b * g : (b + 1) * g])
 
     perm = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(K)
     Wm = Wm[perm]
@@ -146,7 +153,7 @@ def gptq(
             r = i1 + i
             gi = int(group_of[r])
             if not static and r % g == 0:
-                scales[gi], zeros[gi] = group_qparams(W1[i : i + g])
+                scales[gi], zeros[gi] = group_qparams(W1[i : i + g], diag[r : r + g])
             w = W1[i].astype(np.float32)
             q = quantize(w, scales[gi], zeros[gi], axis=0, dtype=dtype)
             dq = dequantize(q, scales[gi], zeros[gi], axis=0)

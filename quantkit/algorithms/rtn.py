@@ -13,6 +13,8 @@ rounds to 7.5 -> saturates at 7, half a step off; ``-absmax`` is exact at -8) ve
 uses all 16 levels; on Gaussian and on real LLM weights its output error is lower
 (``tests/unit/test_woq.py::test_rtn_full_grid_beats_narrow`` pins it), so it is the default;
 ``narrow=True`` selects the other.  All the scale math is :func:`quantkit.scheme.qparams.group_weight_codes`.
+The symmetric default is ONNX Runtime's signed-scale grid (the group's extreme exact at -8, step
+``absmax / 8``), and each group's range is clipped by a small search (:func:`clip_ranges`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,39 @@ from quantkit.scheme.qparams import group_weight_codes
 __all__ = ["rtn"]
 
 
+CLIP_GRID: tuple[float, ...] = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79, 0.76)
+"""Shrink factors of a group's range tried by :func:`clip_ranges` (1.0 = plain min-max)."""
+
+
+def clip_ranges(
+    w: np.ndarray, bits: int, g: int, *, symmetric: bool, narrow: bool = False, importance: np.ndarray | None = None,
+    grid: tuple[float, ...] = CLIP_GRID,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per group and column, the shrunk range ``(r * min, r * max)`` whose rounding error
+    ``sum_k importance_k (w_k - w_hat_k)^2`` is least over ``r`` in ``grid`` (the clipping search of
+    HQQ / AWQ: a slightly smaller range trades a few clipped outliers for a finer step everywhere).
+    ``importance`` ``[K]``: e.g. the diagonal of the layer input's second moment (default 1)."""
+    K, N = w.shape
+    kb = -(-K // g)
+    pad = kb * g - K
+    wp = np.pad(w, ((0, pad), (0, 0))).reshape(kb, g, N) if pad else w.reshape(kb, g, N)
+    mn, mx = wp.min(axis=1), wp.max(axis=1)
+    imp = np.ones(K) if importance is None else np.asarray(importance, np.float64)
+    impg = (np.pad(imp, (0, pad)) if pad else imp).reshape(kb, g, 1)
+    best = np.full((kb, N), np.inf)
+    best_r = np.ones((kb, N))
+    for r in grid:
+        s, q, z = group_weight_codes(w, bits, g, symmetric=symmetric, narrow=narrow, min_val=mn * r, max_val=mx * r)
+        deq = (q.astype(np.float64) - np.repeat(z, g, axis=0)[:K]) * np.repeat(s, g, axis=0)[:K]
+        e = (deq - w) ** 2
+        ep = np.pad(e, ((0, pad), (0, 0))).reshape(kb, g, N) if pad else e.reshape(kb, g, N)
+        err = (ep * impg).sum(axis=1)
+        take = err < best
+        best = np.where(take, err, best)
+        best_r = np.where(take, r, best_r)
+    return (mn * best_r).astype(np.float32), (mx * best_r).astype(np.float32)
+
+
 @register_weight_algorithm("rtn")
 def rtn(
     W: np.ndarray,
@@ -38,16 +73,23 @@ def rtn(
     symmetric: bool = True,
     stats: LayerStats | None = None,
     narrow: bool = False,
+    clip: bool = True,
     **options: Any,
 ) -> WOQResult:
     """Round-to-nearest quantization of ``W`` ``[K, N]`` in groups of ``group_size`` rows along K.
 
-    ``stats`` is ignored (RTN is data-free).  ``group_size`` ``None`` / ``-1`` means one
-    group of ``K`` (per output channel).
+    ``clip`` (default on): each group's range is shrunk by the :func:`clip_ranges` search, weighted by
+    the input's per-feature second moment when ``stats`` are given (else data-free).  ``clip=False`` is
+    plain min-max RTN.  ``group_size`` ``None`` / ``-1`` means one group of ``K`` (per output channel).
     """
     if options:
-        raise RecipeError(f"rtn: unknown options {sorted(options)}; allowed: narrow")
+        raise RecipeError(f"rtn: unknown options {sorted(options)}; allowed: narrow, clip")
     w = check_weight(W, bits)
     g = resolve_group_size(w.shape[0], group_size)
-    scales, codes, zps = group_weight_codes(w, bits, g, symmetric=symmetric, narrow=narrow)
+    if clip:
+        imp = np.diag(stats.hessian()) if stats is not None and stats.count else None
+        mn, mx = clip_ranges(w, bits, g, symmetric=symmetric, narrow=narrow, importance=imp)
+        scales, codes, zps = group_weight_codes(w, bits, g, symmetric=symmetric, narrow=narrow, min_val=mn, max_val=mx)
+    else:
+        scales, codes, zps = group_weight_codes(w, bits, g, symmetric=symmetric, narrow=narrow)
     return WOQResult(codes, scales, zps, bits, g, symmetric)

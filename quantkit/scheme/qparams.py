@@ -382,9 +382,12 @@ def group_weight_codes(
     ``GatherBlockQuantized`` read: ``w ~ (code - zero_point) * scale``.
 
     * asymmetric: min-max of each group (widened to contain 0), :func:`compute_qparams`.
-    * symmetric: zero point = grid middle ``2^(bits-1)`` (8 for 4 bits) and
-      ``scale = absmax / (2^(bits-1) - 0.5)`` (full grid, ``absmax / 7.5`` for 4 bits: the
-      GPTQ / llama.cpp-style choice), or ``absmax / (2^(bits-1) - 1)`` with ``narrow``.
+    * symmetric: zero point = grid middle ``2^(bits-1)`` (8 for 4 bits) and a **signed** scale
+      ``scale = e / -2^(bits-1)`` with ``e`` the group's value of largest magnitude (``e / -8`` for 4
+      bits, ONNX Runtime's RTN grid): ``e`` itself is exact at code 0 (value -8), the step is
+      ``absmax / 8`` (6 % finer than ``absmax / 7.5``) and all 16 levels are used; the scale is
+      negative when ``e > 0``, which ``MatMulNBits`` / ``DequantizeLinear`` compute like any other.
+      ``narrow``: ``absmax / (2^(bits-1) - 1)``, grid ``[-7, 7]``.
       The symmetric int4 value ``v`` in ``[-8, 7]`` is stored as ``code = v + 8``.
 
     ``min_val`` / ``max_val`` (``[ceil(K/g), N]``) override the measured group range
@@ -403,6 +406,17 @@ def group_weight_codes(
         mn, mx = _block_reduce(arr, 0, group_size)
     else:
         mn, mx = np.asarray(min_val), np.asarray(max_val)
-    scale, zp = compute_qparams(mn, mx, dtype, symmetric=symmetric, narrow=narrow and symmetric)
+    if symmetric and not narrow:
+        mn64, mx64 = np.asarray(mn, np.float64), np.asarray(mx, np.float64)
+        ext = np.where(np.abs(mn64) >= np.abs(mx64), mn64, mx64)  # signed value of largest magnitude
+        half = float(2 ** (bits - 1))
+        raw = ext / -half
+        # an all-zero group: scale 1 (every value is exact at the zero point); a scale below the smallest
+        # normal float32 keeps its sign at that magnitude (as compute_qparams does for positive scales)
+        raw = np.where(ext == 0, 1.0, np.where(np.abs(raw) < _SMALLEST_SCALE, np.sign(raw) * _SMALLEST_SCALE, raw))
+        scale: npt.NDArray[np.float32] = raw.astype(np.float32)
+        zp: npt.NDArray[np.integer] = np.full(scale.shape, int(half), np.uint8)
+    else:
+        scale, zp = compute_qparams(mn, mx, dtype, symmetric=symmetric, narrow=narrow and symmetric)
     codes = quantize(arr, scale, zp, axis=0, block_size=group_size, dtype=dtype)
-    return scale, codes.astype(np.uint8), np.asarray(zp, np.uint8)
+    return np.asarray(scale, np.float32), codes.astype(np.uint8), np.asarray(zp, np.uint8)

@@ -60,24 +60,52 @@ def test_result_dequantize_known_answer() -> None:
 @pytest.mark.parametrize("g", [32, 128, None])
 def test_rtn_error_bound(bits: int, symmetric: bool, g: int | None) -> None:
     W = _weight(200, 24) + (0.0 if symmetric else 0.03)
-    res = rtn(W, bits=bits, group_size=g, symmetric=symmetric)
+    res = rtn(W, bits=bits, group_size=g, symmetric=symmetric, clip=False)  # plain min-max grid
     gs = 200 if g is None else g
     assert res.group_size == gs and res.scales.shape == (-(-200 // gs), 24)
     assert res.codes.max() < 2**bits
     if symmetric:
         assert np.all(res.zero_points == 2 ** (bits - 1))
-    step = np.repeat(res.scales, gs, axis=0)[:200]
-    # |W - W_hat| <= s / 2 everywhere: the full symmetric grid's +absmax is s/2 off, plus the float32
-    # rounding of s amplified by the code (<= 2^(b-1) * 2^-24 relative: 1e-4 covers 8 bits)
-    assert np.all(np.abs(W - res.dequantize()) <= step * (0.5 + 1e-4))
+    step = np.abs(np.repeat(res.scales, gs, axis=0)[:200])
+    err = np.abs(W - res.dequantize())
+    # asymmetric: |W - W_hat| <= s / 2 everywhere.  Symmetric (signed scale, the group's extreme e exact at
+    # -2^(b-1)): <= s / 2 inside the grid, up to one step for values beyond +(2^(b-1) - 1) s on the other
+    # side of e; plus the float32 rounding of s amplified by the code (1e-4 covers 8 bits)
+    inside = np.abs(W) <= (2 ** (bits - 1) - 1) * step if symmetric else np.ones(W.shape, bool)
+    assert np.all(err[inside] <= step[inside] * (0.5 + 1e-4))
+    assert np.all(err <= step * (1.0 + 1e-4))
 
 
 def test_rtn_symmetric_int4_mapping() -> None:
     W = np.array([[-1.5], [-0.2], [0.0], [0.2], [1.5]], np.float32)
-    res = rtn(W, bits=4, group_size=None, symmetric=True)
-    assert res.scales[0, 0] == np.float32(1.5 / 7.5) and res.zero_points[0, 0] == 8
-    # int4 value v in [-8, 7] stored as v + 8: -1.5/0.2 = -7.5 -> -8 (half to even) -> 0; +7.5 -> 8 saturates at 7 -> 15
+    res = rtn(W, bits=4, group_size=None, symmetric=True, clip=False)
+    # signed scale e / -8 with e = -1.5 (the value of largest magnitude; a tie takes the minimum)
+    assert res.scales[0, 0] == np.float32(1.5 / 8) and res.zero_points[0, 0] == 8
+    # int4 value v in [-8, 7] stored as v + 8: -1.5 -> -8 exactly -> 0; -0.2/0.1875 -> -1 -> 7; +1.5 -> 8 saturates -> 15
     assert res.codes[:, 0].tolist() == [0, 7, 8, 9, 15]
+    pos = rtn(np.array([[1.5], [0.2], [0.0], [-0.2], [-1.4]], np.float32), bits=4, group_size=None, symmetric=True,
+              clip=False)
+    assert pos.scales[0, 0] == np.float32(-1.5 / 8) and pos.codes[0, 0] == 0  # a negative scale: 1.5 exact at -8
+
+
+def test_signed_grid_beats_the_absmax_over_7_5_grid() -> None:
+    """ONNX Runtime's signed-scale grid (extreme exact at -8, step absmax/8) against absmax/7.5."""
+    W = _weight(512, 256, seed=5)
+    X = np.random.default_rng(6).standard_normal((256, 512)).astype(np.float32)
+    signed = rtn(W, bits=4, group_size=128, symmetric=True, clip=False)
+    Wg = W.reshape(4, 128, 256)
+    s75 = np.abs(Wg).max(axis=1, keepdims=True) / 7.5
+    old = (np.clip(np.rint(Wg / s75), -8, 7) * s75).reshape(512, 256)
+    err_old = float(np.linalg.norm(X @ W - X @ old))
+    assert _out_err(X, W, signed) < 0.95 * err_old
+
+
+def test_clip_search_lowers_the_weighted_error() -> None:
+    W = _weight(512, 256, seed=7)
+    X = np.random.default_rng(8).standard_normal((256, 512)).astype(np.float32)
+    plain = rtn(W, bits=4, group_size=128, symmetric=True, clip=False)
+    clipped = rtn(W, bits=4, group_size=128, symmetric=True)
+    assert _out_err(X, W, clipped) < 0.97 * _out_err(X, W, plain)
 
 
 def test_rtn_full_grid_beats_narrow() -> None:
@@ -115,15 +143,15 @@ def test_gptq_identity_hessian_equals_rtn(act_order: bool, g: int | None) -> Non
 
 
 def test_gptq_returns_its_own_grid() -> None:
-    """act-order uses static groups: the scales are the min-max ones of the original W, and the
-    codes are what GPTQ rounded to on that grid (no re-quantization of the compensated weights)."""
+    """act-order uses static groups: the scales are those of the original W (min-max here, clip=False), and
+    the codes are what GPTQ rounded to on that grid (no re-quantization of the compensated weights)."""
     K, N = 256, 32
     W = _weight(K, N)
     stats = LayerStats(K)
     stats.update(_correlated_inputs(1024, K))
-    res = gptq(W, bits=4, group_size=64, symmetric=True, stats=stats, act_order=True)
-    np.testing.assert_array_equal(res.scales, rtn(W, bits=4, group_size=64, symmetric=True).scales)
-    assert not np.array_equal(res.codes, rtn(W, bits=4, group_size=64, symmetric=True).codes)
+    res = gptq(W, bits=4, group_size=64, symmetric=True, stats=stats, act_order=True, clip=False)
+    np.testing.assert_array_equal(res.scales, rtn(W, bits=4, group_size=64, symmetric=True, clip=False).scales)
+    assert not np.array_equal(res.codes, rtn(W, bits=4, group_size=64, symmetric=True, clip=False).codes)
 
 
 def test_gptq_dead_inputs_and_errors() -> None:
