@@ -35,6 +35,7 @@ error compensation).  With ``H = I`` there is nothing to compensate and the resu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,7 @@ from quantkit.calibrate.layer_stats import LayerStats
 from quantkit.errors import CalibrationError, RecipeError
 from quantkit.scheme.qparams import dequantize, group_weight_codes, quantize
 
-__all__ = ["gptq", "inverse_hessian_cholesky"]
+__all__ = ["gptq", "inverse_hessian_cholesky", "obs_rounding"]
 
 
 def inverse_hessian_cholesky(H: np.ndarray, percdamp: float = 0.01) -> np.ndarray:
@@ -71,6 +72,27 @@ def inverse_hessian_cholesky(H: np.ndarray, percdamp: float = 0.01) -> np.ndarra
                 return np.ascontiguousarray(Linv[::-1, ::-1])
         damp *= 10.0
     raise CalibrationError("gptq: the Hessian is not positive definite even with heavy damping")
+
+
+def obs_rounding(Wm: np.ndarray, U: np.ndarray, round_row: Callable[[int, np.ndarray, int], np.ndarray],
+                 block_size: int) -> None:
+    """GPTQ's row loop with lazy block updates (module docstring), the rounding left to ``round_row``.
+
+    ``round_row(r, W1, i)`` rounds row ``r`` (= row ``i`` of the current block ``W1``, already updated by
+    every earlier row) and returns its dequantized value; the OBS update then spreads the row's error
+    ``(w_r - dq) / U_rr`` over the rows not yet rounded.  ``Wm`` is updated in place."""
+    K = Wm.shape[0]
+    for i1 in range(0, K, block_size):
+        i2 = min(i1 + block_size, K)
+        W1 = Wm[i1:i2].copy()
+        E1 = np.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            dq = round_row(i1 + i, W1, i)
+            err = (W1[i] - dq) / U1[i, i]
+            W1[i + 1 :] -= np.outer(U1[i, i + 1 :], err)
+            E1[i] = err
+        Wm[i2:] -= U[i1:i2, i2:].T @ E1
 
 
 @register_weight_algorithm("gptq")
@@ -144,25 +166,16 @@ def gptq(
     B = block_size if static or block_size % g == 0 else g * max(1, -(-block_size // g))
     B = max(B, 1)
     Q = np.zeros((K, N), np.uint8)
-    for i1 in range(0, K, B):
-        i2 = min(i1 + B, K)
-        W1 = Wm[i1:i2].copy()
-        E1 = np.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            r = i1 + i
-            gi = int(group_of[r])
-            if not static and r % g == 0:
-                scales[gi], zeros[gi] = group_qparams(W1[i : i + g], diag[r : r + g])
-            w = W1[i].astype(np.float32)
-            q = quantize(w, scales[gi], zeros[gi], axis=0, dtype=dtype)
-            dq = dequantize(q, scales[gi], zeros[gi], axis=0)
-            Q[r] = q
-            err = (W1[i] - dq.astype(np.float64)) / U1[i, i]
-            W1[i + 1 :] -= np.outer(U1[i, i + 1 :], err)
-            E1[i] = err
-        Wm[i2:] -= U[i1:i2, i2:].T @ E1
 
+    def round_row(r: int, W1: np.ndarray, i: int) -> np.ndarray:
+        gi = int(group_of[r])
+        if not static and r % g == 0:
+            scales[gi], zeros[gi] = group_qparams(W1[i : i + g], diag[r : r + g])
+        q = quantize(W1[i].astype(np.float32), scales[gi], zeros[gi], axis=0, dtype=dtype)
+        Q[r] = q
+        return np.asarray(dequantize(q, scales[gi], zeros[gi], axis=0), np.float64)
+
+    obs_rounding(Wm, U, round_row, B)
     codes = np.empty_like(Q)
     codes[perm] = Q
     return WOQResult(codes, scales, zeros, bits, g, symmetric)

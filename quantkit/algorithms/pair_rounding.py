@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from quantkit.algorithms.gptq import inverse_hessian_cholesky
+from quantkit.algorithms.gptq import inverse_hessian_cholesky, obs_rounding
 from quantkit.scheme.saturation import (
     PAIR_LIMIT,
     constrained_round,
@@ -69,29 +69,20 @@ def pair_gptq(
     Wm[dead, :] = 0.0
     s = np.asarray(scale, np.float64).reshape(N)
     Q = np.zeros((K, N), np.int32)
-    B = max(2, block_size - block_size % 2)  # pairs never straddle a block
-    for i1 in range(0, K, B):
-        i2 = min(i1 + B, K)
-        W1 = Wm[i1:i2].copy()
-        E1 = np.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            r = i1 + i
-            u = W1[i] / s
-            q = np.clip(np.rint(u), qmin, qmax)
-            if r % 2 == 0 and i + 1 < i2:
-                ub = W1[i + 1] / s
-                joint = constrained_round(np.stack([u, ub])[None], qmin, qmax)[0, 0]
-                q = joint  # equals rint(u) wherever the pair already obeys the rule
-            elif r % 2 == 1:
-                qa = Q[r - 1]
-                q = np.clip(q, np.maximum(qmin, -PAIR_LIMIT - np.minimum(qa, 0)),
-                            np.minimum(qmax, PAIR_LIMIT - np.maximum(qa, 0)))
-            Q[r] = q
-            err = (W1[i] - q * s) / U1[i, i]
-            W1[i + 1 :] -= np.outer(U1[i, i + 1 :], err)
-            E1[i] = err
-        Wm[i2:] -= U[i1:i2, i2:].T @ E1
+
+    def round_row(r: int, W1: np.ndarray, i: int) -> np.ndarray:
+        q = np.clip(np.rint(W1[i] / s), qmin, qmax)
+        if r % 2 == 0 and i + 1 < W1.shape[0]:
+            # the first of a pair: the joint constrained rounding (= rint wherever the pair obeys the rule)
+            q = constrained_round(np.stack([W1[i] / s, W1[i + 1] / s])[None], qmin, qmax)[0, 0]
+        elif r % 2 == 1:  # the second: clipped to the bound its partner leaves
+            qa = Q[r - 1]
+            q = np.clip(q, np.maximum(qmin, -PAIR_LIMIT - np.minimum(qa, 0)),
+                        np.minimum(qmax, PAIR_LIMIT - np.maximum(qa, 0)))
+        Q[r] = q
+        return q * s
+
+    obs_rounding(Wm, U, round_row, max(2, block_size - block_size % 2))  # pairs never straddle a block
     return Q.astype(np.int8)
 
 
