@@ -202,6 +202,9 @@ def quantize(
         raise QuantkitError("quantize() needs calibration data")
     if len(cal) == 0:
         raise DataError("the calibration dataset is empty")
+    spec = rec.calibration.data.model_dump() if calibration_data is None and rec.calibration.data else None
+    log.info("calibration set: %d samples (%s)", len(cal),
+             ", ".join(f"{k}={v}" for k, v in spec.items()) if spec else "given through the API")
 
 
     woq_layers = _weight_only_layers(float_model, rec)
