@@ -1,6 +1,7 @@
 """Tokenised text datasets: sentences or fixed token windows.
 
-Sources: ``"pydoc"`` (CPython's ``pydoc_data.topics.topics``, values joined in sorted
+Sources (``a+b`` mixes several, e.g. ``"austen:prideprejudice+pydoc"``: in ``windows`` mode the windows
+come from each source in turn): ``"pydoc"`` (CPython's ``pydoc_data.topics.topics``, values joined in sorted
 key order -- ships with every Python), ``"austen:<book>"`` (a Jane Austen novel, e.g.
 ``"austen:emma"``, see :mod:`quantkit.data.austen`), a path to a UTF-8 ``.txt`` file, or
 an iterable of strings.
@@ -49,11 +50,14 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[A-Z0-9])")
 
 
 def load_text(source: str | os.PathLike[str]) -> str:
-    """The text of ``"pydoc"``, of ``"austen:<book>"`` or of a UTF-8 text file.
+    """The text of ``"pydoc"``, of ``"austen:<book>"`` or of a UTF-8 text file (``a+b`` joins several;
+    in ``windows`` mode a :class:`TextDataset` takes windows from each in turn instead).
 
     Raises:
         DataError: the file does not exist or cannot be decoded, or the book is unknown.
     """
+    if isinstance(source, str) and "+" in source and not Path(source).expanduser().exists():
+        return "\n\n".join(load_text(part) for part in source.split("+"))
     if isinstance(source, str) and source == "pydoc":
         from pydoc_data.topics import topics
 
@@ -186,19 +190,36 @@ class TextDataset:
                 pick = np.random.default_rng(seed).choice(len(pool), size=count, replace=False)
                 self._sentences = [pool[int(i)] for i in pick]
         else:
-            ids = np.asarray(
-                tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=np.int64
+            parts = (self.source.split("+") if pieces is None and "+" in self.source
+                     and not Path(self.source).expanduser().exists() else None)
+            if parts is None:
+                self._windows = self._window_split(tokenizer, text, self.source, split, offset, count)
+            else:
+                # a mix of domains: windows are taken in turn from each source (its own split), so the
+                # calibration set does not overfit one kind of text
+                per = None if count is None else [count // len(parts) + (i < count % len(parts))
+                                                  for i in range(len(parts))]
+                chunks = [self._window_split(tokenizer, load_text(src), src, split, offset,
+                                             None if per is None else per[i])
+                          for i, src in enumerate(parts)]
+                order = [c[j] for j in range(max(len(c) for c in chunks)) for c in chunks if j < len(c)]
+                self._windows = np.stack(order) if order else np.zeros((0, seq_len), np.int64)
+
+    def _window_split(self, tokenizer: Any, text: str, source: str, split: str | None, offset: int,
+                      count: int | None) -> np.ndarray:
+        """Windows ``[count, seq_len]`` of ``text``: the first half for calibration, the second for evaluation."""
+        seq_len = self.seq_len
+        ids = np.asarray(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=np.int64)
+        n = len(ids) // seq_len
+        lo, hi = (0, n) if split is None else ((0, n // 2) if split == "calibration" else (n // 2, n))
+        start = lo + offset
+        stop = hi if count is None else start + count
+        if start >= hi or stop > hi:
+            raise DataError(
+                f"text source {source!r} gives {n} windows of {seq_len} tokens "
+                f"({hi - lo} in split {split or 'all'}); offset={offset} count={count} do not fit"
             )
-            n = len(ids) // seq_len
-            lo, hi = (0, n) if split is None else ((0, n // 2) if split == "calibration" else (n // 2, n))
-            start = lo + offset
-            stop = hi if count is None else start + count
-            if start >= hi or stop > hi:
-                raise DataError(
-                    f"text source {self.source!r} gives {n} windows of {seq_len} tokens "
-                    f"({hi - lo} in split {split or 'all'}); offset={offset} count={count} do not fit"
-                )
-            self._windows = ids[: n * seq_len].reshape(n, seq_len)[start:stop]
+        return ids[: n * seq_len].reshape(n, seq_len)[start:stop]
 
     @property
     def texts(self) -> list[str]:

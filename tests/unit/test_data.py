@@ -315,3 +315,17 @@ def test_make_dataset_specs_and_errors(tokenizer: Any, tmp_path: Path) -> None:
         )
     with pytest.raises(DataError, match="unknown split"):
         make_dataset({"kind": "sample_photos", "count": 2}, inputs=IMG, split="train")
+
+
+def test_text_windows_from_a_mix_of_sources_alternate(tokenizer: Any, tmp_path: Any) -> None:
+    other = tmp_path / "other.txt"
+    other.write_text(" ".join(f"zebra{i} quokka{i} narwhal{i}." for i in range(3000)))
+    mixed = TextDataset(f"pydoc+{other}", tokenizer, mode="windows", seq_len=64, count=6, split="calibration")
+    one = TextDataset("pydoc", tokenizer, mode="windows", seq_len=64, count=3, split="calibration")
+    two = TextDataset(str(other), tokenizer, mode="windows", seq_len=64, count=3, split="calibration")
+    got = np.concatenate([b["input_ids"] for b in mixed.batches(6)])
+    a = np.concatenate([b["input_ids"] for b in one.batches(3)])
+    b = np.concatenate([b["input_ids"] for b in two.batches(3)])
+    np.testing.assert_array_equal(got[0::2], a)  # pydoc windows at even places
+    np.testing.assert_array_equal(got[1::2], b)  # the other text's at odd places
+    assert mixed.fingerprint() != one.fingerprint()
