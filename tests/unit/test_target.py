@@ -20,8 +20,11 @@ from quantkit.api import quantize
 from quantkit.errors import RecipeError
 from quantkit.lowering.kernel_check import emulate_saturation, kernel_vs_reference, pair_risks, portability
 from quantkit.recipe import load_recipe
-from quantkit.scheme.target import CPU_CLASSES, classify, detect_cpu, resolve_target
+from quantkit.scheme.target import CPU_CLASSES, _read_cpu, classify, cpu_class_saturates, detect_cpu, resolve_target
 from tests.conftest import image_batches, tiny_cnn
+
+
+_RUNNING_SATURATES = cpu_class_saturates(_read_cpu().cpu_class)  # the real CPU, not QUANTKIT_CPU_CLASS
 
 
 def _recipe(isa: str, **extra: Any) -> dict[str, Any]:
@@ -76,11 +79,16 @@ def test_lowering_for_each_target_and_its_portability_report(isa: str) -> None:
     assert kern["target"]["isa"] == isa and kern["cpu"]["cpu_class"] in CPU_CLASSES
     meta = {p.key: json.loads(p.value) for p in proto.metadata_props}
     assert meta["quantkit.target"]["isa"] == isa
-    # the fused kernels of this CPU compute the QDQ math, layer by layer, whatever the target
-    assert kern["check"]["agree"], kern["check"]["first_parted"]
-    assert all(r["off"] <= 1e-3 for r in kern["check"]["layers"])
     risky = [r for r in pair_risks(proto) if r.at_risk]
     emu = kern["check"]["emulated_x86_avx2"]
+    if isa == "x86-vnni" and _RUNNING_SATURATES and max(emu.values(), default=0.0) > 0.01:
+        # on a CPU without VNNI this model's kernels really saturate: the check must say so, by layer
+        assert not kern["check"]["agree"] and kern["check"]["first_parted"] is not None
+        assert any("DISAGREE" in w for w in res.report["warnings"])
+    else:
+        # the fused kernels of this CPU compute the QDQ math, layer by layer
+        assert kern["check"]["agree"], kern["check"]["first_parted"]
+        assert all(r["off"] <= 1e-3 for r in kern["check"]["layers"])
     if isa == "x86-vnni":
         # full 8-bit codes: this model saturates on x86 without VNNI, and the report says so
         assert risky and not port["classes"]["x86-avx2"]["exact"]
@@ -160,7 +168,8 @@ def test_bias_safe_weight_scale_keeps_kernels_exact_with_dead_channels() -> None
             b = numpy_helper.to_array(init).copy()
             b[3] = -2.0
             init.CopyFrom(numpy_helper.from_array(b, "b0"))
-    res = quantize(m, image_batches(8), _recipe("x86-vnni"), evaluation_data=image_batches(4, seed=3),
+    # portable: pair-safe weights, so the check isolates the bias effect on every CPU class
+    res = quantize(m, image_batches(8), _recipe("portable"), evaluation_data=image_batches(4, seed=3),
                    progress=False)
     assert res.report["kernels"]["check"]["agree"], res.report["kernels"]["check"]["first_parted"]
 
@@ -191,9 +200,11 @@ def test_cli_verify_warns_about_other_classes_and_fails_when_kernels_part(
     path = res.save(tmp_path / "vnni")["model"]
     data = tmp_path / "in.npz"
     np.savez(data, input=np.concatenate([b["input"] for b in image_batches(2, seed=5)]))
-    assert main(["verify", str(path), "--data", str(data), "--samples", "4"]) == 0
+    rc = main(["verify", str(path), "--data", str(data), "--samples", "4"])
     out = capsys.readouterr().out
-    assert "model target: x86-vnni" in out and "agree" in out
+    # on a CPU without VNNI this full-8-bit model may really part from its math there (exit 3, by design)
+    assert rc == 0 or (_RUNNING_SATURATES and rc == 3 and "DISAGREE" in out)
+    assert "model target: x86-vnni" in out and ("agree" in out or "DISAGREE" in out)
     assert "WARNING: not exact on CPU class(es) x86-avx2" in out
     bad = tmp_path / "wrap.onnx"
     onnx.save(_conv_with_wrapping_bias(), bad)
