@@ -20,9 +20,15 @@ from quantkit.api import quantize
 from quantkit.errors import RecipeError
 from quantkit.lowering.kernel_check import emulate_saturation, kernel_vs_reference, pair_risks, portability
 from quantkit.recipe import load_recipe
-from quantkit.scheme.target import CPU_CLASSES, _read_cpu, classify, cpu_class_saturates, detect_cpu, resolve_target
+from quantkit.scheme.target import (
+    CPU_CLASSES,
+    _read_cpu,
+    classify,
+    cpu_class_saturates,
+    detect_cpu,
+    resolve_target,
+)
 from tests.conftest import image_batches, tiny_cnn
-
 
 _RUNNING_SATURATES = cpu_class_saturates(_read_cpu().cpu_class)  # the real CPU, not QUANTKIT_CPU_CLASS
 
