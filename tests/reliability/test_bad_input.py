@@ -335,3 +335,53 @@ def test_fuzzed_recipe_dicts_are_valid_or_a_recipe_error(d: dict[str, Any], vers
         load_recipe(d)
     except RecipeError:
         pass
+
+
+# -- rows that already held before this suite (kept held) ---------------------------------------------
+@pytest.mark.parametrize("content", [b"", b"\x08\x01garbage" * 7, "truncate"])
+def test_broken_onnx_file_is_a_model_error(work: Path, content: Any, capsys: Any) -> None:
+    good = (work / "model.onnx").read_bytes()
+    (work / "model.onnx").write_bytes(good[: len(good) // 3] if content == "truncate" else content)
+    rc, text = _run(["calibrate", "-q", "--recipe", str(_recipe(work)), "--output", str(work / "o")], capsys)
+    assert rc == 2 and "model.onnx" in text and "Traceback" not in text
+    assert not (work / "o").exists()
+
+
+def test_missing_model_and_data_paths_are_named(work: Path, capsys: Any) -> None:
+    rec = yaml.safe_load(_recipe(work).read_text())
+    rec["model"]["source"] = str(work / "nope.onnx")
+    (work / "r1.yaml").write_text(yaml.safe_dump(rec))
+    rc, text = _run(["calibrate", "-q", "--recipe", str(work / "r1.yaml"), "--output", str(work / "o")], capsys)
+    assert rc == 2 and "nope" in text
+    rc, text = _run(["calibrate", "-q", "--recipe", str(_recipe(work, cal="missing.npz")), "--output",
+                     str(work / "o")], capsys)
+    assert rc == 2 and "missing.npz" in text
+
+
+def test_recipe_typos_and_python_tags_are_refused(work: Path, capsys: Any) -> None:
+    rec = yaml.safe_load(_recipe(work).read_text())
+    rec["calibration"]["calibratr"] = "mse"
+    (work / "typo.yaml").write_text(yaml.safe_dump(rec))
+    rc, text = _run(["validate", str(work / "typo.yaml")], capsys)
+    assert rc == 2 and "calibratr" in text
+    (work / "evil.yaml").write_text("version: 1\nname: !!python/object/apply:os.system ['echo pwned']\n")
+    rc, text = _run(["validate", str(work / "evil.yaml")], capsys)
+    assert rc == 2 and "pwned" not in capsys.readouterr().out
+
+
+def test_wrong_npz_names_and_shapes_are_data_errors(work: Path, capsys: Any) -> None:
+    # (one array under another name feeds a one-input model on purpose; two that match nothing cannot)
+    np.savez(work / "badname.npz", pixels=np.zeros((4, 3, 16, 16), np.float32), labels=np.zeros(4, np.int64))
+    rc, text = _run(["calibrate", "-q", "--recipe", str(_recipe(work, cal="badname.npz")), "--output",
+                     str(work / "o")], capsys)
+    assert rc == 2 and "input" in text and "pixels" in text
+    np.savez(work / "badshape.npz", input=np.zeros((4, 5, 16, 16), np.float32))
+    rc, text = _run(["calibrate", "-q", "--recipe", str(_recipe(work, cal="badshape.npz")), "--output",
+                     str(work / "o")], capsys)
+    assert rc == 2 and "Traceback" not in text
+
+
+def test_two_runs_give_byte_identical_models(work: Path, capsys: Any) -> None:
+    for out in ("a", "b"):
+        assert _run(["calibrate", "-q", "--recipe", str(_recipe(work)), "--output", str(work / out)], capsys)[0] == 0
+    assert (work / "a" / "model.onnx").read_bytes() == (work / "b" / "model.onnx").read_bytes()
