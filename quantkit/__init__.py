@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
+from quantkit._version import __version__
 from quantkit.errors import (
     CalibrationError,
     DataError,

@@ -33,8 +33,8 @@ import onnx_ir as ir
 from quantkit.algorithms.bias_correction import bias_shift
 from quantkit.algorithms.pair_rounding import pair_safe_weight
 from quantkit.errors import CalibrationError
-from quantkit.lowering.ops import WEIGHTED
 from quantkit.lowering.select import QuantPlan, TensorQuant, constant_array
+from quantkit.ops import WEIGHTED
 from quantkit.scheme.dtypes import int_type
 from quantkit.scheme.qparams import (
     QuantSpec,

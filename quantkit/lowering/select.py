@@ -6,7 +6,7 @@ every activation tensor that gets a ``QuantizeLinear``, with the tensor whose
 statistics set its range.  The same plan drives calibration (which tensors to observe)
 and lowering (where to insert Q/DQ), so what is calibrated is what ships.
 
-Rules (see :mod:`quantkit.lowering.ops` for the op roles):
+Rules (see :mod:`quantkit.ops` for the op roles):
 
 1. A *weighted* node is quantized when the recipe resolves it to ``int8`` and its weight
    is a constant of the expected rank.
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from quantkit.lowering.ops import ABSORBABLE, GLUE, PASSTHROUGH, QUANTIZABLE_OPS, WEIGHTED
+from quantkit.ops import ABSORBABLE, GLUE, PASSTHROUGH, QUANTIZABLE_OPS, WEIGHTED
 from quantkit.recipe.plan import LayerPlan, resolve_layer
 from quantkit.recipe.schema import RecipeModel
 

@@ -158,7 +158,7 @@ class QuantizationSection(_Strict):
     @field_validator("op_types")
     @classmethod
     def _known_ops(cls, v: Any) -> Any:
-        from quantkit.lowering.ops import QUANTIZABLE_OPS
+        from quantkit.ops import QUANTIZABLE_OPS
 
         if isinstance(v, list):
             bad = [o for o in v if o not in QUANTIZABLE_OPS]

@@ -15,10 +15,10 @@ from typing import Any
 import onnx
 import onnxruntime as ort
 
-from quantkit.lowering.ops import FUSED_KERNELS, PASSTHROUGH
 from quantkit.lowering.qdq import LoweringResult
 from quantkit.lowering.select import QuantPlan
 from quantkit.lowering.verify import Census
+from quantkit.ops import FUSED_KERNELS, PASSTHROUGH
 from quantkit.recipe import RecipeModel
 
 
@@ -26,7 +26,7 @@ def environment() -> dict[str, Any]:
     """Versions and machine facts, so every number can be traced to where it came from."""
     import numpy as np
 
-    from quantkit import __version__
+    from quantkit._version import __version__
 
     cpu = platform.processor() or platform.machine()
     try:

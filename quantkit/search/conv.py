@@ -10,7 +10,7 @@ an int8 and a float layer costs a QuantizeLinear or DequantizeLinear.  The emitt
 assignment is therefore lowered as a whole: the recipe plus one ``fp32`` override per float
 unit goes through :func:`quantkit.lowering.select.select` (which decides the glue) and
 :func:`quantkit.lowering.qdq.lower_int8`; the 16-bit units then get their weight casts.
-Ranges come from one cached statistics pass (:func:`quantkit.api.calibrate_ranges`); tensors a
+Ranges come from one cached statistics pass (:func:`quantkit.pipeline.calibrate_ranges`); tensors a
 particular mix needs that the all-int8 plan did not quantize are gathered on demand (cached).
 
 :meth:`ConvSpace.edges` gives the solver the boundary cost: for every unit ``v`` whose input is
@@ -80,8 +80,8 @@ class ConvSpace:
         progress: bool = True,
         use_cache: bool = True,
     ) -> ConvSpace:
-        from quantkit.lowering.ops import WEIGHTED
         from quantkit.lowering.select import select
+        from quantkit.ops import WEIGHTED
 
         cands = search_candidates(rec, CONV_FORMATS, "a static-int8 search (a candidate of format int8) may")
         if rec.quantization.default.format != "int8":
@@ -151,7 +151,7 @@ class ConvSpace:
 
     # -- calibration -------------------------------------------------------------------------------
     def _calibrate(self, plan: Any) -> None:
-        from quantkit.api import calibrate_ranges
+        from quantkit.pipeline import calibrate_ranges
 
         missing = {k for k in plan.calibrated_tensors() if k not in self._ranges}
         needs_means = self.rec.quantization.bias_correction and any(k not in self._means for k in plan.layers)

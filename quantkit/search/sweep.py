@@ -253,10 +253,10 @@ def prepare_search(
     """Load, prepare, build the space, measure sensitivity and costs, set up the integer program.
 
     ``model`` as for :func:`quantkit.quantize` (a ``torch.nn.Module`` needs ``example_inputs``)."""
-    from quantkit.api import _eval_dataset
     from quantkit.calibrate.cache import model_hash
     from quantkit.data import as_dataset, make_dataset, model_inputs
     from quantkit.frontends import load_model
+    from quantkit.pipeline import eval_dataset as _eval_dataset
     from quantkit.prep.pipeline import prepare
     from quantkit.recipe import load_recipe
     from quantkit.search.cost import measure_costs
@@ -428,7 +428,7 @@ def sweep(
     save_models: bool = True,
 ) -> SweepResult:
     """Run the recipe's mixed-precision search and evaluate the chosen points (module doc)."""
-    from quantkit.api import save_model
+    from quantkit.pipeline import save_model
     from quantkit.search.solver import pareto_front, pareto_mask, solve, spearman
 
     ctx = prepare_search(

@@ -1,6 +1,6 @@
 """Which ONNX operators quantkit lowers to INT8 QDQ, and in which role.
 
-The roles follow what ONNX Runtime's CPU provider fuses (see shared/RUNTIME.md):
+The roles follow what ONNX Runtime's CPU provider fuses (measured; see the README, "What the lowering does"):
 
 * **weighted** ops carry a constant weight that is stored as int8 and read through a
   per-channel ``DequantizeLinear``; their activation input gets ``Q -> DQ``.
