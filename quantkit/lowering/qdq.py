@@ -230,6 +230,21 @@ def lower_int8(
     }
 
     # 2. activation Q / DQ
+    _insert_activation_qdq(graph, plan, result, namer, const, values)
+    # 3. weights and biases
+    _lower_weights(graph, plan, result, namer, const, act_inputs, input_means, target, hessians, pair_cache)
+
+    if matmul_form == "fused":
+        fused = fuse_float_output_linears(model, plan, result)
+        for layer in fused:
+            result.notes[layer] = "MatMulIntegerToFloat with the bias folded in (com.microsoft)"
+    _drop_unused_initializers(graph)
+    return result
+
+
+def _insert_activation_qdq(graph: ir.Graph, plan: QuantPlan, result: LoweringResult, namer: _Namer,
+                           const: Any, values: dict[str, ir.Value]) -> None:
+    """One QuantizeLinear per planned tensor and a DequantizeLinear per consumer (see the module doc)."""
     for name, tp in result.tensors.items():
         found = values.get(name)
         if found is None:
@@ -290,7 +305,35 @@ def lower_int8(
                     dq.outputs[0].shape = v.shape
                     graph.outputs[i] = dq.outputs[0]
 
-    # 3. weights and biases
+
+def _pair_safe(node: ir.Node, lp: Any, w: np.ndarray, wq: np.ndarray, w_scale: Any, w_zp: Any,
+               hessian: np.ndarray | None,
+               pair_cache: dict[tuple[str, bytes], tuple[np.ndarray, np.ndarray, int]] | None,
+               ) -> tuple[np.ndarray, Any, int]:
+    """The layer's int8 codes rounded to the int16 pair bound (memoised per layer and weight scale)."""
+    memo_key = (node.name or "", np.asarray(w_scale, np.float32).tobytes() + np.asarray(w_zp).tobytes())
+    if pair_cache is not None and memo_key in pair_cache:
+        return pair_cache[memo_key]
+    g = node.attributes.get("group")
+    tb = node.attributes.get("transB")
+    it_w = int_type(lp.weight_dtype)
+    out = pair_safe_weight(
+        w, wq, np.asarray(w_scale), np.asarray(w_zp), op_type=node.op_type,
+        trans_b=tb is not None and tb.as_int() == 1, group=g.as_int() if g is not None else 1,
+        qmin=max(it_w.qmin, -127) if lp.weight_symmetric else it_w.qmin, qmax=it_w.qmax, hessian=hessian,
+    )
+    if pair_cache is not None:
+        pair_cache[memo_key] = out
+    return out
+
+
+def _lower_weights(graph: ir.Graph, plan: QuantPlan, result: LoweringResult, namer: _Namer, const: Any,
+                   act_inputs: dict[str, str],
+                   input_means: Mapping[str, np.ndarray] | None, target: Target | None,
+                   hessians: Mapping[str, np.ndarray] | None,
+                   pair_cache: dict[tuple[str, bytes], tuple[np.ndarray, np.ndarray, int]] | None) -> None:
+    """Integer weights (per channel, pair-safe for saturating targets) and int32 biases of every planned
+    weighted layer, read through DequantizeLinear; bias correction when ``input_means`` are given."""
     weight_cache: dict[int, tuple[ir.Value, ir.Value, ir.Value, int, np.ndarray, np.ndarray]] = {}
     for node in list(graph):
         lp = plan.layers.get(node.name or "")
@@ -321,21 +364,8 @@ def lower_int8(
             wq = quantize(w, w_scale, w_zp, axis=axis if per_channel else None)
             n_safe = 0
             if target is not None and target.pair_safe and lp.weight_dtype == "int8":
-                g = node.attributes.get("group")
-                tb = node.attributes.get("transB")
-                it_w = int_type(lp.weight_dtype)
-                memo_key = (node.name or "", np.asarray(w_scale, np.float32).tobytes() + np.asarray(w_zp).tobytes())
-                if pair_cache is not None and memo_key in pair_cache:
-                    wq, w_scale, n_safe = pair_cache[memo_key]
-                else:
-                    wq, w_scale, n_safe = pair_safe_weight(
-                        w, wq, np.asarray(w_scale), np.asarray(w_zp), op_type=node.op_type,
-                        trans_b=tb is not None and tb.as_int() == 1, group=g.as_int() if g is not None else 1,
-                        qmin=max(it_w.qmin, -127) if lp.weight_symmetric else it_w.qmin, qmax=it_w.qmax,
-                        hessian=(hessians or {}).get(node.name or ""),
-                    )
-                    if pair_cache is not None:
-                        pair_cache[memo_key] = (wq, w_scale, n_safe)
+                wq, w_scale, n_safe = _pair_safe(node, lp, w, wq, w_scale, w_zp, (hessians or {}).get(node.name or ""),
+                                                 pair_cache)
                 if n_safe:
                     result.notes[node.name or ""] = (
                         f"{n_safe} output channel(s) rounded to the int16 pair bound (exact on x86 without VNNI)"
@@ -393,13 +423,6 @@ def lower_int8(
                 )
                 graph.insert_before(node, bdq)
                 node.replace_input_with(spec_w.bias_input, bdq.outputs[0])
-
-    if matmul_form == "fused":
-        fused = fuse_float_output_linears(model, plan, result)
-        for layer in fused:
-            result.notes[layer] = "MatMulIntegerToFloat with the bias folded in (com.microsoft)"
-    _drop_unused_initializers(graph)
-    return result
 
 
 # Room left in the int32 accumulator of QLinearConv / QGemm beside the bias: 2**30 for the bias, the
