@@ -247,7 +247,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     """Exit 0 when this CPU's kernels compute the model's QDQ math (or no data was given), 3 when not."""
-    from quantkit.api import verify_model
+    from quantkit.pipeline import verify_model
 
     rep = verify_model(args.model, args.data, samples=args.samples)
     tgt, cpu = rep["target"], rep["cpu"]

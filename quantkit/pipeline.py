@@ -9,9 +9,11 @@ saving a model atomically.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +23,30 @@ import onnx_ir as ir
 
 from quantkit.calibrate import get_calibrator
 from quantkit.calibrate.collect import collect_statistics
-from quantkit.data import Dataset, as_dataset, make_dataset
+from quantkit.data import Dataset, as_dataset, make_dataset, model_inputs
+from quantkit.errors import DataError, QuantkitError
+from quantkit.evaluate.latency import compare_latency, make_session
+from quantkit.evaluate.metrics import FidelityAccumulator
 from quantkit.frontends import LoadedModel
-from quantkit.lowering.select import QuantPlan
+from quantkit.lowering.select import QuantPlan, constant_array
 from quantkit.recipe import RecipeModel
 
-__all__ = ["EXTERNAL_DATA_THRESHOLD", "calibrate_ranges", "eval_dataset", "model_bytes", "save_model"]
+__all__ = [
+    "EXTERNAL_DATA_THRESHOLD",
+    "LINEAR_ONLY_FORMATS",
+    "calibrate_ranges",
+    "eval_dataset",
+    "evaluate_fidelity",
+    "layer_sqnr",
+    "linear_format_layers",
+    "lower_linear_formats",
+    "measure_pair_latency",
+    "model_bytes",
+    "save_model",
+    "verify_kernels",
+    "verify_model",
+    "weight_only_layers",
+]
 
 log = logging.getLogger("quantkit")
 
@@ -146,3 +166,210 @@ def _factory(cls: Any, dtype: str, symmetric: bool, options: dict[str, Any]) -> 
     return lambda: cls(dtype=dtype, symmetric=symmetric, **options)
 
 
+LINEAR_ONLY_FORMATS = ("int4", "int8_weight", "int8_dynamic", "fp16", "bf16")
+"""Formats lowered on ``MatMul(x, W)``: a Gemm given one of them is rewritten to MatMul + Add first."""
+
+
+
+def linear_format_layers(float_model: ir.Model, rec: RecipeModel) -> dict[str, str]:
+    """MatMul layers with a constant weight that the recipe puts in int8_dynamic / fp16 / bf16."""
+    from quantkit.lowering.select import recipe_op_type
+    from quantkit.recipe.plan import resolve_layer
+
+    out = {}
+    for n in float_model.graph:
+        if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx") or len(n.inputs) < 2:
+            continue
+        fmt = resolve_layer(rec, n.name or "", recipe_op_type(n)).format
+        if fmt in ("int8_dynamic", "fp16", "bf16") and constant_array(n.inputs[1]) is not None:
+            out[n.name or ""] = fmt
+    return out
+
+
+
+def lower_linear_formats(qmodel: ir.Model, layers: Mapping[str, str], pair_safe: bool) -> None:
+    """fp16 / bf16 (16-bit weight storage, :mod:`quantkit.lowering.cast`) and int8_dynamic (per-token
+    W8A8, :mod:`quantkit.lowering.dynamic`; int8 codes pair-safe when the target needs it)."""
+    from quantkit.algorithms.smoothquant import int8_weight_per_column
+    from quantkit.lowering.cast import lower_cast
+    from quantkit.lowering.dynamic import lower_int8_dynamic
+
+    for name, fmt in layers.items():
+        if fmt == "int8_dynamic":
+            node = next(n for n in qmodel.graph if n.name == name)
+            w = constant_array(node.inputs[1])
+            assert w is not None  # checked by _linear_format_layers
+            q, sc = int8_weight_per_column(np.asarray(w, np.float32), pair_safe=pair_safe)
+            lower_int8_dynamic(qmodel, name, q, sc, granularity="per_token")
+        else:
+            lower_cast(qmodel, name, fmt)
+
+
+
+def weight_only_layers(float_model: ir.Model, rec: RecipeModel) -> dict[str, Any]:
+    """Layers the recipe puts in a weight-only format (int4 / int8_weight).  A Gemm among them (a
+    classifier exported from ``nn.Linear``) is first rewritten as MatMul + Add (exact, same name), the
+    form MatMulNBits replaces."""
+    from quantkit.prep.gemm_to_matmul import gemm_to_matmul
+    from quantkit.recipe.plan import resolve_layer
+    from quantkit.weight_only import select_weight_only
+
+    gemms = {n.name or "" for n in float_model.graph
+             if n.op_type == "Gemm" and resolve_layer(rec, n.name or "", "Gemm").format in LINEAR_ONLY_FORMATS}
+    if gemms:
+        gemm_to_matmul(float_model, only=gemms)
+    return select_weight_only(float_model, rec)
+
+
+
+def verify_kernels(qproto: onnx.ModelProto, target: Any, ds: Dataset | None, samples: int) -> dict[str, Any]:
+    """The target, the CPU we run on, the model's portability per CPU class (from its weights) and, on
+    ``samples`` feeds of ``ds``, whether this CPU's fused kernels agree with the QDQ math."""
+    from quantkit.lowering.kernel_check import kernel_vs_reference, portability
+    from quantkit.scheme.target import detect_cpu
+
+    port = portability(qproto)
+    out: dict[str, Any] = {"target": target.as_dict(), "cpu": detect_cpu().as_dict(), "portability": port}
+    if ds is not None and samples > 0:
+        at_risk = {r["layer"] for r in port["layers_at_risk"]}
+        out["check"] = kernel_vs_reference(qproto, ds.batches(1), samples=samples, emulate=at_risk).as_dict()
+    return out
+
+
+
+def verify_model(model: str | os.PathLike[str] | onnx.ModelProto, data: Any = None, *, samples: int = 16,
+                 tokenizer: Any = None) -> dict[str, Any]:
+    """Check an emitted int8 model on *this* machine: its target (from the model's metadata), this CPU's
+    class, its portability per CPU class, and - given ``data`` (anything :func:`quantkit.data.as_dataset`
+    takes) - whether this CPU's fused kernels compute its QDQ math, layer by layer.  ``warnings`` lists
+    what a report would warn about; ``ok`` is False when the kernels part from the math here."""
+    from quantkit.report.build import kernel_warnings
+    from quantkit.scheme.target import Target
+
+    if isinstance(model, onnx.ModelProto):
+        proto = model
+    else:
+        path = Path(model)
+        if not path.is_file():
+            raise QuantkitError(f"model file {str(path)!r} does not exist")
+        try:
+            proto = onnx.load(str(path))
+        except Exception as exc:  # noqa: BLE001 - protobuf raises several types on a broken file
+            raise QuantkitError(f"{path}: not a readable ONNX model ({exc})") from None
+    meta = {p.key: p.value for p in proto.metadata_props}
+    tgt = json.loads(meta["quantkit.target"]) if "quantkit.target" in meta else None
+    target = Target(**tgt) if tgt else Target(device="cpu", isa="unknown", cpu_class="unknown")
+    ds = None
+    if data is not None:
+        ds = as_dataset(data, model_inputs(ir.from_proto(proto)), tokenizer=tokenizer, split="evaluation")
+    out = verify_kernels(proto, target, ds, samples)
+    out["warnings"] = kernel_warnings(out)
+    out["ok"] = bool(out.get("check", {}).get("agree", True))
+    return out
+
+
+
+def _first_feed(ds: Dataset, batch_size: int) -> dict[str, np.ndarray]:
+    for feed in ds.batches(batch_size):
+        return {k: np.ascontiguousarray(v[:batch_size]) for k, v in feed.items()}
+    raise DataError("the dataset yielded no batch")
+
+
+
+def measure_pair_latency(float_bytes: bytes, q_bytes: bytes, ds: Dataset, rec: RecipeModel) -> dict[str, Any]:
+    """FP32 vs quantized latency on the same feed, interleaved, same run."""
+    lat = rec.report.latency
+    feed = _first_feed(ds, lat.batch_size)
+    if lat.seq_len is not None:
+        feed = {k: v[:, : lat.seq_len] if v.ndim == 2 and v.dtype == np.int64 else v for k, v in feed.items()}
+    threads = lat.threads or 0
+    sessions = {"fp32": make_session(float_bytes, threads=lat.threads),
+                "quantized": make_session(q_bytes, threads=lat.threads)}
+    res = compare_latency(sessions, feed, warmup=lat.warmup, repeat=lat.repeat, threads=threads)
+    out: dict[str, Any] = {k: v.as_dict() for k, v in res.items()}
+    out["speedup"] = res["fp32"].median_ms / max(res["quantized"].median_ms, 1e-9)
+    return out
+
+
+
+def evaluate_fidelity(
+    float_model: bytes, quant_model: bytes, ds: Dataset, *, batch_size: int = 8, metric: str = "auto",
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Run both models on ``ds`` (streaming) and compare every graph output."""
+    from tqdm.auto import tqdm
+
+    s_f = make_session(float_model)
+    s_q = make_session(quant_model)
+    names = [o.name for o in s_f.get_outputs()]
+    cls = {"classification": True, "embedding": False, "sqnr": False}.get(metric)
+    acc = FidelityAccumulator(classification=cls)
+    with tqdm(total=len(ds), desc="evaluate", unit="sample", disable=not progress) as bar:
+        for feed in ds.batches(batch_size):
+            ref = s_f.run(names, feed)
+            got = s_q.run(names, feed)
+            for n, r, g in zip(names, ref, got, strict=True):
+                if np.issubdtype(r.dtype, np.floating):
+                    acc.update(n, r, g)
+            bar.update(next(iter(feed.values())).shape[0])
+    return acc.summary()
+
+
+
+def layer_sqnr(
+    float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, plan: QuantPlan, ds: Dataset, *, limit: int = 16
+) -> dict[str, float]:
+    """Output SQNR (dB) of every quantized layer: the layer's output tensor in the QDQ model
+    (exposed as an extra output, so ORT computes it with the same QDQ arithmetic) against
+    the same tensor of the FP32 model, over the first ``limit`` evaluation samples."""
+    names: dict[str, str] = {}
+    q_values = {o for n in quant_proto.graph.node for o in n.output}
+    users: dict[str, list[onnx.NodeProto]] = {}
+    for n in float_proto.graph.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+    for n in float_proto.graph.node:
+        if n.name not in plan.layers or not n.output:
+            continue
+        out = n.output[0]
+        # report the tensor that is actually quantized: after a folded Relu/Clip if there is one
+        nxt = users.get(out, [])
+        if len(nxt) == 1 and nxt[0].op_type in ("Relu", "Clip") and nxt[0].output[0] in plan.tensors:
+            out = nxt[0].output[0]
+        nxt = users.get(out, [])
+        if out not in q_values and len(nxt) == 1 and nxt[0].op_type == "Add":
+            out = nxt[0].output[0]  # bias folded into the fused kernel: compare after the bias
+        if out in q_values:
+            names[n.name] = out
+    if not names:
+        return {}
+
+    def exposed(p: onnx.ModelProto) -> bytes:
+        m = onnx.ModelProto()
+        m.CopyFrom(p)
+        have = {o.name for o in m.graph.output}
+        for t in names.values():
+            if t not in have:
+                m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
+        return m.SerializeToString()
+
+    s_f = make_session(exposed(float_proto), level="basic")
+    s_q = make_session(exposed(quant_proto), level="basic")
+    tensors = list(dict.fromkeys(names.values()))
+    sig = dict.fromkeys(tensors, 0.0)
+    noise = dict.fromkeys(tensors, 0.0)
+    seen = 0
+    for feed in ds.batches(1):
+        rf = s_f.run(tensors, feed)
+        rq = s_q.run(tensors, feed)
+        for t, a, b in zip(tensors, rf, rq, strict=True):
+            a64 = a.astype(np.float64)
+            sig[t] += float(np.sum(a64**2))
+            noise[t] += float(np.sum((a64 - b) ** 2))
+        seen += 1
+        if seen >= limit:
+            break
+    out = {}
+    for layer, t in names.items():
+        out[layer] = float("inf") if noise[t] == 0 else float(10 * np.log10(max(sig[t], 1e-300) / noise[t]))
+    return out
