@@ -124,6 +124,9 @@ def awq_shared(
     return results
 
 
+AWQ_OPTIONS = frozenset({"n_grid", "max_shrink", "max_rows", "clip_rows", "narrow"})
+
+
 @register_weight_algorithm("awq")
 def awq(
     W: np.ndarray,
@@ -135,9 +138,12 @@ def awq(
     **options: Any,
 ) -> WOQResult:
     """AWQ of a single layer (see :func:`awq_shared`; options: n_grid, max_shrink, max_rows, clip_rows, narrow)."""
-    allowed = {"n_grid", "max_shrink", "max_rows", "clip_rows", "narrow"}
+    allowed = AWQ_OPTIONS
     if set(options) - allowed:
         raise RecipeError(
             f"awq: unknown options {sorted(set(options) - allowed)}; allowed: {sorted(allowed)}"
         )
     return awq_shared([W], stats, bits=bits, group_size=group_size, symmetric=symmetric, **options)[0]
+
+
+awq.options = AWQ_OPTIONS  # what the recipe may pass (checked when it loads)

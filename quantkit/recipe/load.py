@@ -242,7 +242,8 @@ def _check_calibrator_options(model: RecipeModel, where: str) -> None:
 
 
 def _check_algorithm_options(model: RecipeModel, where: str) -> None:
-    """Weight-algorithm options are the algorithm function's keyword parameters (checked by name)."""
+    """Weight-algorithm options are the algorithm function's keyword parameters, plus the names it lists in
+    its ``options`` attribute when it takes them through ``**kwargs`` (checked by name)."""
     import inspect
 
     from quantkit.algorithms.woq import get_weight_algorithm
@@ -256,7 +257,8 @@ def _check_algorithm_options(model: RecipeModel, where: str) -> None:
     for key, name, options in items:
         fn = get_weight_algorithm(name)
         params = inspect.signature(fn).parameters
-        allowed = sorted(p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY and p not in reserved)
+        allowed = sorted({p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY and p not in reserved}
+                         | set(getattr(fn, "options", ())))  # options an algorithm takes through **kwargs
         unknown = sorted(k for k in options if k not in allowed)
         if unknown:
             raise RecipeError(f"recipe {where}: {key}.algorithm_options: unknown option(s) {unknown} for algorithm "

@@ -385,3 +385,13 @@ def test_two_runs_give_byte_identical_models(work: Path, capsys: Any) -> None:
     for out in ("a", "b"):
         assert _run(["calibrate", "-q", "--recipe", str(_recipe(work)), "--output", str(work / out)], capsys)[0] == 0
     assert (work / "a" / "model.onnx").read_bytes() == (work / "b" / "model.onnx").read_bytes()
+
+
+def test_algorithm_options_taken_through_kwargs_are_accepted_by_name() -> None:
+    ok = {"version": 1, "quantization": {"default": {"format": "int4", "algorithm": "awq",
+                                                     "algorithm_options": {"n_grid": 10}}}}
+    assert load_recipe(ok).quantization.default.algorithm_options == {"n_grid": 10}
+    bad = {"version": 1, "quantization": {"default": {"format": "int4", "algorithm": "awq",
+                                                      "algorithm_options": {"ngrid": 10}}}}
+    with pytest.raises(RecipeError, match=r"unknown option\(s\) \['ngrid'\] for algorithm 'awq'; allowed: .*n_grid"):
+        load_recipe(bad)
