@@ -58,9 +58,10 @@ def worker(method: str, out: Path, block: int) -> None:
         from quantkit.recipe import load_recipe
 
         d = yaml.safe_load(RECIPE.read_text())
-        d["quantization"]["default"]["algorithm"] = algo
+        d["quantization"]["default"]["algorithm"] = "awq" if algo == "awq_gptq" else algo
         d["quantization"]["default"]["algorithm_options"] = (
-            d["quantization"]["default"]["algorithm_options"] if algo == "gptq" else {})
+            d["quantization"]["default"]["algorithm_options"] if algo == "gptq"
+            else {"gptq": True} if algo == "awq_gptq" else {})
         d["quantization"]["default"]["group_size"] = block
         res = quantize(recipe=load_recipe(d), progress=False, evaluate=False, measure_latency=False)
         res.save(out / _slug(method), report=True)
@@ -114,7 +115,7 @@ def main() -> None:
     from quantkit.report.build import environment
 
     methods = ["fp32", *args.methods.split(",")]
-    allowed = {"quantkit": ("rtn", "gptq", "awq"), "ort": ("rtn_sym", "rtn_asym", "hqq")}
+    allowed = {"quantkit": ("rtn", "gptq", "awq", "awq_gptq"), "ort": ("rtn_sym", "rtn_asym", "hqq")}
     for m in methods[1:]:
         kind, _, algo = m.partition(":")
         if algo not in allowed.get(kind, ()):

@@ -56,8 +56,13 @@ def awq_shared(
     max_rows: int = 1024,
     clip_rows: int = 512,
     narrow: bool = False,
+    gptq: bool = False,
 ) -> list[WOQResult]:
-    """AWQ for layers that read the same input: one input scale ``s`` ``[K]`` for all of ``Ws``."""
+    """AWQ for layers that read the same input: one input scale ``s`` ``[K]`` for all of ``Ws``.
+
+    ``gptq=True`` (AWQ then GPTQ): after the scale search, the scaled weights ``diag(s) W`` are rounded by
+    GPTQ with the Hessian of the scaled inputs ``X / s`` (``diag(1/s) H diag(1/s)``) instead of the
+    clipping search + round-to-nearest."""
     if stats is None or stats.count == 0 or stats.samples.shape[0] == 0:
         raise CalibrationError("awq needs calibration statistics with sampled input rows (stats=LayerStats)")
     mats = [check_weight(W, bits) for W in Ws]
@@ -87,6 +92,14 @@ def awq_shared(
 
     # 2. clipping search on W' = diag(s) W with inputs X' = X / s
     Ws_ = (W * s[:, None]).astype(np.float32)
+    if gptq:
+        from quantkit.algorithms.gptq import gptq as run_gptq
+
+        s64 = s.astype(np.float64)
+        Hs = stats.hessian() / np.outer(s64, s64)
+        r = run_gptq(Ws_, bits=bits, group_size=g, symmetric=symmetric, hessian=Hs, narrow=narrow)
+        sc, q, z = r.scales, r.codes, r.zero_points
+        return _split(q, sc, z, widths, bits, g, symmetric, s)
     Xc = (X[:clip_rows] / s).astype(np.float32)
     starts = np.arange(0, K, g)
     mn = np.minimum.reduceat(Ws_, starts, axis=0)
@@ -107,24 +120,21 @@ def awq_shared(
         Ws_, bits, g, symmetric=symmetric, narrow=narrow, min_val=mn * best_r, max_val=mx * best_r
     )
 
+    return _split(q, sc, z, widths, bits, g, symmetric, s)
+
+
+def _split(q: np.ndarray, sc: np.ndarray, z: np.ndarray, widths: list[int], bits: int, g: int, symmetric: bool,
+           s: np.ndarray) -> list[WOQResult]:
+    """One result per layer from the column blocks of the concatenated weights (one shared input scale)."""
     results = []
     offsets = np.cumsum([0, *widths])
     for a, b in zip(offsets[:-1], offsets[1:], strict=True):
-        results.append(
-            WOQResult(
-                np.ascontiguousarray(q[:, a:b]),
-                np.ascontiguousarray(sc[:, a:b]),
-                np.ascontiguousarray(z[:, a:b]),
-                bits,
-                g,
-                symmetric,
-                input_scale=s.copy(),
-            )
-        )
+        results.append(WOQResult(np.ascontiguousarray(q[:, a:b]), np.ascontiguousarray(sc[:, a:b]),
+                                 np.ascontiguousarray(z[:, a:b]), bits, g, symmetric, input_scale=s.copy()))
     return results
 
 
-AWQ_OPTIONS = frozenset({"n_grid", "max_shrink", "max_rows", "clip_rows", "narrow"})
+AWQ_OPTIONS = frozenset({"n_grid", "max_shrink", "max_rows", "clip_rows", "narrow", "gptq"})
 
 
 @register_weight_algorithm("awq")
@@ -137,7 +147,8 @@ def awq(
     stats: LayerStats | None = None,
     **options: Any,
 ) -> WOQResult:
-    """AWQ of a single layer (see :func:`awq_shared`; options: n_grid, max_shrink, max_rows, clip_rows, narrow)."""
+    """AWQ of a single layer (see :func:`awq_shared`; options: n_grid, max_shrink, max_rows, clip_rows, narrow,
+    gptq = AWQ's scales then GPTQ rounding)."""
     allowed = AWQ_OPTIONS
     if set(options) - allowed:
         raise RecipeError(

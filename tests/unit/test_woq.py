@@ -245,3 +245,21 @@ def test_layer_stats_reservoir_is_uniform() -> None:
     # uniform over 0..9999: mean 5000, sd of the mean ~ 2887 / sqrt(200) ~ 204
     assert abs(float(s.mean()) - 4999.5) < 4 * 204
     assert st.samples.nbytes == m * K * 4  # memory does not grow with the stream
+
+
+def test_awq_then_gptq_beats_awq_alone_on_correlated_salient_inputs() -> None:
+    K, N = 256, 64
+    W = _weight(K, N)
+    X = _salient_inputs(2048, K) + 0.5 * _correlated_inputs(2048, K)
+    stats = LayerStats(K, max_rows=512)
+    stats.update(X[:1024])
+    Xt = X[1024:]
+
+    def err(res: WOQResult) -> float:
+        assert res.input_scale is not None
+        return float(np.linalg.norm(Xt @ W - (Xt / res.input_scale) @ res.dequantize()))
+
+    plain = awq(W, bits=4, group_size=128, symmetric=True, stats=stats)
+    combo = awq(W, bits=4, group_size=128, symmetric=True, stats=stats, gptq=True)
+    np.testing.assert_array_equal(plain.input_scale, combo.input_scale)  # the same AWQ scale
+    assert err(combo) < 0.95 * err(plain)
