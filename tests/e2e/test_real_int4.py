@@ -48,8 +48,11 @@ def test_int4_gptq_awq_rtn_on_real_smollm2_blocks(reduced_smollm2: Path, tmp_pat
     from quantkit.api import quantize
 
     results = {}
-    for algo in ("rtn", "gptq", "awq"):
-        res = quantize(str(reduced_smollm2), None, _recipe(algo), progress=False)
+    for algo in ("rtn", "gptq", "awq", "awq+gptq"):
+        rec = _recipe(algo.split("+")[0])
+        if algo == "awq+gptq":  # the shipped recipe's algorithm: AWQ scales, then GPTQ rounding
+            rec["quantization"]["default"]["algorithm_options"] = {"gptq": True}
+        res = quantize(str(reduced_smollm2), None, rec, progress=False)
         rep = res.report
         k = rep["census"]["quantized_kernels"]
         assert k.get("MatMulNBits") == 2 * 7 + 1 and k.get("GatherBlockQuantized") == 1, k  # + tied lm_head
