@@ -155,23 +155,20 @@ def pair_safe_codes(
     *,
     qmin: int = -127,
     qmax: int = 127,
-    importance: npt.ArrayLike | None = None,
     steps: int = 24,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Symmetric int8 codes for ``w_view [G, K, N]`` (kernel order) that no uint8 input can saturate.
 
     Per output column, tries the scale ``scale * alpha`` for ``alpha`` on a geometric grid from 1 to
     ``qmax / 64`` (where plain rounding is 7-bit and needs no constraint), rounds each with
-    :func:`constrained_round`, and keeps the alpha of least error
-    ``sum_k importance_k * (s * q_k - w_k)^2`` (``importance`` ``[G, K]``: e.g. the mean square of
-    the activation feeding row k; default 1).  Columns that already obey the bound keep their codes
+    :func:`constrained_round`, and keeps the alpha of least error ``sum_k (s * q_k - w_k)^2`` (data-free;
+    :mod:`quantkit.algorithms.pair_rounding` weighs the choice by the layer's inputs).  Columns that already obey the bound keep their codes
     and scale unchanged.  Returns ``(codes [G, K, N] int8, scale [G, N] float32, changed [G, N])``.
     """
     w = np.asarray(w_view, np.float64)
-    g, k, n = w.shape
+    g, _, n = w.shape
     s0 = np.broadcast_to(np.asarray(scale, np.float64).reshape(g, n) if np.size(scale) == g * n
                          else np.asarray(scale, np.float64), (g, n)).astype(np.float64)
-    imp = np.ones((g, k, 1)) if importance is None else np.asarray(importance, np.float64).reshape(g, k, 1)
     q_plain = np.clip(np.rint(w / s0[:, None, :]), qmin, qmax)
     bad = np.asarray(pair_violations(q_plain).any(axis=-2))  # [G, N]
     best_q = q_plain.copy()
@@ -180,12 +177,12 @@ def pair_safe_codes(
         cols = np.flatnonzero(bad[gi])
         if cols.size == 0:
             continue
-        wc, sc, ic = w[gi][:, cols], s0[gi, cols], imp[gi]
+        wc, sc = w[gi][:, cols], s0[gi, cols]
         best_err = np.full(cols.size, np.inf)
         for alpha in np.geomspace(1.0, qmax / 64.0, steps):
             s = (sc * alpha).astype(np.float32).astype(np.float64)
             q = constrained_round(wc / s, qmin, qmax)
-            err = (ic * (q * s - wc) ** 2).sum(axis=0)
+            err = ((q * s - wc) ** 2).sum(axis=0)
             take = err < best_err
             best_err = np.where(take, err, best_err)
             best_s[gi, cols[take]] = s[take]

@@ -127,13 +127,6 @@ class Target:
         """Whether int8 weights must obey the int16 pair bound (exact on saturating CPUs)."""
         return self.cpu_class == "portable" or cpu_class_saturates(self.cpu_class)
 
-    def exact_on(self, cpu_class: str) -> bool | None:
-        """True when a model built for this target is guaranteed exact on ``cpu_class`` by construction;
-        None when only a check of its weights can tell (see :func:`quantkit.scheme.saturation`)."""
-        if not cpu_class_saturates(cpu_class) or self.pair_safe:
-            return True
-        return None
-
     def as_dict(self) -> dict[str, str]:
         return {"device": self.device, "isa": self.isa, "cpu_class": self.cpu_class}
 
