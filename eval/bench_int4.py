@@ -227,6 +227,10 @@ def _run_peer(method: str, pdir: Path, block: int, folder: Path, calib: dict[str
 
     slug = _slug(method)
     pdir.mkdir(parents=True, exist_ok=True)
+    lock = pdir / f"{slug}.lock"  # another run sharing --peer-cache is making it: wait
+    while lock.exists():
+        print(f"[bench] {method}: waiting for {lock} to go", flush=True)
+        time.sleep(30)
     done = (pdir / f"{slug}.peer.json").is_file()
     if method.startswith("autoround:"):
         assert calib is not None
@@ -246,8 +250,12 @@ def _run_peer(method: str, pdir: Path, block: int, folder: Path, calib: dict[str
     if done:
         print(f"[bench] {method}: reusing {pdir}", flush=True)
         return pdir
-    subprocess.run([str(PEER_PY), __file__, "--peer", method, "--out-dir", str(pdir), "--block", str(block),
-                    "--hf-folder", str(folder), *extra], check=True, cwd=ROOT)
+    lock.touch()
+    try:
+        subprocess.run([str(PEER_PY), __file__, "--peer", method, "--out-dir", str(pdir), "--block", str(block),
+                        "--hf-folder", str(folder), *extra], check=True, cwd=ROOT)
+    finally:
+        lock.unlink()
     return pdir
 
 
