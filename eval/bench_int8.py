@@ -239,7 +239,7 @@ def main() -> None:
         worker(args.worker, recipe_path, args.calib, args.out_dir)
         return
 
-    from quantkit.api import evaluate_fidelity
+    from quantkit.pipeline import evaluate_fidelity
     from quantkit.evaluate.latency import compare_latency, make_session
     from quantkit.lowering.verify import census
     from quantkit.report.build import environment

@@ -53,3 +53,26 @@ FUSED_KERNELS: dict[str, tuple[str, ...]] = {
     "AveragePool": ("QLinearAveragePool",),
     "Concat": ("QLinearConcat",),
 }
+
+TORCH_NAME_SCOPES = "pkg.torch.onnx.name_scopes"
+"""Node metadata written by ``torch.onnx.export`` (dynamo): the module scopes a node came from."""
+
+
+def module_path(node: object) -> str | None:
+    """The PyTorch module path a node was exported from (``model.encoder.layer.0.intermediate.dense``),
+    from the exporter's ``name_scopes`` metadata; None for graphs without it.  Recipe ``pattern``
+    overrides match this path as well as the node name, so recipes read like the model card even when
+    the exporter named the node ``node_MatMul_119``."""
+    import ast
+
+    raw = getattr(node, "metadata_props", {}).get(TORCH_NAME_SCOPES)
+    if not raw:
+        return None
+    try:
+        scopes = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return None
+    if not isinstance(scopes, list) or len(scopes) < 2:
+        return None
+    path = str(scopes[-2])  # the last scope is the op itself ("linear", "conv2d")
+    return path or None

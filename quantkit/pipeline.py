@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,24 +27,20 @@ from quantkit.errors import DataError, QuantkitError
 from quantkit.evaluate.latency import compare_latency, make_session
 from quantkit.evaluate.metrics import FidelityAccumulator
 from quantkit.frontends import LoadedModel
-from quantkit.lowering.select import QuantPlan, constant_array
+from quantkit.lowering.select import QuantPlan
 from quantkit.recipe import RecipeModel
 
 __all__ = [
     "EXTERNAL_DATA_THRESHOLD",
-    "LINEAR_ONLY_FORMATS",
     "calibrate_ranges",
     "eval_dataset",
     "evaluate_fidelity",
     "layer_sqnr",
-    "linear_format_layers",
-    "lower_linear_formats",
     "measure_pair_latency",
     "model_bytes",
     "save_model",
     "verify_kernels",
     "verify_model",
-    "weight_only_layers",
 ]
 
 log = logging.getLogger("quantkit")
@@ -164,62 +159,6 @@ def calibrate_ranges(
 
 def _factory(cls: Any, dtype: str, symmetric: bool, options: dict[str, Any]) -> Any:
     return lambda: cls(dtype=dtype, symmetric=symmetric, **options)
-
-
-LINEAR_ONLY_FORMATS = ("int4", "int8_weight", "int8_dynamic", "fp16", "bf16")
-"""Formats lowered on ``MatMul(x, W)``: a Gemm given one of them is rewritten to MatMul + Add first."""
-
-
-
-def linear_format_layers(float_model: ir.Model, rec: RecipeModel) -> dict[str, str]:
-    """MatMul layers with a constant weight that the recipe puts in int8_dynamic / fp16 / bf16."""
-    from quantkit.lowering.select import recipe_op_type
-    from quantkit.recipe.plan import resolve_layer
-
-    out = {}
-    for n in float_model.graph:
-        if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx") or len(n.inputs) < 2:
-            continue
-        fmt = resolve_layer(rec, n.name or "", recipe_op_type(n)).format
-        if fmt in ("int8_dynamic", "fp16", "bf16") and constant_array(n.inputs[1]) is not None:
-            out[n.name or ""] = fmt
-    return out
-
-
-
-def lower_linear_formats(qmodel: ir.Model, layers: Mapping[str, str], pair_safe: bool) -> None:
-    """fp16 / bf16 (16-bit weight storage, :mod:`quantkit.lowering.cast`) and int8_dynamic (per-token
-    W8A8, :mod:`quantkit.lowering.dynamic`; int8 codes pair-safe when the target needs it)."""
-    from quantkit.algorithms.smoothquant import int8_weight_per_column
-    from quantkit.lowering.cast import lower_cast
-    from quantkit.lowering.dynamic import lower_int8_dynamic
-
-    for name, fmt in layers.items():
-        if fmt == "int8_dynamic":
-            node = next(n for n in qmodel.graph if n.name == name)
-            w = constant_array(node.inputs[1])
-            assert w is not None  # checked by _linear_format_layers
-            q, sc = int8_weight_per_column(np.asarray(w, np.float32), pair_safe=pair_safe)
-            lower_int8_dynamic(qmodel, name, q, sc, granularity="per_token")
-        else:
-            lower_cast(qmodel, name, fmt)
-
-
-
-def weight_only_layers(float_model: ir.Model, rec: RecipeModel) -> dict[str, Any]:
-    """Layers the recipe puts in a weight-only format (int4 / int8_weight).  A Gemm among them (a
-    classifier exported from ``nn.Linear``) is first rewritten as MatMul + Add (exact, same name), the
-    form MatMulNBits replaces."""
-    from quantkit.prep.gemm_to_matmul import gemm_to_matmul
-    from quantkit.recipe.plan import resolve_layer
-    from quantkit.weight_only import select_weight_only
-
-    gemms = {n.name or "" for n in float_model.graph
-             if n.op_type == "Gemm" and resolve_layer(rec, n.name or "", "Gemm").format in LINEAR_ONLY_FORMATS}
-    if gemms:
-        gemm_to_matmul(float_model, only=gemms)
-    return select_weight_only(float_model, rec)
-
 
 
 def verify_kernels(qproto: onnx.ModelProto, target: Any, ds: Dataset | None, samples: int) -> dict[str, Any]:

@@ -36,13 +36,14 @@ from tqdm.auto import tqdm
 from quantkit.algorithms.woq import WOQResult, get_weight_algorithm
 from quantkit.calibrate.layer_stats import LayerStats
 from quantkit.errors import DataError, UnsupportedOpError
-from quantkit.lowering.select import _weighted_ok, constant_array, recipe_op_type
-from quantkit.recipe.plan import LayerPlan, resolve_layer
+from quantkit.lowering.select import _weighted_ok, constant_array, layer_plan
+from quantkit.recipe.plan import LayerPlan, PrecisionPlan, as_plan
 from quantkit.recipe.schema import RecipeModel
 
 log = logging.getLogger("quantkit")
 
 WEIGHT_ONLY_FORMATS = ("int4", "int8_weight")
+STATS_ALGORITHMS = ("gptq", "awq", "signround")  # the weight algorithms that read LayerStats
 
 
 @dataclass
@@ -87,13 +88,14 @@ def _tied_gather(graph: ir.Graph, w_val: ir.Value) -> tuple[str | None, str]:
     return None, ""
 
 
-def select_weight_only(model: ir.Model, rec: RecipeModel) -> dict[str, WOQLayer]:
-    """The MatMul layers that the recipe resolves to a weight-only format, in graph order."""
+def select_weight_only(model: ir.Model, rec: RecipeModel | PrecisionPlan) -> dict[str, WOQLayer]:
+    """The MatMul layers that the plan (or recipe) puts in a weight-only format, in graph order."""
+    plan = as_plan(rec)
     out: dict[str, WOQLayer] = {}
     for node in model.graph:
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
             continue
-        lp = resolve_layer(rec, node.name or "", recipe_op_type(node))
+        lp = layer_plan(plan, node)
         if lp.format not in WEIGHT_ONLY_FORMATS:
             continue
         w_val = node.inputs[1]
@@ -202,7 +204,7 @@ def quantize_weights(
     """Choose the quantized weights of ``layers`` (no graph edits)."""
     outcome = WOQOutcome(layers, {})
     t0 = time.perf_counter()
-    needs_stats = any(lay.plan.algorithm in ("gptq", "awq") for lay in layers.values())
+    needs_stats = any(lay.plan.algorithm in STATS_ALGORITHMS for lay in layers.values())
     if needs_stats and dataset is None:
         raise DataError("GPTQ/AWQ need calibration data: set calibration.data or pass calibration_data")
     n_stages = assign_stages(model, layers, 10**6 if rec.calibration.sequential else 1) if needs_stats else 1
@@ -230,8 +232,8 @@ def quantize_weights(
     for stage in stage_bar:
         members = {n: lay for n, lay in layers.items() if lay.stage == stage}
         stats: dict[str, LayerStats] = {}
-        if session is not None and any(m.plan.algorithm in ("gptq", "awq") for m in members.values()):
-            ins = {m.input: m.K for m in members.values() if m.plan.algorithm in ("gptq", "awq")}
+        if session is not None and any(m.plan.algorithm in STATS_ALGORITHMS for m in members.values()):
+            ins = {m.input: m.K for m in members.values() if m.plan.algorithm in STATS_ALGORITHMS}
             feeds = {k: v for k, v in current.items()} if rec.calibration.sequential else {}
             stats = _stats_pass(session, dataset, ins, feeds, rec.calibration.max_rows,
                                 f"statistics {stage + 1}/{n_stages}", progress)

@@ -13,7 +13,9 @@ Rules (see :mod:`quantkit.ops` for the op roles):
 2. *Glue* and *passthrough* nodes are quantized only inside an int8 chain: every
    activation input is produced by a quantized node (directly or through a foldable
    ``Relu``/``Clip``) and every consumer of its output is quantized.  This is found as a
-   greatest fixed point (start with all candidates, drop violators until stable).
+   greatest fixed point (start with all candidates, drop violators until stable).  A pool
+   (``GlobalAveragePool`` / ``AveragePool``) may *end* a chain: its output, smaller than its
+   input, is what gets dequantized for a float consumer (e.g. a classifier in another format).
 3. The output of a quantized node is quantized when its kernel needs it (Conv, glue,
    passthrough) or when a quantized node consumes it.  MatMul/Gemm outputs that only
    feed float ops stay float (``MatMulIntegerToFloat``) - no pointless requantization.
@@ -30,12 +32,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
-from quantkit.ops import ABSORBABLE, GLUE, PASSTHROUGH, QUANTIZABLE_OPS, WEIGHTED
-from quantkit.recipe.plan import LayerPlan, resolve_layer
+from quantkit.ops import ABSORBABLE, GLUE, PASSTHROUGH, QUANTIZABLE_OPS, WEIGHTED, module_path
+from quantkit.recipe.plan import LayerPlan, PrecisionPlan, as_plan
 from quantkit.recipe.schema import RecipeModel
 
 
@@ -75,6 +78,11 @@ by ``op_type`` keep matching the op the user saw in the exported model."""
 def recipe_op_type(node: ir.Node) -> str:
     """The op type recipe overrides match: the original one when a rewrite changed it."""
     return node.metadata_props.get(ORIGINAL_OP_TYPE, node.op_type)
+
+
+def layer_plan(plan: PrecisionPlan, node: ir.Node) -> LayerPlan:
+    """``node``'s entry in ``plan`` (matched by name, module path and the op type the user saw)."""
+    return plan.layer(node.name or "", recipe_op_type(node), module_path(node))
 
 
 def constant_array(value: ir.Value | None) -> np.ndarray | None:
@@ -152,26 +160,25 @@ def _weighted_ok(node: ir.Node) -> str | None:
     return None
 
 
-def select(model: ir.Model, recipe: RecipeModel) -> QuantPlan:
-    """Build the :class:`QuantPlan` of ``model`` under ``recipe``."""
-    graph = model.graph
-    q = recipe.quantization
+def _int8_candidates(model: ir.Model, precision: PrecisionPlan, plan: QuantPlan) -> dict[str, ir.Node]:
+    """Rule 1: the nodes the precision plan puts in static int8 (into ``plan.layers``; others into
+    ``plan.skipped`` with the reason)."""
+    q = precision.recipe.quantization
     allowed_ops = QUANTIZABLE_OPS if q.op_types == "auto" else frozenset(q.op_types)
-    plan = QuantPlan()
     nodes: dict[str, ir.Node] = {}
-    for node in graph:
+    for node in model.graph:
         if node.op_type not in QUANTIZABLE_OPS or node.domain not in ("", "ai.onnx"):
             continue
         name = node.name or ""
         nodes[name] = node
-        lp = resolve_layer(recipe, name, recipe_op_type(node))
+        lp = layer_plan(precision, node)
         if lp.op_type != node.op_type:  # matched as the original op; lowered as the node it is now
             lp = dataclasses.replace(lp, op_type=node.op_type)
         if node.op_type not in allowed_ops:
             plan.skipped[name] = f"op type {node.op_type} not in quantization.op_types"
             continue
         if lp.format != "int8":
-            plan.skipped[name] = f"recipe keeps it {lp.format} ({lp.rule})"
+            plan.skipped[name] = f"the plan keeps it {lp.format} ({lp.rule})"
             continue
         if node.op_type in WEIGHTED:
             why = _weighted_ok(node)
@@ -179,26 +186,46 @@ def select(model: ir.Model, recipe: RecipeModel) -> QuantPlan:
                 plan.skipped[name] = why
                 continue
         plan.layers[name] = lp
+    return nodes
 
-    graph_outputs = {id(v) for v in graph.outputs}
 
-    def consumers(v: ir.Value) -> list[ir.Node]:
-        return [u.node for u in v.uses()]
+REDUCING = frozenset({"GlobalAveragePool", "AveragePool"})
+"""Glue ops that shrink their input: at the end of an int8 chain (e.g. before a classifier in another format)
+they stay int8 and their output is dequantized, rather than dequantizing the larger input."""
 
-    def q_producer(v: ir.Value) -> ir.Node | None:
-        """The quantized node whose (possibly activation-folded) output is ``v``."""
-        p = v.producer()
-        if p is None:
-            return None
-        if p.name in plan.layers:
-            return p
-        if p.op_type in ABSORBABLE and clip_bounds(p) is not None and p.inputs[0] is not None:
-            pp = p.inputs[0].producer()
-            if pp is not None and pp.name in plan.layers and len(consumers(p.inputs[0])) == 1:
-                return pp
+
+def _consumers(v: ir.Value) -> list[ir.Node]:
+    return [u.node for u in v.uses()]
+
+
+def _q_producer(plan: QuantPlan, v: ir.Value) -> ir.Node | None:
+    """The quantized node whose (possibly activation-folded) output is ``v``."""
+    p = v.producer()
+    if p is None:
         return None
+    if p.name in plan.layers:
+        return p
+    if p.op_type in ABSORBABLE and clip_bounds(p) is not None and p.inputs[0] is not None:
+        pp = p.inputs[0].producer()
+        if pp is not None and pp.name in plan.layers and len(_consumers(p.inputs[0])) == 1:
+            return pp
+    return None
 
-    # Rule 2: greatest fixed point for glue / passthrough nodes.
+
+def select(model: ir.Model, recipe: RecipeModel | PrecisionPlan) -> QuantPlan:
+    """Build the :class:`QuantPlan` of ``model``'s static-int8 layers under a precision plan (or a recipe,
+    resolved as :meth:`PrecisionPlan.from_recipe`): rules 1-4 of the module doc."""
+    precision = as_plan(recipe)
+    plan = QuantPlan()
+    nodes = _int8_candidates(model, precision, plan)
+    _keep_int8_chains(model, plan, nodes)
+    _place_tensors(model, plan, precision.recipe.quantization)
+    return plan
+
+
+def _keep_int8_chains(model: ir.Model, plan: QuantPlan, nodes: Mapping[str, ir.Node]) -> None:
+    """Rule 2: glue / passthrough nodes stay int8 only inside a chain (greatest fixed point)."""
+    graph_outputs = {id(v) for v in model.graph.outputs}
     changed = True
     while changed:
         changed = False
@@ -209,18 +236,20 @@ def select(model: ir.Model, recipe: RecipeModel) -> QuantPlan:
             reason = None
             for i in _activation_inputs(node):
                 v = node.inputs[i]
-                if v is None or q_producer(v) is None:
+                if v is None or _q_producer(plan, v) is None:
                     reason = "an input comes from a float op (quantizing it would add a Q/DQ round trip)"
                     break
             if reason is None:
                 for out in node.outputs:
-                    users = consumers(out)
+                    users = _consumers(out)
                     folded: list[ir.Node] = []
                     for u in users:
                         if u.op_type in ABSORBABLE and len(users) == 1:
-                            folded.extend(consumers(u.outputs[0]))
+                            folded.extend(_consumers(u.outputs[0]))
                         else:
                             folded.append(u)
+                    if node.op_type in REDUCING and id(out) not in graph_outputs:
+                        continue  # a pool may end a chain: its (smaller) output is dequantized instead
                     if id(out) in graph_outputs or not folded or any(u.name not in plan.layers for u in folded):
                         reason = "its output feeds a float op or the graph output"
                         break
@@ -229,67 +258,64 @@ def select(model: ir.Model, recipe: RecipeModel) -> QuantPlan:
                 plan.skipped[name] = f"not in an int8 chain: {reason}"
                 changed = True
 
-    # Rules 3 and 4: which tensors get Q.
-    def add_tensor(v: ir.Value, lp: LayerPlan, consumer: str | None, **kw: object) -> None:
-        name = v.name or ""
-        prev = plan.tensors.get(name)
-        cons = tuple(sorted({*(prev.consumers if prev else ()), *((consumer,) if consumer else ())}))
-        if prev is not None:
-            plan.tensors[name] = TensorQuant(**{**prev.__dict__, "consumers": cons})
-            return
-        prod = v.producer()
-        plan.tensors[name] = TensorQuant(
-            name=name,
-            dtype=lp.act_dtype,
-            symmetric=lp.act_symmetric,
-            calibrator=lp.calibrator,
-            consumers=cons,
-            producer=prod.name if prod is not None else None,
-            **kw,  # type: ignore[arg-type]
-        )
 
-    def output_target(node: ir.Node) -> tuple[ir.Value, tuple[float, float] | None]:
-        """The tensor that carries this quantized node's output Q (after a folded activation)."""
-        out = node.outputs[0]
-        users = consumers(out)
-        if q.fold_clip_ranges and len(users) == 1 and id(out) not in graph_outputs:
-            act = users[0]
-            bounds = clip_bounds(act)
-            if act.op_type in ABSORBABLE and bounds is not None and bounds[0] <= 0.0 <= bounds[1]:
-                return act.outputs[0], bounds
-        return out, None
+def _add_tensor(plan: QuantPlan, v: ir.Value, lp: LayerPlan, consumer: str | None, **kw: object) -> None:
+    name = v.name or ""
+    prev = plan.tensors.get(name)
+    cons = tuple(sorted({*(prev.consumers if prev else ()), *((consumer,) if consumer else ())}))
+    if prev is not None:
+        plan.tensors[name] = TensorQuant(**{**prev.__dict__, "consumers": cons})
+        return
+    prod = v.producer()
+    plan.tensors[name] = TensorQuant(name=name, dtype=lp.act_dtype, symmetric=lp.act_symmetric,
+                                     calibrator=lp.calibrator, consumers=cons,
+                                     producer=prod.name if prod is not None else None, **kw)  # type: ignore[arg-type]
 
-    order = [n for n in graph if n.name in plan.layers]
-    for node in order:
+
+def _output_target(node: ir.Node, q: Any, graph_outputs: set[int]) -> tuple[ir.Value, tuple[float, float] | None]:
+    """The tensor that carries this quantized node's output Q (after a folded activation)."""
+    out = node.outputs[0]
+    users = _consumers(out)
+    if q.fold_clip_ranges and len(users) == 1 and id(out) not in graph_outputs:
+        act = users[0]
+        bounds = clip_bounds(act)
+        if act.op_type in ABSORBABLE and bounds is not None and bounds[0] <= 0.0 <= bounds[1]:
+            return act.outputs[0], bounds
+    return out, None
+
+
+def _place_tensors(model: ir.Model, plan: QuantPlan, q: Any) -> None:
+    """Rules 3 and 4: which tensors get a QuantizeLinear, and with whose scheme."""
+    graph_outputs = {id(v) for v in model.graph.outputs}
+    for node in [n for n in model.graph if n.name in plan.layers]:
         lp = plan.layers[node.name or ""]
         for i in _activation_inputs(node):
             v = node.inputs[i]
-            if v is None:
-                continue
+            if v is None or node.op_type in PASSTHROUGH:
+                continue  # a passthrough's input is quantized by its producer (it is in an int8 chain)
             p = v.producer()
-            if node.op_type in PASSTHROUGH:
-                continue  # its input is quantized by its producer (it is in an int8 chain)
-            if p is not None and p.op_type in ABSORBABLE and q_producer(v) is not None and q.fold_clip_ranges:
-                add_tensor(v, plan.layers[q_producer(v).name or ""], node.name, clip=clip_bounds(p))  # type: ignore[union-attr]
+            qp = _q_producer(plan, v)
+            if p is not None and p.op_type in ABSORBABLE and qp is not None and q.fold_clip_ranges:
+                _add_tensor(plan, v, plan.layers[qp.name or ""], node.name, clip=clip_bounds(p))
             else:
-                add_tensor(v, lp, node.name)
-        target, bounds = output_target(node)
-        users = consumers(target)
+                _add_tensor(plan, v, lp, node.name)
+        target, bounds = _output_target(node, q, graph_outputs)
+        users = _consumers(target)
         needs = node.op_type not in WEIGHTED or not WEIGHTED[node.op_type].float_output_ok
         feeds_q = any(u.name in plan.layers for u in users)
         is_out = id(target) in graph_outputs
-        if needs or (feeds_q and not (is_out and not q.quantize_outputs)) or (is_out and q.quantize_outputs):
-            if node.op_type in PASSTHROUGH:
-                src = node.inputs[0]
-                src_name = src.name if src is not None else None
-                src_tq = plan.tensors.get(src_name or "")
-                if src_tq is not None:  # same grid and range as its source: same calibrator too
-                    lp = dataclasses.replace(lp, calibrator=src_tq.calibrator, act_dtype=src_tq.dtype,
-                                             act_symmetric=src_tq.symmetric)
-                add_tensor(target, lp, None, inherit_from=src_name)
-            else:
-                add_tensor(target, lp, None, clip=bounds)
-    return plan
+        if not (needs or (feeds_q and not (is_out and not q.quantize_outputs)) or (is_out and q.quantize_outputs)):
+            continue
+        if node.op_type in PASSTHROUGH:
+            src = node.inputs[0]
+            src_name = src.name if src is not None else None
+            src_tq = plan.tensors.get(src_name or "")
+            if src_tq is not None:  # same grid and range as its source: same calibrator too
+                lp = dataclasses.replace(lp, calibrator=src_tq.calibrator, act_dtype=src_tq.dtype,
+                                         act_symmetric=src_tq.symmetric)
+            _add_tensor(plan, target, lp, None, inherit_from=src_name)
+        else:
+            _add_tensor(plan, target, lp, None, clip=bounds)
 
 
 def layer_names(plan: QuantPlan) -> Mapping[str, str]:

@@ -158,6 +158,8 @@ class LeftoverQDQ:
     consumers: tuple[str, ...]
     at_graph_input: bool
     at_graph_output: bool
+    producer: str = ""  # op type of the node producing its input ("" for a graph input / initializer)
+    feeds_requantize: bool = False  # its output reaches a QuantizeLinear through at most one float op
 
     def describe(self) -> str:
         """``"<op> '<name>': <input> -> <output> -> <consumers>"`` for reports."""
@@ -486,6 +488,11 @@ def _leftovers(opt: _OptIndex) -> list[LeftoverQDQ]:
         consumers = [_describe(c) for c in opt.consumers.get(data_out, [])]
         if data_out in opt.graph_outputs:
             consumers.append(f"graph output {data_out!r}")
+        prod = opt.through_layout(data_in)  # past ORT's NHWC Transposes
+        users = opt.consumers.get(data_out, [])
+        requant = any(u.op_type in _QDQ_OPS and "Dequantize" not in u.op_type for u in users) or any(
+            w.op_type in _QDQ_OPS and "Dequantize" not in w.op_type
+            for u in users for o in u.output for w in opt.consumers.get(o, []))
         found.append(
             LeftoverQDQ(
                 name=node.name,
@@ -495,6 +502,8 @@ def _leftovers(opt: _OptIndex) -> list[LeftoverQDQ]:
                 consumers=tuple(consumers),
                 at_graph_input=data_in in opt.graph_inputs,
                 at_graph_output=data_out in opt.graph_outputs,
+                producer=prod.op_type if prod is not None else "",
+                feeds_requantize=requant,
             )
         )
     return found

@@ -20,6 +20,7 @@ import numpy as np
 import onnx_ir as ir
 
 from quantkit.lowering.select import ORIGINAL_OP_TYPE, constant_array, recipe_op_type
+from quantkit.ops import TORCH_NAME_SCOPES
 
 __all__ = ["gemm_to_matmul"]
 
@@ -62,6 +63,8 @@ def gemm_to_matmul(model: ir.Model, only: set[str] | None = None) -> int:
         )
         mm = ir.node("MatMul", [a, wv], name=name, outputs=[ir.Value(name=namer(f"{name}/matmul_out"))])
         mm.metadata_props[ORIGINAL_OP_TYPE] = recipe_op_type(node)  # overrides by op_type still match
+        if TORCH_NAME_SCOPES in node.metadata_props:  # ... and by module path
+            mm.metadata_props[TORCH_NAME_SCOPES] = node.metadata_props[TORCH_NAME_SCOPES]
         last = mm
         if c is not None:
             cv = (

@@ -1,17 +1,35 @@
-"""Per-layer plans: the recipe's default and overrides resolved for one node.
+"""The precision plan: what every layer becomes (format, scheme, algorithm, options).
 
-Resolution order (first hit wins): an override naming the node exactly (``layer``),
-then the first override whose ``pattern`` regex matches the node name
-(``re.search``), then the first override naming the node's ``op_type``, then the
-default.  Fields an override leaves unset are inherited from the default.
+:class:`LayerPlan` is one layer's entry; :class:`PrecisionPlan` is the frozen plan of a model.  Recipe
+overrides and the search both produce a plan; the pipeline executes any plan the same way (one
+statistics pass per kind of statistic the plan's format handlers need, one lowering walk, one report):
+
+* :meth:`PrecisionPlan.from_recipe`: the recipe's default and overrides, resolved per node.
+  Resolution order (first hit wins): an override naming the node exactly (``layer``), then the first
+  override whose ``pattern`` regex matches the node name **or its module path** (``re.search``; the
+  module path is the PyTorch module a node was exported from, e.g. ``encoder.layer.0.intermediate.dense``
+  for the exporter's ``node_MatMul_119``), then the first override naming the node's ``op_type``, then
+  the default.  Fields an override leaves unset are inherited from the default.
+* :meth:`PrecisionPlan.choose`: the search's decisions on top (layer -> candidate), a new frozen plan;
+  nothing is edited in the recipe and nothing is re-validated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
-from quantkit.recipe.schema import ActivationScheme, LayerScheme, Override, RecipeModel, WeightScheme
+from quantkit.recipe.schema import (
+    ActivationScheme,
+    Candidate,
+    LayerScheme,
+    Override,
+    RecipeModel,
+    WeightScheme,
+)
 
 
 @dataclass(frozen=True)
@@ -30,16 +48,21 @@ class LayerPlan:
     rule: str
     group_size: int | None = 128
     algorithm: str = "rtn"
-    algorithm_options: tuple[tuple[str, object], ...] = ()  # which recipe rule decided: "default", "layer:<name>", "pattern:<re>", "op_type:<op>"
+    algorithm_options: tuple[tuple[str, object], ...] = ()
+    smoothquant: float | str = "auto"  # int8_dynamic: alpha, "auto" or "off"
+    granularity: str = "per_token"  # int8_dynamic: "per_token" | "per_tensor"
+    compute: str = "storage"  # fp16 / bf16: "storage" | "native"
+    # ``rule``: which recipe rule decided: "default", "layer:<name>", "pattern:<re>", "op_type:<op>", or
+    # "search:<candidate>" when the search chose it
 
 
-def _pick(recipe: RecipeModel, layer: str, op_type: str) -> tuple[Override | None, str]:
+def _pick(recipe: RecipeModel, layer: str, op_type: str, module: str | None = None) -> tuple[Override | None, str]:
     ovs = recipe.quantization.overrides
     for ov in ovs:
         if ov.layer is not None and ov.layer == layer:
             return ov, f"layer:{ov.layer}"
     for ov in ovs:
-        if ov.pattern is not None and re.search(ov.pattern, layer):
+        if ov.pattern is not None and (re.search(ov.pattern, layer) or (module and re.search(ov.pattern, module))):
             return ov, f"pattern:{ov.pattern}"
     for ov in ovs:
         if ov.op_type is not None and ov.op_type == op_type:
@@ -47,10 +70,10 @@ def _pick(recipe: RecipeModel, layer: str, op_type: str) -> tuple[Override | Non
     return None, "default"
 
 
-def resolve_layer(recipe: RecipeModel, layer: str, op_type: str) -> LayerPlan:
-    """Resolve the scheme of node ``layer`` (of type ``op_type``) from ``recipe``."""
+def resolve_layer(recipe: RecipeModel, layer: str, op_type: str, module: str | None = None) -> LayerPlan:
+    """Resolve the scheme of node ``layer`` (of type ``op_type``, exported from PyTorch module ``module``)."""
     d: LayerScheme = recipe.quantization.default
-    ov, rule = _pick(recipe, layer, op_type)
+    ov, rule = _pick(recipe, layer, op_type, module)
     w: WeightScheme = (ov.weights if ov and ov.weights else None) or d.weights
     a: ActivationScheme = (ov.activations if ov and ov.activations else None) or d.activations
     fmt = (ov.format if ov and ov.format else None) or d.format
@@ -69,6 +92,9 @@ def resolve_layer(recipe: RecipeModel, layer: str, op_type: str) -> LayerPlan:
         group_size=None if (ov and ov.per_channel) else ((ov.group_size if ov and ov.group_size else None) or d.group_size),
         algorithm=(ov.algorithm if ov and ov.algorithm else None) or d.algorithm,
         algorithm_options=tuple(sorted(_algorithm_options(ov, d).items())),
+        smoothquant=ov.smoothquant if ov is not None and ov.smoothquant is not None else d.smoothquant,
+        granularity=(ov.granularity if ov is not None and ov.granularity else None) or d.granularity,
+        compute=(ov.compute if ov is not None and ov.compute else None) or d.compute,
     )
 
 
@@ -80,3 +106,51 @@ def _algorithm_options(ov: Override | None, d: LayerScheme) -> dict[str, object]
     if ov is not None and ov.algorithm is not None and ov.algorithm != d.algorithm:
         return {}
     return dict(d.algorithm_options)
+
+
+def overridden(recipe: RecipeModel, layer: str, op_type: str, module: str | None = None) -> bool:
+    """Whether a recipe override (not the default) decides ``layer``: such layers are pinned in a search."""
+    return _pick(recipe, layer, op_type, module)[0] is not None
+
+
+def with_candidate(lp: LayerPlan, cand: Candidate, default: LayerScheme) -> LayerPlan:
+    """``lp`` turned into search candidate ``cand``: its format, group size and algorithm (the default's
+    when the candidate names none; the default's options only for the default's algorithm)."""
+    algo = cand.algorithm or default.algorithm
+    opts = (cand.algorithm_options if cand.algorithm_options is not None
+            else (default.algorithm_options if algo == default.algorithm else {}))
+    group = None if cand.per_channel else (cand.group_size if cand.group_size is not None else default.group_size)
+    return dataclasses.replace(lp, format=cand.format, group_size=group, algorithm=algo,
+                               algorithm_options=tuple(sorted(dict(opts).items())), rule=f"search:{cand.name}",
+                               smoothquant="off" if cand.smoothquant is None else cand.smoothquant,
+                               granularity=cand.granularity, compute=cand.compute)
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """Frozen layer -> :class:`LayerPlan` of one model: the recipe's resolution plus decided layers.
+
+    ``decided`` holds the layers whose plan was chosen outside the recipe (by the search); every other
+    layer resolves from the recipe on demand (:meth:`layer`).  Plans are values: :meth:`choose` returns a
+    new plan.
+    """
+
+    recipe: RecipeModel
+    decided: Mapping[str, LayerPlan] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def from_recipe(cls, recipe: RecipeModel) -> PrecisionPlan:
+        return cls(recipe)
+
+    def layer(self, name: str, op_type: str, module: str | None = None) -> LayerPlan:
+        """The plan of node ``name`` (its recipe ``op_type``, its PyTorch ``module`` path when known)."""
+        lp = self.decided.get(name)
+        return lp if lp is not None else resolve_layer(self.recipe, name, op_type, module)
+
+    def choose(self, layers: Mapping[str, LayerPlan]) -> PrecisionPlan:
+        """A new plan with ``layers`` decided (on top of this plan's decisions)."""
+        return PrecisionPlan(self.recipe, MappingProxyType({**self.decided, **layers}))
+
+
+def as_plan(plan_or_recipe: PrecisionPlan | RecipeModel) -> PrecisionPlan:
+    return plan_or_recipe if isinstance(plan_or_recipe, PrecisionPlan) else PrecisionPlan.from_recipe(plan_or_recipe)

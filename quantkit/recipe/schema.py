@@ -99,6 +99,21 @@ class LayerScheme(_Strict):
     )
     algorithm: str = Field("rtn", description="weight-only algorithm: rtn | gptq | awq")
     algorithm_options: dict[str, Any] = Field(default_factory=dict)
+    smoothquant: float | Literal["auto", "off"] = Field(
+        "auto", description="int8_dynamic: SmoothQuant alpha in [0, 1], 'auto' (chosen per group of layers that "
+        "share an input, 'no smoothing' included) or 'off'")
+    granularity: Literal["per_token", "per_tensor"] = Field(
+        "per_token", description="int8_dynamic: activation scale per token (row) or one per tensor")
+    compute: Literal["storage", "native"] = Field(
+        "storage", description="fp16 / bf16: 'storage' = 16-bit weights cast to fp32 once; 'native' = "
+        "activations cast to 16 bits around the layer")
+
+    @field_validator("smoothquant")
+    @classmethod
+    def _alpha_range(cls, v: Any) -> Any:
+        if isinstance(v, float) and not 0.0 <= v <= 1.0:
+            raise ValueError(f"smoothquant alpha {v} is outside [0, 1]; allowed: a number in [0, 1], 'auto' or 'off'")
+        return v
 
     @field_validator("group_size")
     @classmethod
@@ -120,6 +135,16 @@ class Override(_Strict):
     per_channel: bool | None = Field(None, description="weight-only: one group per output channel")
     algorithm: str | None = None
     algorithm_options: dict[str, Any] | None = None
+    smoothquant: float | Literal["auto", "off"] | None = None
+    granularity: Literal["per_token", "per_tensor"] | None = None
+    compute: Literal["storage", "native"] | None = None
+
+    @field_validator("smoothquant")
+    @classmethod
+    def _alpha_range(cls, v: Any) -> Any:
+        if isinstance(v, float) and not 0.0 <= v <= 1.0:
+            raise ValueError(f"smoothquant alpha {v} is outside [0, 1]; allowed: a number in [0, 1], 'auto' or 'off'")
+        return v
 
     @model_validator(mode="after")
     def _one_selector(self) -> Override:

@@ -15,8 +15,6 @@ from typing import Any
 import onnx
 import onnxruntime as ort
 
-from quantkit.lowering.qdq import LoweringResult
-from quantkit.lowering.select import QuantPlan
 from quantkit.lowering.verify import Census
 from quantkit.ops import FUSED_KERNELS, PASSTHROUGH
 from quantkit.recipe import RecipeModel
@@ -53,133 +51,163 @@ def _finite(x: float) -> float | str:
     return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
 
 
+def _static_rows(lowered: Any, census: Census, per_layer_sqnr: Mapping[str, float]) -> tuple[list[dict[str, Any]],
+                                                                                             list[dict[str, Any]]]:
+    """Rows of the static-INT8 layers (scales, zero points, kernel), and those ONNX Runtime did not fuse."""
+    plan, lowering = lowered.static, lowered.lowering
+    rows, unfused = [], []
+    act_of: dict[str, list[str]] = {}
+    for t in plan.tensors.values():
+        for c in t.consumers:
+            act_of.setdefault(c, []).append(t.name)
+    for name, lp in plan.layers.items():
+        fusion = census.per_layer.get(name)
+        w = lowering.weights.get(name)
+        acts = [lowering.tensors[t] for t in act_of.get(name, []) if t in lowering.tensors]
+        rows.append({
+            "layer": name, "op": lp.op_type, "format": lp.format, "family": "static", "rule": lp.rule,
+            "calibrator": lp.calibrator,
+            "weights": None if w is None else {
+                "dtype": w.dtype, "symmetric": w.symmetric, "axis": w.axis, "scale_min": w.scale_min,
+                "scale_max": w.scale_max, "zero_point_range": list(w.zero_point_range),
+                "weight_sqnr_db": _finite(w.weight_sqnr_db)},
+            "inputs": [{"tensor": a.name, "dtype": a.dtype, "scale": a.scale, "zero_point": a.zero_point,
+                        "calibrator": plan.tensors[a.name].calibrator if a.name in plan.tensors else None,
+                        "note": a.note} for a in acts],
+            "lowering_note": lowering.notes.get(name, ""),
+            "output_sqnr_db": _finite(per_layer_sqnr[name]) if name in per_layer_sqnr else None,
+            "fused": None if fusion is None else fusion.fused,
+            "kernel": None if fusion is None else fusion.kernel,
+            "note": ("int8 data movement: ONNX Runtime drops the DQ/Q pair around it (same scale)"
+                     if lp.op_type in PASSTHROUGH else "") if fusion is None else fusion.note,
+        })
+        if fusion is not None and not fusion.fused:
+            unfused.append({
+                "layer": name, "op": lp.op_type, "expected": list(FUSED_KERNELS.get(lp.op_type, ())),
+                "note": fusion.note,
+                "cost": "runs in float between a DequantizeLinear and a QuantizeLinear: the conversions are pure "
+                        "overhead, so this layer is slower than in the FP32 model"})
+    return rows, unfused
+
+
+def _section_rows(rows: Sequence[Mapping[str, Any]], family: str, census: Census) -> list[dict[str, Any]]:
+    out = []
+    for r in rows:
+        fusion = census.per_layer.get(r["layer"])
+        out.append({**{k: (_finite(v) if isinstance(v, float) else v) for k, v in r.items()}, "family": family,
+                    "kernel": None if fusion is None else fusion.kernel,
+                    "fused": None if fusion is None else fusion.fused})
+    return out
+
+
+_PREFILL_ADVICE = (
+    "at many tokens per call the matrix products are compute-bound and ONNX Runtime's 4-bit kernel unpacks "
+    "weights on the fly, so INT4 pays off in decoding (one token per call, memory-bound), not in long prefills. "
+    "For prefill-heavy use, try int8_dynamic (W8A8) on the largest layers (`quantkit sweep` with search.metric: "
+    "latency finds the mix), keep export.accuracy_level at 4, and judge the decode figure for generation")
+
+
 def build_report(
     *,
     recipe: RecipeModel,
     source: str,
     float_proto: onnx.ModelProto,
     quant_proto: onnx.ModelProto,
-    plan: QuantPlan,
-    lowering: LoweringResult,
+    lowered: Any,
     census: Census,
-    fidelity: dict[str, Any],
-    per_layer_sqnr: dict[str, float],
+    quality: dict[str, Any],
+    per_layer_sqnr: Mapping[str, float],
     latency: dict[str, Any],
     timings: dict[str, float],
-    calibration: dict[str, Any] | None = None,
     calibration_samples: int,
     evaluation_samples: int,
     kernels: dict[str, Any] | None = None,
+    zero_range: Sequence[str] = (),
+    search: dict[str, Any] | None = None,
+    calibration: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Assemble the report dictionary (JSON-serialisable)."""
-    layers = []
-    act_of: dict[str, list[str]] = {}
-    for t in plan.tensors.values():
-        for c in t.consumers:
-            act_of.setdefault(c, []).append(t.name)
-    unfused = []
-    for name, lp in plan.layers.items():
-        fusion = census.per_layer.get(name)
-        w = lowering.weights.get(name)
-        acts = [lowering.tensors[t] for t in act_of.get(name, []) if t in lowering.tensors]
-        row: dict[str, Any] = {
-            "layer": name,
-            "op": lp.op_type,
-            "format": lp.format,
-            "rule": lp.rule,
-            "calibrator": lp.calibrator,
-            "weights": None
-            if w is None
-            else {
-                "dtype": w.dtype,
-                "symmetric": w.symmetric,
-                "axis": w.axis,
-                "scale_min": w.scale_min,
-                "scale_max": w.scale_max,
-                "zero_point_range": list(w.zero_point_range),
-                "weight_sqnr_db": _finite(w.weight_sqnr_db),
-            },
-            "inputs": [
-                {
-                    "tensor": a.name,
-                    "dtype": a.dtype,
-                    "scale": a.scale,
-                    "zero_point": a.zero_point,
-                    "calibrator": plan.tensors[a.name].calibrator if a.name in plan.tensors else None,
-                    "note": a.note,
-                }
-                for a in acts
-            ],
-            "lowering_note": lowering.notes.get(name, ""),
-            "output_sqnr_db": _finite(per_layer_sqnr[name]) if name in per_layer_sqnr else None,
-            "fused": None if fusion is None else fusion.fused,
-            "kernel": None if fusion is None else fusion.kernel,
-            "note": (
-                "int8 data movement: ONNX Runtime drops the DQ/Q pair around it (same scale)"
-                if lp.op_type in PASSTHROUGH
-                else ""
-            )
-            if fusion is None
-            else fusion.note,
-        }
-        layers.append(row)
-        if fusion is not None and not fusion.fused:
-            unfused.append(
-                {
-                    "layer": name,
-                    "op": lp.op_type,
-                    "expected": list(FUSED_KERNELS.get(lp.op_type, ())),
-                    "note": fusion.note,
-                    "cost": "runs in float between a DequantizeLinear and a QuantizeLinear: the conversions "
-                    "are pure overhead, so this layer is slower than in the FP32 model",
-                }
-            )
-    f_size = float_proto.ByteSize()
-    q_size = quant_proto.ByteSize()
-    warnings = []
-    if unfused:
-        warnings.append(
-            f"{len(unfused)} of {len(plan.layers)} quantized layers were NOT fused by ONNX Runtime "
-            "(see 'unfused'); expect them to run slower than FP32"
-        )
+    """The one report of a quantized model, whatever its mix of formats (JSON-serialisable).
+
+    ``lowered`` is the :class:`~quantkit.formats.base.Lowered` of the executed plan: one section per format
+    handler (static INT8 rows with scales and kernels, weight-only rows with algorithm and output SQNR,
+    dynamic / 16-bit rows); ``quality`` holds ``fidelity`` (per output) and / or perplexities; ``search`` the
+    solver's target, status and prediction when a search chose the plan.
+    """
+    static_rows, unfused = _static_rows(lowered, census, per_layer_sqnr)
+    woq = _section_rows(lowered.sections.get("weight_only", []), "weight_only", census)
+    linear = (_section_rows(lowered.sections.get("dynamic", []), "dynamic", census)
+              + _section_rows(lowered.sections.get("float16", []), "float", census))
+    formats = lowered.formats()
+    families = sorted({r["family"] for r in static_rows + woq + linear})
+    pf, pq = quality.get("perplexity_fp32"), quality.get("perplexity_quantized")
+    if pf and pq:
+        quality["perplexity_increase"] = pq["ppl"] / pf["ppl"] - 1.0
     leftovers = classify_leftovers(census)
-    stray = [d for d, kind in leftovers if kind == "stray"]
-    if stray:
-        warnings.append(
-            f"{len(stray)} stray QuantizeLinear/DequantizeLinear nodes remain inside ONNX Runtime's optimized "
-            "graph (each is a float<->int8 conversion that costs time): " + "; ".join(stray[:5])
-        )
-    if latency and latency.get("speedup", 1.0) < 1.0:
-        warnings.append(f"the quantized model is slower than FP32 (speedup {latency['speedup']:.2f}x)")
-    warnings += kernel_warnings(kernels or {})
+    warnings = _warnings(static_rows, unfused, woq, leftovers, latency, kernels or {}, zero_range)
+    counts: dict[str, int] = {}
+    for f in formats.values():
+        counts[f] = counts.get(f, 0) + 1
+    f_size, q_size = float_proto.ByteSize(), quant_proto.ByteSize()
     return {
+        "kind": "mixed" if search is not None or len(families) > 1 else (families[0] if families else "float"),
         "recipe": recipe.name,
         "model": source,
         "environment": environment(),
         "settings": recipe.model_dump(mode="json"),
         "samples": {"calibration": calibration_samples, "evaluation": evaluation_samples},
-        "calibration": calibration or {},
+        "calibration": dict(calibration or {}),
+        "formats": counts,
         "size": {"fp32_bytes": f_size, "quantized_bytes": q_size, "ratio": q_size / max(f_size, 1)},
         "latency": latency,
-        "fidelity": fidelity,
+        "fidelity": quality.get("fidelity", {}),
+        "quality": quality,
         "timings": timings,
         "census": {
             "op_counts": dict(census.op_counts),
             "quantized_kernels": dict(census.quantized_kernels),
+            "float_matmul_left": census.op_counts.get("MatMul", 0) + census.op_counts.get("com.microsoft.FusedMatMul", 0),
             "leftover_quantize_linear": census.leftover_q,
             "leftover_dequantize_linear": census.leftover_dq,
             "leftover_qdq_nodes": list(census.leftover_qdq_nodes),
-            "leftover_by_kind": {
-                k: sum(1 for _, kind in leftovers if kind == k)
-                for k in ("boundary", "feeds_fused_kernel", "stray")
-            },
+            "leftover_by_kind": {k: sum(1 for _, kind in leftovers if kind == k)
+                                 for k in ("boundary", "chain_exit", "feeds_fused_kernel", "stray")},
         },
-        "layers": layers,
+        "layers": static_rows + woq + linear,
+        "weight_only": woq,
+        "linear_formats": linear,
         "unfused": unfused,
-        "float_layers": [{"layer": k, "reason": v} for k, v in plan.skipped.items()],
+        "float_layers": [{"layer": k, "reason": v} for k, v in lowered.static.skipped.items() if k not in formats],
+        "notes": dict(lowered.notes),
+        "search": _json_safe(search) if search is not None else None,
         "kernels": _json_safe(kernels or {}),
         "warnings": warnings,
     }
+
+
+def _warnings(static_rows: list[dict[str, Any]], unfused: list[dict[str, Any]], woq: list[dict[str, Any]],
+              leftovers: list[tuple[str, str]], latency: Mapping[str, Any], kernels: Mapping[str, Any],
+              zero_range: Sequence[str]) -> list[str]:
+    out = []
+    if unfused:
+        out.append(f"{len(unfused)} of {len(static_rows)} quantized layers were NOT fused by ONNX Runtime "
+                   "(see 'unfused'); expect them to run slower than FP32")
+    bad = [str(r["layer"]) for r in woq if r["fused"] is False]
+    if bad:
+        out.append(f"{len(bad)} weight-only layers do not run as MatMulNBits: {', '.join(bad[:5])}")
+    stray = [d for d, kind in leftovers if kind == "stray"]
+    if stray:
+        out.append(f"{len(stray)} stray QuantizeLinear/DequantizeLinear nodes remain inside ONNX Runtime's optimized "
+                   "graph (each is a float<->int8 conversion that costs time): " + "; ".join(stray[:5]))
+    if latency and latency.get("speedup", 1.0) < 1.0:
+        out.append(f"the quantized model is slower than FP32 (speedup {latency['speedup']:.2f}x)")
+    if latency.get("prefill", {}).get("speedup", 1.0) < 1.0:
+        out.append(f"prefill is slower than FP32 ({latency['prefill']['speedup']:.2f}x): {_PREFILL_ADVICE}")
+    out += kernel_warnings(kernels)
+    if zero_range:
+        out.append(f"{len(zero_range)} activation tensor(s) had zero range over the calibration data (constant or all "
+                   f"zero: their scale is a placeholder and any other value will saturate): {', '.join(zero_range[:8])}"
+                   + (" ..." if len(zero_range) > 8 else "") + ". Calibrate on representative data")
+    return out
 
 
 def _json_safe(x: Any) -> Any:
@@ -218,6 +246,9 @@ def summary_lines(rep: Mapping[str, Any]) -> list[str]:
     kinds = (rep.get("census") or {}).get("quantized_kernels") or {}
     n = len(rep.get("layers") or [])
     out.append(f"- quantized: {n} layers ({', '.join(f'{k} x{v}' for k, v in sorted(kinds.items())) or 'no kernels'})")
+    fm = rep.get("formats") or {}
+    if len(fm) > 1:
+        out.append("- formats: " + ", ".join(f"{k} {v}" for k, v in sorted(fm.items())))
     for name, d in (rep.get("fidelity") or {}).items():
         keys = [k for k in ("top1_agreement", "mean_kl", "mean_cosine", "sqnr_db") if k in d]
         out.append(f"- fidelity `{name}`: " + ", ".join(f"{k} {_fmt(d[k], 4)}" for k in keys))
@@ -324,6 +355,8 @@ def classify_leftovers(census: Census) -> list[tuple[str, str]]:
     """Each leftover Q/DQ of the census with its kind:
 
     * ``boundary``: quantizes a graph input or dequantizes a graph output (expected);
+    * ``chain_exit``: a ``DequantizeLinear`` of a quantized kernel's output read by float ops that do not
+      quantize again - where an int8 chain meets a layer in another format (expected, needed);
     * ``feeds_fused_kernel``: a ``QuantizeLinear`` whose every consumer is a quantized kernel or
       int8 data movement (ORT's QDQ propagation moves a Q above Transpose/Reshape) - the one
       quantization of an activation that a float op produced (expected, needed);
@@ -336,6 +369,9 @@ def classify_leftovers(census: Census) -> list[tuple[str, str]]:
     for item in census.leftovers:
         if item.at_graph_input or item.at_graph_output:
             kind = "boundary"
+        elif (item.op_type.endswith("DequantizeLinear") and item.producer.split(".")[-1] in QUANTIZED_KERNELS
+              and not item.feeds_requantize):
+            kind = "chain_exit"
         elif (
             item.op_type.endswith("QuantizeLinear")
             and not item.op_type.endswith("DequantizeLinear")
@@ -366,154 +402,174 @@ def warnings_lines(rep: Mapping[str, Any]) -> list[str]:
 
 
 def render_markdown(rep: dict[str, Any]) -> str:
-    """A human-readable Markdown rendering of the report."""
-    if rep.get("kind") == "weight_only":
-        from quantkit.report.woq import render_woq_markdown
-
-        return render_woq_markdown(rep)
-    if rep.get("kind") == "mixed":
-        from quantkit.report.sweep import render_mixed_markdown
-
-        return render_mixed_markdown(rep)
-    lines = [f"# quantkit report: {rep['recipe']}", "", f"Model: `{rep['model']}`", ""]
+    """A human-readable Markdown rendering of the report: one section per part that is present."""
+    kind = {"mixed": " (mixed precision)", "weight_only": " (weight-only)"}.get(rep.get("kind", ""), "")
+    lines = [f"# quantkit report: {rep['recipe']}{kind}", "", f"Model: `{rep['model']}`", ""]
     lines += summary_lines(rep)
     env = rep["environment"]
-    lines.append(
-        f"Environment: quantkit {env['quantkit']}, onnxruntime {env['onnxruntime']}, onnx {env['onnx']}, "
-        f"{env['cpu']} ({env['cores']} cores), {env['date']}"
-    )
-    lines.append(
-        f"Samples: {rep['samples']['calibration']} calibration, {rep['samples']['evaluation']} evaluation"
-    )
+    lines.append(f"Environment: quantkit {env['quantkit']}, onnxruntime {env['onnxruntime']}, onnx {env['onnx']}, "
+                 f"{env['cpu']} ({env['cores']} cores), {env['date']}")
+    lines.append(f"Samples: {rep['samples']['calibration']} calibration, {rep['samples']['evaluation']} evaluation")
     lines += data_lines(rep)
     cal = rep.get("calibration") or {}
     if cal:
-        lines.append(
-            f"Calibration statistics: {cal.get('reused', 0)} reused from cache, {cal.get('collected', 0)} "
-            f"collected ({cal.get('cache') or 'cache disabled'})"
-        )
+        lines.append(f"Calibration statistics: {cal.get('reused', 0)} reused from cache, {cal.get('collected', 0)} "
+                     f"collected ({cal.get('cache') or 'cache disabled'})")
     lines.append("")
-    lines += warnings_lines(rep)
-    lines += kernel_lines(rep)
-    lin = rep.get("linear_formats") or []
-    if lin:
-        lines += ["## int8_dynamic / fp16 / bf16 layers in this mixed model", "",
-                  "int8_dynamic: W8A8 with per-token activation scales computed at run time; fp16 / bf16: 16-bit "
-                  "weight storage (ONNX Runtime's CPU provider computes in FP32).", "",
-                  "| layer | format | kernel |", "|---|---|---|"]
-        lines += [f"| `{r['layer']}` | {r['format']} | {r.get('kernel') or '-'} |" for r in lin]
-        lines.append("")
-    woq = rep.get("weight_only") or []
-    if woq:
-        lines += ["## Weight-only layers (MatMulNBits) in this mixed model", "",
-                  "| layer | format | algorithm | bits | group | K x N | weight rel. error | output SQNR dB | kernel |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['layer']} | {r['format']} | {r['algorithm']} | {r['bits']} | {r['group_size']} | "
-                  f"{r['K']} x {r['N']} | {_fmt(r['weight_rel_error'], 4)} | {_fmt(r.get('output_sqnr_db'), 1)} | "
-                  f"{r.get('kernel') or '-'} |" for r in woq]
-        lines.append("")
+    for part in (warnings_lines, kernel_lines, _search_lines, _size_lines, _latency_lines, _quality_lines,
+                 _census_lines, _static_layer_lines, _weight_only_lines, _linear_lines, _float_lines):
+        lines += part(rep)
+    lines += ["## Timings", "", " | ".join(f"{k}: {v:.2f}" for k, v in rep["timings"].items()), ""]
+    return "\n".join(lines)
+
+
+def _search_lines(rep: Mapping[str, Any]) -> list[str]:
+    s = rep.get("search")
+    if not s:
+        return []
+    pr = s.get("predicted") or {}
+    return ["## Search", "",
+            f"Target `{s.get('target')}` (solver status {s.get('status')}); formats (layers): "
+            + ", ".join(f"{k} {v}" for k, v in sorted((rep.get("formats") or {}).items())) + ".",
+            f"Predicted: damage {_fmt(pr.get('damage'), 5)}, {_fmt((pr.get('bytes') or 0) / 2**20, 2)} MiB, "
+            f"{_fmt(pr.get('latency_ms'))} ms. Pinned by the recipe: "
+            + (", ".join(f"`{p}`" for p in s.get("pinned") or []) or "none") + ".", ""]
+
+
+def _size_lines(rep: Mapping[str, Any]) -> list[str]:
     s = rep["size"]
-    lines += [
-        "## Size",
-        "",
-        "| FP32 | quantized | ratio |",
-        "|---|---|---|",
-        f"| {s['fp32_bytes'] / 2**20:.2f} MiB | {s['quantized_bytes'] / 2**20:.2f} MiB | {s['ratio']:.3f} |",
-        "",
-    ]
+    return ["## Size", "", "| FP32 | quantized | ratio |", "|---|---|---|",
+            f"| {s['fp32_bytes'] / 2**20:.2f} MiB | {s['quantized_bytes'] / 2**20:.2f} MiB | {s['ratio']:.3f} |", ""]
+
+
+def _latency_lines(rep: Mapping[str, Any]) -> list[str]:
     lat = rep.get("latency") or {}
-    if lat:
+    if not lat:
+        return []
+    lines = ["## Latency (same run, interleaved)", ""]
+    if "fp32" in lat and "median_ms" in lat["fp32"]:
         f, q = lat["fp32"], lat["quantized"]
-        lines += [
-            "## Latency (same run, interleaved)",
-            "",
-            f"Input: {f['shape']}; {f['runs']} runs after {f['warmup']} warm-up, "
-            f"threads: {f['threads'] or 'ORT default'}",
-            "",
-            "| model | median ms | p90 ms |",
-            "|---|---|---|",
-            f"| FP32 | {f['median_ms']:.3f} | {f['p90_ms']:.3f} |",
-            f"| quantized | {q['median_ms']:.3f} | {q['p90_ms']:.3f} |",
-            "",
-            f"Speedup (median): **{lat['speedup']:.2f}x**",
-            "",
-        ]
-    if rep["fidelity"]:
-        lines += ["## Fidelity vs FP32", ""]
-        keys = sorted({k for d in rep["fidelity"].values() for k in d})
-        lines += ["| output | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
-        for name, d in rep["fidelity"].items():
-            lines.append(f"| {name} | " + " | ".join(_fmt(d.get(k), 4) for k in keys) + " |")
+        lines += [f"Input: {f['shape']}; {f['runs']} runs after {f['warmup']} warm-up, "
+                  f"threads: {f['threads'] or 'ORT default'}", "",
+                  "| model | median ms | p90 ms |", "|---|---|---|",
+                  f"| FP32 | {f['median_ms']:.3f} | {f['p90_ms']:.3f} |",
+                  f"| quantized | {q['median_ms']:.3f} | {q['p90_ms']:.3f} |", "",
+                  f"Speedup (median): **{lat['speedup']:.2f}x**", ""]
+    rows = [(k, v) for k, v in lat.items() if isinstance(v, dict) and "fp32_ms" in v]
+    if rows:
+        lines += ["| measurement | FP32 ms | quantized ms | speedup |", "|---|---|---|---|"]
+        lines += [f"| {v.get('label', k)} | {v['fp32_ms']:.2f} | {v['quantized_ms']:.2f} | {v['speedup']:.2f}x |"
+                  for k, v in rows]
         lines.append("")
+    return lines
+
+
+def _quality_lines(rep: Mapping[str, Any]) -> list[str]:
+    lines = []
+    fid = rep.get("fidelity") or {}
+    if fid:
+        lines += ["## Fidelity vs FP32", ""]
+        keys = sorted({k for d in fid.values() for k in d})
+        lines += ["| output | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+        lines += [f"| {name} | " + " | ".join(_fmt(d.get(k), 4) for k in keys) + " |" for name, d in fid.items()]
+        lines.append("")
+    q = rep.get("quality") or {}
+    if "perplexity_fp32" in q:
+        pf, pq = q["perplexity_fp32"], q["perplexity_quantized"]
+        lines += ["## Perplexity (held-out windows)", "", "| model | perplexity | tokens |", "|---|---|---|",
+                  f"| FP32 | {pf['ppl']:.3f} | {pf['tokens']} |", f"| quantized | {pq['ppl']:.3f} | {pq['tokens']} |",
+                  "", f"Increase: {100 * q['perplexity_increase']:.2f}%", ""]
+    return lines
+
+
+def _census_lines(rep: Mapping[str, Any]) -> list[str]:
     c = rep["census"]
-    lines += [
-        "## ONNX Runtime census (optimized graph)",
-        "",
-        "Quantized kernels: "
-        + (", ".join(f"{k} x{v}" for k, v in sorted(c["quantized_kernels"].items())) or "none"),
-        "",
-        f"Leftover QuantizeLinear: {c['leftover_quantize_linear']}, DequantizeLinear: "
-        f"{c['leftover_dequantize_linear']} (by kind: "
-        + ", ".join(f"{k} {v}" for k, v in c["leftover_by_kind"].items())
-        + ")",
-        "",
-    ]
+    lines = ["## ONNX Runtime census (optimized graph)", "",
+             "Quantized kernels: " + (", ".join(f"{k} x{v}" for k, v in sorted(c["quantized_kernels"].items()))
+                                      or "none")
+             + f". MatMuls left in float: {c.get('float_matmul_left', 0)}.", "",
+             f"Leftover QuantizeLinear: {c['leftover_quantize_linear']}, DequantizeLinear: "
+             f"{c['leftover_dequantize_linear']} (by kind: "
+             + ", ".join(f"{k} {v}" for k, v in c["leftover_by_kind"].items()) + ")", ""]
     if c["leftover_qdq_nodes"]:
         lines += ["Leftover Q/DQ nodes: " + ", ".join(f"`{n}`" for n in c["leftover_qdq_nodes"][:30]), ""]
-    if rep["unfused"]:
-        lines += [
-            "## Unfused layers",
-            "",
-            "| layer | op | expected kernel | note | cost |",
-            "|---|---|---|---|---|",
-        ]
-        for u in rep["unfused"]:
-            lines.append(
-                f"| `{u['layer']}` | {u['op']} | {', '.join(u['expected'])} | {u['note']} | {u['cost']} |"
-            )
+    if rep.get("unfused"):
+        lines += ["## Unfused layers", "", "| layer | op | expected kernel | note | cost |", "|---|---|---|---|---|"]
+        lines += [f"| `{u['layer']}` | {u['op']} | {', '.join(u['expected'])} | {u['note']} | {u['cost']} |"
+                  for u in rep["unfused"]]
         lines.append("")
-    lines += [
-        "## Layers",
-        "",
-        "| layer | op | format | rule | weight scale (min..max) | weight SQNR dB | input scale / zp "
-        "| output SQNR dB | kernel | fused |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rep["layers"]:
+    return lines
+
+
+def _static_layer_lines(rep: Mapping[str, Any]) -> list[str]:
+    rows = [r for r in rep["layers"] if r.get("family") == "static"]
+    if not rows:
+        return []
+    lines = ["## Static INT8 layers", "",
+             "| layer | op | format | rule | weight scale (min..max) | weight SQNR dB | input scale / zp "
+             "| output SQNR dB | kernel | fused |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
         w = r["weights"]
-        ws = (
-            "-"
-            if w is None
-            else f"{w['scale_min']:.2e}..{w['scale_max']:.2e} ({w['dtype']}{', sym' if w['symmetric'] else ''})"
-        )
+        ws = "-" if w is None else f"{w['scale_min']:.2e}..{w['scale_max']:.2e} ({w['dtype']}{', sym' if w['symmetric'] else ''})"
         wq = "-" if w is None else _fmt(w["weight_sqnr_db"], 1)
-        ins = (
-            "; ".join(
-                f"{a['scale']:.3e}/{a['zero_point']} {a['dtype']} ({a['calibrator']})" for a in r["inputs"]
-            )
-            or "-"
-        )
+        ins = "; ".join(f"{a['scale']:.3e}/{a['zero_point']} {a['dtype']} ({a['calibrator']})" for a in r["inputs"]) or "-"
         note = f" {r['lowering_note']}" if r.get("lowering_note") else ""
+        lines.append(f"| `{r['layer']}` | {r['op']} | {r['format']} | {r['rule']} | {ws} | {wq} | {ins} | "
+                     f"{_fmt(r['output_sqnr_db'], 1)} | {r['kernel'] or '-'}{note} | {_fmt(r['fused'])} |")
+    return [*lines, ""]
+
+
+def _weight_only_lines(rep: Mapping[str, Any]) -> list[str]:
+    rows = rep.get("weight_only") or []
+    if not rows:
+        return []
+    lines = ["## Weight-only layers (MatMulNBits)", "",
+             "Columns: `weight rel. error` = ||W - W_q|| / ||W||; `output SQNR dB` = the layer's output error on "
+             "calibration inputs, 10 log10(E||xW||^2 / E||x(W - W_q)||^2) (no calibration statistics: -); `stage` = "
+             "the sequential calibration pass the layer was quantized in (later stages see earlier layers already "
+             "quantized).", "",
+             "| layer | format | algorithm | bits | group | sym | K x N | weight rel. error | output SQNR dB | kernel "
+             "| stage |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sq = r.get("output_sqnr_db")
         lines.append(
-            f"| `{r['layer']}` | {r['op']} | {r['format']} | {r['rule']} | {ws} | {wq} | {ins} | "
-            f"{_fmt(r['output_sqnr_db'], 1)} | {r['kernel'] or '-'}{note} | {_fmt(r['fused'])} |"
-        )
-    lines.append("")
-    if rep["float_layers"]:
-        groups: dict[str, list[str]] = {}
-        for f in rep["float_layers"]:
-            groups.setdefault(f["reason"], []).append(f["layer"])
-        lines += ["## Layers kept in float, by reason", "",
-                  "Most are by design: activation x activation products (attention) have no constant weight to "
-                  "quantize, and ops outside an int8 chain would only add conversions.", "",
-                  "| reason | layers | examples |", "|---|---|---|"]
-        lines += [f"| {reason} | {len(names)} | " + ", ".join(f"`{n}`" for n in names[:4])
-                  + (" ..." if len(names) > 4 else "") + " |"
-                  for reason, names in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
-        lines.append("")
-    t = rep["timings"]
-    lines += ["## Timings", "", " | ".join(f"{k}: {v:.2f}" for k, v in t.items()), ""]
-    return "\n".join(lines)
+            f"| `{r['layer']}` | {r['format']} | {r['algorithm']}{' +awq-scale' if r.get('awq_scaled') else ''}"
+            f"{' (tied)' if r.get('tied') else ''} | {r['bits']} | {r['group_size']} | "
+            f"{'y' if r['symmetric'] else 'n'} | {r['K']} x {r['N']} | {_fmt(r['weight_rel_error'], 4)} | "
+            f"{_fmt(sq, 1) if isinstance(sq, float) and math.isfinite(sq) else _fmt(sq)} | {r.get('kernel') or '-'} "
+            f"| {r.get('stage', '-')} |")
+    return [*lines, ""]
+
+
+def _linear_lines(rep: Mapping[str, Any]) -> list[str]:
+    rows = rep.get("linear_formats") or []
+    if not rows:
+        return []
+    lines = ["## int8_dynamic / fp16 / bf16 layers", "",
+             "int8_dynamic: W8A8 with per-token activation scales computed at run time (SmoothQuant alpha per group "
+             "of layers sharing an input); fp16 / bf16: 16-bit weight storage (ONNX Runtime's CPU provider computes "
+             "in FP32).", "", "| layer | format | detail | kernel |", "|---|---|---|---|"]
+    for r in rows:
+        detail = (f"{r.get('granularity')}, SmoothQuant alpha {_fmt(r.get('smoothquant_alpha'))}"
+                  if r["format"] == "int8_dynamic" else f"compute {r.get('compute', 'storage')}")
+        lines.append(f"| `{r['layer']}` | {r['format']} | {detail} | {r.get('kernel') or '-'} |")
+    return [*lines, ""]
+
+
+def _float_lines(rep: Mapping[str, Any]) -> list[str]:
+    if not rep.get("float_layers"):
+        return []
+    groups: dict[str, list[str]] = {}
+    for f in rep["float_layers"]:
+        groups.setdefault(f["reason"], []).append(f["layer"])
+    lines = ["## Layers kept in float, by reason", "",
+             "Most are by design: activation x activation products (attention) have no constant weight to "
+             "quantize, and ops outside an int8 chain would only add conversions.", "",
+             "| reason | layers | examples |", "|---|---|---|"]
+    lines += [f"| {reason} | {len(names)} | " + ", ".join(f"`{n}`" for n in names[:4])
+              + (" ..." if len(names) > 4 else "") + " |"
+              for reason, names in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
+    return [*lines, ""]
 
 
 def render_html(rep: dict[str, Any]) -> str:

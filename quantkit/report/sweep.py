@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from quantkit.report.build import atomic_write_text, warnings_lines
+from quantkit.report.build import atomic_write_text
 from quantkit.report.plots import Series, scatter_svg, write_svg
 
-__all__ = ["render_mixed_markdown", "sweep_markdown", "write_sweep_report"]
+__all__ = ["sweep_markdown", "write_sweep_report"]
 
 
 def _mb(b: float) -> str:
@@ -91,9 +91,9 @@ def _plots(r: Mapping[str, Any], out: Path) -> dict[str, Path]:
     paths = {}
     for axis, mkey, xlabel in (
         ("latency", "latency_ms", "measured latency (ms)"),
-        ("size", "size_bytes", "file size (MB)"),
+        ("size", "size_bytes", "file size (MiB)"),
     ):
-        scale = 1e-6 if mkey == "size_bytes" else 1.0
+        scale = 2**-20 if mkey == "size_bytes" else 1.0
         series = []
         for kind, marker in (("uniform", "square"), ("front", "circle"), ("budget", "triangle")):
             sel = [p for p in pts if p["kind"].split("+")[0] == kind]
@@ -128,11 +128,12 @@ def _plots(r: Mapping[str, Any], out: Path) -> dict[str, Path]:
                     name="FP32", xs=[fp[mkey] * scale], ys=[float(fp[key])], labels=["FP32"], marker="square"
                 )
             )
-        svg = scatter_svg(series, x_label=xlabel, y_label=label, title=f"{r['recipe']}: {label} vs {axis}")
+        svg = scatter_svg(series, x_label=xlabel, y_label=label, title=f"{r['recipe']}: {label} vs {axis}",
+                          log_y=key == "damage")
         paths[f"quality_vs_{axis}"] = write_svg(svg, out / f"quality_vs_{axis}.svg")
     # predicted front (damage vs the search metric), with the evaluated points' predictions
     metric = "latency_ms" if r["metric"] == "latency" else "bytes"
-    scale = 1e-6 if metric == "bytes" else 1.0
+    scale = 2**-20 if metric == "bytes" else 1.0
     front = r["predicted_front"]
     series = [
         Series(
@@ -150,9 +151,10 @@ def _plots(r: Mapping[str, Any], out: Path) -> dict[str, Path]:
             marker="triangle",
         ),
     ]
-    xl = "predicted latency (ms)" if metric == "latency_ms" else "predicted size (MB)"
+    xl = "predicted latency (ms)" if metric == "latency_ms" else "predicted size (MiB)"
     paths["predicted_front"] = write_svg(
-        scatter_svg(series, x_label=xl, y_label="predicted damage", title=f"{r['recipe']}: predicted front"),
+        scatter_svg(series, x_label=xl, y_label="predicted damage", title=f"{r['recipe']}: predicted front",
+                    log_y=True),
         out / "predicted_front.svg",
     )
     return paths
@@ -176,69 +178,3 @@ def write_sweep_report(r: Mapping[str, Any], out: Path) -> dict[str, Path]:
     return paths
 
 
-def render_mixed_markdown(rep: Mapping[str, Any]) -> str:
-    """Markdown of one searched mixed-precision point (``quantkit calibrate`` with ``search.target``)."""
-    env = rep["environment"]
-    pr = rep["predicted"]
-    lines = [
-        f"# quantkit report: {rep['recipe']} (mixed precision, searched)",
-        "",
-        f"Model: `{rep['model']}`",
-        "",
-        f"Environment: quantkit {env['quantkit']}, onnxruntime {env['onnxruntime']}, {env['cpu']} "
-        f"({env['cores']} cores), {env['date']}",
-        "",
-        f"Target: `{rep['target']}` (solver status {rep['status']}). Formats (layers): "
-        + ", ".join(f"{k} {v}" for k, v in sorted(rep["formats"].items())),
-        f"Predicted: damage {_f(pr['damage'], 5)}, {_mb(pr['bytes'])} MB, {_f(pr['latency_ms'])} ms",
-        "",
-    ]
-    lines += warnings_lines(rep)
-    s = rep["size"]
-    lines += [
-        "## Size",
-        "",
-        f"FP32 {_mb(s['fp32_bytes'])} MB -> {_mb(s['quantized_bytes'])} MB ({s['ratio']:.3f})",
-        "",
-    ]
-    q = rep["quality"]
-    if "perplexity_fp32" in q:
-        lines += [
-            "## Perplexity",
-            "",
-            f"FP32 {q['perplexity_fp32']['ppl']:.3f} -> {q['perplexity_quantized']['ppl']:.3f} "
-            f"({100 * q['perplexity_increase']:+.2f}%)",
-            "",
-        ]
-    for name, d in (q.get("fidelity") or {}).items():
-        lines += [f"## Fidelity `{name}`", "", ", ".join(f"{k} {_f(v, 4)}" for k, v in d.items()), ""]
-    lat = rep.get("latency") or {}
-    if lat:
-        lines += ["## Latency (same run, interleaved)", ""]
-        if "speedup" in lat and "fp32" in lat:
-            lines.append(
-                f"FP32 {lat['fp32']['median_ms']:.2f} ms, quantized {lat['quantized']['median_ms']:.2f} ms "
-                f"({lat['speedup']:.2f}x)"
-            )
-        for k, v in lat.items():
-            if isinstance(v, dict) and "fp32_ms" in v:
-                lines.append(
-                    f"- {v.get('label', k)}: FP32 {v['fp32_ms']:.2f} ms, quantized {v['quantized_ms']:.2f} ms "
-                    f"({v['speedup']:.2f}x)"
-                )
-        lines.append("")
-    c = rep["census"]
-    lines += [
-        "## ONNX Runtime census",
-        "",
-        "Quantized kernels: "
-        + (", ".join(f"{k} x{v}" for k, v in sorted(c["quantized_kernels"].items())) or "none"),
-        "",
-        "## Layers",
-        "",
-        "| layer | unit | candidate | format |",
-        "|---|---|---|---|",
-    ]
-    lines += [f"| `{r['layer']}` | {r['unit']} | {r['candidate']} | {r['format']} |" for r in rep["layers"]]
-    lines += ["", "## Timings", "", " | ".join(f"{k}: {v:.2f}" for k, v in rep["timings"].items()), ""]
-    return "\n".join(lines)

@@ -1,17 +1,20 @@
-"""The search space of a static-INT8 network (CNNs): each weighted layer is int8 (QDQ) or float.
+"""The search space of a static-INT8 network (CNNs): each weighted layer is int8 (QDQ), float or, for
+its linear layers (the classifier), weight-only.
 
 Candidates: ``int8`` (static W8A8 QDQ as the recipe's default scheme says: per-channel weights,
 calibrated activations, bias correction), ``fp32`` (keep), ``fp16`` / ``bf16`` (16-bit weight
-storage + Cast; on ONNX Runtime's CPU provider the compute stays FP32).
+storage + Cast; on ONNX Runtime's CPU provider the compute stays FP32), and for MatMul / Gemm layers
+``int4`` / ``int8_weight`` (MatMulNBits; a Gemm is rewritten as MatMul + Add first, exactly).
 
 Unlike linear layers, formats here interact: an int8 layer feeding an int8 layer passes uint8
 tensors (the glue ops between them - Add, pooling - run in int8 too), while a boundary between
 an int8 and a float layer costs a QuantizeLinear or DequantizeLinear.  The emitted model of an
-assignment is therefore lowered as a whole: the recipe plus one ``fp32`` override per float
-unit goes through :func:`quantkit.lowering.select.select` (which decides the glue) and
-:func:`quantkit.lowering.qdq.lower_int8`; the 16-bit units then get their weight casts.
-Ranges come from one cached statistics pass (:func:`quantkit.pipeline.calibrate_ranges`); tensors a
-particular mix needs that the all-int8 plan did not quantize are gathered on demand (cached).
+assignment is therefore lowered as a whole: the assignment becomes a
+:class:`~quantkit.recipe.plan.PrecisionPlan` (:meth:`ConvSpace.plan_of`) that the format handlers
+execute (:func:`quantkit.formats.lower_plan`; static INT8 decides the glue ops of its chains), with
+one :class:`~quantkit.formats.Artifacts` shared by every point: ranges come from one cached statistics
+pass, and tensors a particular mix needs that the all-int8 plan did not quantize are gathered on
+demand (cached).
 
 :meth:`ConvSpace.edges` gives the solver the boundary cost: for every unit ``v`` whose input is
 produced by unit ``u`` (through Relu / Clip / passthrough ops), ``Q`` or ``DQ`` of that tensor
@@ -20,6 +23,7 @@ when exactly one of them is int8, timed on this machine per element.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,16 +32,20 @@ import numpy as np
 import onnx_ir as ir
 
 from quantkit.errors import RecipeError, UnsupportedOpError
-from quantkit.lowering.select import constant_array
+from quantkit.formats import Artifacts, Job, lower_plan
+from quantkit.formats.static_int8 import StaticInt8
+from quantkit.lowering.select import constant_array, layer_plan
+from quantkit.recipe.plan import LayerPlan, PrecisionPlan, with_candidate
 from quantkit.recipe.schema import Candidate, RecipeModel
 from quantkit.scheme.target import resolve_target
-from quantkit.search.linear import Unit, search_candidates
+from quantkit.search.linear import Unit, search_candidates, weight_only_bytes
 
 log = logging.getLogger("quantkit")
 
 __all__ = ["CONV_FORMATS", "ConvSpace"]
 
-CONV_FORMATS = ("fp32", "fp16", "bf16", "int8")
+CONV_FORMATS = ("fp32", "fp16", "bf16", "int8", "int8_weight", "int4")
+LINEAR_ONLY = ("int8_weight", "int4")  # candidates only MatMul / Gemm units can take
 
 
 @dataclass
@@ -62,12 +70,8 @@ class ConvSpace:
     calibration: Any
     progress: bool = True
     use_cache: bool = True
-    _ranges: dict[str, Any] = field(default_factory=dict)
-    _means: dict[str, np.ndarray] = field(default_factory=dict)
-    _hessian_cache: dict[str, np.ndarray] = field(default_factory=dict)
-    _pair_cache: dict[tuple[str, bytes], Any] = field(default_factory=dict)
-    _proto: Any = None
-    _bytes: bytes = b""
+    artifacts: Artifacts = field(default_factory=Artifacts)
+    _base: dict[str, LayerPlan] = field(default_factory=dict)
     _shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @classmethod
@@ -92,6 +96,14 @@ class ConvSpace:
         import re
 
         pattern = re.compile(rec.search.layers) if rec.search is not None and rec.search.layers else None
+        if any(c.format in LINEAR_ONLY for c in cands.values()):  # weight-only classifier: Gemm -> MatMul + Add
+            from quantkit.prep.gemm_to_matmul import gemm_to_matmul
+
+            precision = PrecisionPlan.from_recipe(rec)
+            gemms = {n.name or "" for n in model.graph if n.op_type == "Gemm" and layer_plan(precision, n).rule == "default"}
+            if gemms:
+                model = ir.from_proto(ir.to_proto(model))
+                gemm_to_matmul(model, only=gemms)
         plan = select(model, rec)
         shapes = _infer_shapes(model)
         layers: dict[str, _Layer] = {}
@@ -143,99 +155,42 @@ class ConvSpace:
             )
         units = [Unit(n, (n,), lay.input) for n, lay in layers.items()]
         sp = cls(model, rec, cands, layers, units, pinned, calibration, progress, use_cache)
-        sp._proto = ir.to_proto(model)
-        sp._bytes = sp._proto.SerializeToString()
         sp._shapes = shapes
-        sp._calibrate(plan)
+        sp._base = {n: plan.layers[n] for n in layers}
+        if calibration is not None:
+            StaticInt8._calibrate(sp.job(PrecisionPlan.from_recipe(rec)), plan)  # the all-int8 ranges, cached
         return sp
 
-    # -- calibration -------------------------------------------------------------------------------
-    def _calibrate(self, plan: Any) -> None:
-        from quantkit.pipeline import calibrate_ranges
+    # -- plans -------------------------------------------------------------------------------------
+    def allowed(self, unit: Unit) -> list[str]:
+        """Candidates ``unit`` can take: weight-only ones only on MatMul layers (a classifier)."""
+        linear = self.layers[unit.name].op_type == "MatMul"
+        return [c for c, cand in self.candidates.items() if linear or cand.format not in LINEAR_ONLY]
 
-        missing = {k for k in plan.calibrated_tensors() if k not in self._ranges}
-        needs_means = self.rec.quantization.bias_correction and any(k not in self._means for k in plan.layers)
-        if not missing and not needs_means:
-            return
-        ranges, means, _ = calibrate_ranges(
-            self.model,
-            self._proto,
-            self._bytes,
-            plan,
-            self.calibration,
-            self.rec,
-            progress=self.progress,
-            use_cache=self.use_cache,
-        )
-        self._ranges.update(ranges)
-        if means:
-            self._means.update(means)
+    def plan_of(self, assignment: dict[str, str]) -> PrecisionPlan:
+        """The precision plan of ``assignment`` (unit -> candidate; units not named stay fp32)."""
+        decided = {}
+        for u in self.units:
+            cand = assignment.get(u.name, "fp32")
+            c = self.candidates.get(cand)
+            if c is None and cand != "fp32":
+                raise RecipeError(f"unit {u.name!r}: unknown candidate {cand!r}; allowed: {sorted(self.candidates)}")
+            if c is not None and cand not in self.allowed(u):
+                raise RecipeError(f"unit {u.name!r}: candidate {cand!r} is not allowed; allowed: {self.allowed(u)}")
+            base = self._base[u.name]
+            decided[u.name] = (dataclasses.replace(base, format="fp32", rule="search:fp32") if c is None
+                               else with_candidate(base, c, self.rec.quantization.default))
+        return PrecisionPlan.from_recipe(self.rec).choose(decided)
 
-    def _hessians(self, plan: Any) -> dict[str, Any] | None:
-        """Input second moments (kernel K order) for pair-constrained rounding, once per layer."""
-        if not resolve_target(self.rec.target.isa, self.rec.target.device).pair_safe:
-            return None
-        from quantkit.calibrate.kernel_hessian import collect_kernel_hessians
-        from quantkit.lowering.qdq import hessian_requests
-
-        cache = self._hessian_cache
-        todo = {k: v for k, v in hessian_requests(self.model, plan).items() if k not in cache}
-        if todo:
-            cache.update(collect_kernel_hessians(
-                self._proto, self.calibration, todo, batch_size=self.rec.calibration.batch_size,
-                max_batch_output_bytes=self.rec.calibration.max_batch_output_bytes, progress=self.progress))
-        return {k: v for k, v in cache.items() if k in plan.layers}
-
-    def _recipe_for(self, float_units: list[str]) -> RecipeModel:
-        from quantkit.recipe import load_recipe
-
-        d = self.rec.model_dump()
-        d["search"] = None
-        d["quantization"]["overrides"] = [{"layer": u, "format": "fp32"} for u in float_units] + list(
-            d["quantization"]["overrides"]
-        )
-        return load_recipe(d)
+    def job(self, plan: PrecisionPlan) -> Job:
+        target = resolve_target(self.rec.target.isa, self.rec.target.device)
+        return Job(self.model, plan, self.calibration, target, progress=self.progress, use_cache=self.use_cache,
+                   artifacts=self.artifacts)
 
     # -- emission ----------------------------------------------------------------------------------
     def emit(self, assignment: dict[str, str]) -> ir.Model:
         """The ONNX model of ``assignment`` (unit -> candidate); units not named stay fp32."""
-        from quantkit.lowering.cast import lower_cast
-        from quantkit.lowering.qdq import lower_int8
-        from quantkit.lowering.select import select
-
-        fmt = {}
-        for u in self.units:
-            cand = assignment.get(u.name, "fp32")
-            if cand != "fp32" and cand not in self.candidates:
-                raise RecipeError(
-                    f"unit {u.name!r}: unknown candidate {cand!r}; allowed: {sorted(self.candidates)}"
-                )
-            fmt[u.name] = self.candidates[cand].format if cand in self.candidates else "fp32"
-        float_units = [u for u, f in fmt.items() if f != "int8"]
-        rec_a = self._recipe_for(float_units)
-        plan = select(self.model, rec_a)
-        self._calibrate(plan)
-        m = ir.from_proto(self._proto)
-        means = (
-            {k: v for k, v in self._means.items() if k in plan.layers}
-            if self.rec.quantization.bias_correction
-            else None
-        )
-        lower_int8(
-            m,
-            plan,
-            {k: self._ranges[k] for k in plan.calibrated_tensors()},
-            activation_storage=self.rec.export.activation_storage,
-            matmul_form=self.rec.export.matmul_form,
-            input_means=means,
-            target=resolve_target(self.rec.target.isa, self.rec.target.device),
-            hessians=self._hessians(plan),
-            pair_cache=self._pair_cache,
-        )
-        for layer, f in fmt.items():
-            if f in ("fp16", "bf16"):
-                lower_cast(m, layer, f, compute="storage")
-        return m
+        return lower_plan(self.job(self.plan_of(assignment))).model
 
     # -- costs -------------------------------------------------------------------------------------
     def unit_bytes(self, unit: Unit, cand: str) -> int:
@@ -245,6 +200,12 @@ class ConvSpace:
         bias = 4 * lay.out_channels
         if f == "int8":
             return n + 4 * lay.out_channels + bias  # int8 weights, per-channel scales, int32 bias
+        if f in LINEAR_ONLY:
+            c = self.candidates[cand]
+            g = None if c.per_channel else (c.group_size or self.rec.quantization.default.group_size)
+            K = int(lay.weight_shape[0])
+            return weight_only_bytes(K, lay.out_channels, 4 if f == "int4" else 8, g or K,
+                                     self.rec.quantization.default.weights.symmetric) + bias
         if f in ("fp16", "bf16"):
             return 2 * n + bias
         return 4 * n + bias

@@ -184,7 +184,15 @@ def measure_costs(
     units = space.units
     layer_names = [n for u in units for n in u.layers]
     cands = ["fp32"] + [c for c in space.candidates if c != "fp32"]
-    nbytes = {(u.name, c): float(space.unit_bytes(u, c)) for u in units for c in cands}
+    allowed = {u.name: (space.allowed(u) if hasattr(space, "allowed") else list(space.candidates)) for u in units}
+
+    def own(u: Any, c: str) -> str:
+        """The candidate unit ``u`` runs in a uniform-``c`` model (the nearest allowed one)."""
+        from quantkit.search.linear import nearest_allowed
+
+        return c if c == "fp32" else nearest_allowed(space.candidates, allowed[u.name], c)
+
+    nbytes = {(u.name, c): float(space.unit_bytes(u, own(u, c))) for u in units for c in cands}
     file_size: dict[str, int] = {}
     lat: dict[tuple[str, str], float] = {}
     profiles: dict[str, Any] = {}
@@ -196,7 +204,7 @@ def measure_costs(
         and space.candidates[c].compute == "storage"
     ]
     for c in tqdm(cands, desc="profile formats", unit="model", disable=not progress):
-        m = space.emit({u.name: c for u in units})
+        m = space.emit({u.name: own(u, c) for u in units})
         blob = ir.to_proto(m).SerializeToString()
         del m
         file_size[c] = len(blob)

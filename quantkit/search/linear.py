@@ -17,18 +17,25 @@ int4            MatMulNBits bits=4 (RTN / GPTQ / AWQ)                  W int4 pe
 A *unit* is what the solver decides on.  With ``tie: shared_input`` the layers that read the same
 tensor (q/k/v, gate/up) form one unit: they then share one SmoothQuant scale, which folds into
 the preceding normalization for free.  Layers that a recipe override names (``layer`` /
-``pattern`` / ``op_type``) are *pinned*: they take the override's format in every point (e.g.
-the tied lm_head / embedding at int8_weight) and are not searched.
+``pattern`` / ``op_type``) are *pinned*: they take the override's format in every point and are
+not searched.  A tied lm_head (``MatMul(h, Transpose(E))`` with ``E`` the embedding table) is a unit
+of its own when no override pins it: its candidates are fp32 and the weight-only formats (the table
+is then stored once, quantized, for both the ``Gather`` and the ``lm_head``).
 
-:class:`LinearSpace` computes each (unit, candidate) artifact once (weight codes, smoothing
-scales), knows its exact size in bytes, its effective float weight (for sensitivity), and emits
-the ONNX model of any assignment.
+An assignment (unit -> candidate) becomes a :class:`~quantkit.recipe.plan.PrecisionPlan`
+(:meth:`LinearSpace.plan_of`) that the format handlers execute (:func:`quantkit.formats.lower_plan`),
+exactly as ``quantize`` executes a recipe's plan.  The handlers' :class:`~quantkit.formats.Artifacts`
+are shared by every point, so each (layer, candidate) artifact (weight codes, smoothing scales) is
+computed once; the space also knows each unit's exact size in bytes and its effective float weight
+(for sensitivity).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,12 +43,19 @@ import numpy as np
 import onnx_ir as ir
 
 from quantkit.errors import RecipeError, UnsupportedOpError
-from quantkit.lowering.select import constant_array, recipe_op_type
+from quantkit.formats import Artifacts, Job, lower_plan
+from quantkit.formats.dynamic import DynamicArtifact, DynamicInt8
+from quantkit.formats.weight_only import WeightOnly
+from quantkit.lowering.select import constant_array, layer_plan, recipe_op_type
+from quantkit.ops import module_path
+from quantkit.recipe.plan import LayerPlan, PrecisionPlan, overridden, with_candidate
 from quantkit.recipe.schema import Candidate, RecipeModel
+from quantkit.scheme.target import resolve_target
 
 log = logging.getLogger("quantkit")
 
-__all__ = ["LinearLayer", "LinearSpace", "Unit", "find_linear_layers", "make_units", "weight_only_bytes"]
+__all__ = ["LinearLayer", "LinearSpace", "Unit", "find_linear_layers", "make_units", "nearest_allowed",
+           "weight_only_bytes"]
 
 WEIGHT_ONLY = ("int4", "int8_weight")
 LINEAR_FORMATS = ("fp32", "fp16", "bf16", "int8_dynamic", "int8_weight", "int4")
@@ -51,9 +65,10 @@ LINEAR_FORMATS = ("fp32", "fp16", "bf16", "int8_dynamic", "int8_weight", "int4")
 class LinearLayer:
     name: str
     input: str
-    weight: str
+    weight: str  # the initializer of W [K, N]; for a tied lm_head the embedding table E [N, K]
     K: int
     N: int
+    tied: str | None = None  # the Gather reading the same table (tied embedding / lm_head)
 
 
 @dataclass(frozen=True)
@@ -76,12 +91,28 @@ def search_candidates(rec: RecipeModel, allowed: tuple[str, ...], family: str) -
     return cands
 
 
+_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int8_dynamic": 8, "int8_weight": 8, "int4": 4}
+
+
+def nearest_allowed(cands: dict[str, Candidate], allowed: list[str], cand: str) -> str:
+    """``cand`` if allowed, else the allowed candidate closest to it: the most weight bits not above its
+    bits, the smallest group on a tie (used to apply a candidate "uniformly" to units that cannot take it,
+    e.g. int8_dynamic on a tied lm_head); fp32 when nothing smaller is allowed."""
+    if cand in allowed:
+        return cand
+    bits = _BITS[cands[cand].format] if cand in cands else 32
+    pool = [c for c in allowed if c in cands and _BITS[cands[c].format] <= bits]
+    if not pool:
+        return "fp32"
+    return max(pool, key=lambda c: (_BITS[cands[c].format], -(cands[c].group_size or 1 << 20)))
+
+
 def find_linear_layers(model: ir.Model, rec: RecipeModel) -> tuple[dict[str, LinearLayer], list[str]]:
     """``(searched layers, pinned layer names)`` in graph order.
 
-    Searched: default-domain ``MatMul`` nodes with a constant 2-D float weight that no override
-    names and that match ``search.layers`` (when set).  Pinned: those an override names."""
-    from quantkit.recipe.plan import resolve_layer
+    Searched: default-domain ``MatMul`` nodes with a constant 2-D float weight (or a tied lm_head) that
+    no override names and that match ``search.layers`` (when set).  Pinned: those an override names."""
+    from quantkit.weight_only import _tied_gather
 
     pattern = re.compile(rec.search.layers) if rec.search is not None and rec.search.layers else None
     out: dict[str, LinearLayer] = {}
@@ -89,19 +120,26 @@ def find_linear_layers(model: ir.Model, rec: RecipeModel) -> tuple[dict[str, Lin
     for node in model.graph:
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or not node.name:
             continue
-        lp = resolve_layer(rec, node.name, recipe_op_type(node))
-        if lp.rule != "default":
-            pinned.append(node.name)
+        x, wv = node.inputs[0], node.inputs[1]
+        if x is None or wv is None:
             continue
-        w = constant_array(node.inputs[1])
-        x = node.inputs[0]
-        if w is None or w.ndim != 2 or w.dtype.kind != "f" or x is None or node.inputs[1] is None:
+        w = constant_array(wv)
+        tied, table = (None, "") if w is not None else _tied_gather(model.graph, wv)
+        if tied is not None:
+            e = constant_array(model.graph.initializers.get(table))
+            if e is None or e.ndim != 2:
+                continue
+            K, N, wname = int(e.shape[1]), int(e.shape[0]), table
+        elif w is None or w.ndim != 2 or w.dtype.kind != "f":
+            continue
+        else:
+            K, N, wname = int(w.shape[0]), int(w.shape[1]), wv.name or ""
+        if overridden(rec, node.name, recipe_op_type(node), module_path(node)):
+            pinned.append(node.name)
             continue
         if pattern is not None and not pattern.search(node.name):
             continue
-        out[node.name] = LinearLayer(
-            node.name, x.name or "", node.inputs[1].name or "", int(w.shape[0]), int(w.shape[1])
-        )
+        out[node.name] = LinearLayer(node.name, x.name or "", wname, K, N, tied=tied)
     return out, pinned
 
 
@@ -132,15 +170,8 @@ def weight_only_bytes(K: int, N: int, bits: int, group_size: int, symmetric: boo
 
 
 @dataclass
-class _Int8Artifact:
-    s: np.ndarray | None
-    alpha: float | None
-    codes: dict[str, tuple[np.ndarray, np.ndarray]]
-
-
-@dataclass
 class LinearSpace:
-    """Units, candidates and the cached per-(unit, candidate) artifacts of one float model."""
+    """Units, candidates and the shared artifacts of one float model; assignments become plans."""
 
     model: ir.Model
     rec: RecipeModel
@@ -150,15 +181,14 @@ class LinearSpace:
     pinned: list[str]
     calibration: Any = None
     progress: bool = True
+    use_cache: bool = True
+    artifacts: Artifacts = field(default_factory=Artifacts)
     _weights: dict[str, np.ndarray] = field(default_factory=dict)
-    _woq: dict[str, dict[str, Any]] = field(default_factory=dict)  # candidate -> layer -> WOQResult
-    _int8: dict[tuple[str, str], _Int8Artifact] = field(default_factory=dict)
-    _absmax: dict[str, Any] | None = None
-    _pinned_outcome: Any = None
+    _base: dict[str, LayerPlan] = field(default_factory=dict)
 
     @classmethod
     def build(
-        cls, model: ir.Model, rec: RecipeModel, calibration: Any, *, progress: bool = True
+        cls, model: ir.Model, rec: RecipeModel, calibration: Any, *, progress: bool = True, use_cache: bool = True
     ) -> LinearSpace:
         cands = search_candidates(rec, LINEAR_FORMATS, "linear (MatMul) layers")
         if any(
@@ -174,13 +204,59 @@ class LinearSpace:
                 "no MatMul layer with a constant weight to search (all pinned or none found)"
             )
         units = make_units(layers, rec.search.tie if rec.search is not None else "shared_input")
-        sp = cls(model, rec, cands, layers, units, pinned, calibration, progress)
+        sp = cls(model, rec, cands, layers, units, pinned, calibration, progress, use_cache)
+        for u in [u for u in units if not sp.allowed(u)]:  # a tied lm_head without a weight-only candidate
+            log.info("unit %s stays as the recipe says: no candidate applies to it", u.name)
+            units.remove(u)
+            for n in u.layers:
+                del layers[n]
+            sp.pinned.extend(u.layers)
+        plan = PrecisionPlan.from_recipe(rec)
+        for node in model.graph:
+            if node.name in layers:
+                sp._base[node.name] = layer_plan(plan, node)
         for n, lay in layers.items():
             w = constant_array(model.graph.initializers.get(lay.weight))
             if w is None:
                 raise UnsupportedOpError(f"layer {n!r}: weight {lay.weight!r} is not an initializer")
-            sp._weights[n] = np.asarray(w, np.float32)
+            sp._weights[n] = np.ascontiguousarray(np.asarray(w, np.float32).T if lay.tied else w, np.float32)
         return sp
+
+    # -- plans -------------------------------------------------------------------------------------
+    def allowed(self, unit: Unit) -> list[str]:
+        """Candidates ``unit`` can take: a tied lm_head only fp32 and the weight-only formats."""
+        if any(self.layers[n].tied for n in unit.layers):
+            return [c for c, cand in self.candidates.items() if cand.format in ("fp32", *WEIGHT_ONLY)]
+        return list(self.candidates)
+
+    def layer_choice(self, layer: str, cand: str) -> LayerPlan:
+        """``layer``'s plan entry under candidate ``cand`` ("fp32" always allowed)."""
+        base = self._base[layer]
+        c = self.candidates.get(cand)
+        if c is None:
+            if cand != "fp32":
+                raise RecipeError(f"layer {layer!r}: unknown candidate {cand!r}; allowed: {sorted(self.candidates)}")
+            return dataclasses.replace(base, format="fp32", rule="search:fp32")
+        return with_candidate(base, c, self.rec.quantization.default)
+
+    def plan_of(self, assignment: Mapping[str, str]) -> PrecisionPlan:
+        """The precision plan of ``assignment`` (unit name -> candidate; units not named stay fp32); pinned
+        layers as the recipe's overrides say."""
+        unknown = sorted(set(assignment) - {u.name for u in self.units})
+        if unknown:
+            raise RecipeError(f"assignment names unknown units {unknown[:5]}")
+        decided = {}
+        for unit in self.units:
+            cand = assignment.get(unit.name, "fp32")
+            if cand != "fp32" and cand not in self.allowed(unit):
+                raise RecipeError(f"unit {unit.name!r}: candidate {cand!r} is not allowed; allowed: {self.allowed(unit)}")
+            decided.update({n: self.layer_choice(n, cand) for n in unit.layers})
+        return PrecisionPlan.from_recipe(self.rec).choose(decided)
+
+    def job(self, plan: PrecisionPlan) -> Job:
+        target = resolve_target(self.rec.target.isa, self.rec.target.device)
+        return Job(self.model, plan, self.calibration, target, progress=self.progress, use_cache=self.use_cache,
+                   artifacts=self.artifacts)
 
     # -- artifacts ------------------------------------------------------------------------------
     def weight(self, layer: str) -> np.ndarray:
@@ -192,89 +268,28 @@ class LinearSpace:
         return c.group_size if c.group_size is not None else self.rec.quantization.default.group_size
 
     def woq_results(self, cand: str) -> dict[str, Any]:
-        """``layer -> WOQResult`` of a weight-only candidate over all searched layers (computed once;
-        GPTQ/AWQ statistics come from the calibration data, sequential as the recipe says)."""
-        if cand in self._woq:
-            return self._woq[cand]
-        from quantkit.recipe import load_recipe
-        from quantkit.weight_only import quantize_weights, select_weight_only
+        """``layer -> WOQResult`` of a weight-only candidate over all searched layers that can take it
+        (computed once, by the weight-only handler: GPTQ/AWQ statistics from the calibration data,
+        sequential as the recipe says)."""
+        from quantkit.weight_only import select_weight_only
 
-        c = self.candidates[cand]
-        d = self.rec.quantization.default
-        scheme = {
-            "format": c.format,
-            "group_size": self._group_size(c),
-            "weights": d.weights.model_dump(),
-            "algorithm": c.algorithm or d.algorithm,
-            "algorithm_options": dict(
-                c.algorithm_options
-                if c.algorithm_options is not None
-                else (d.algorithm_options if (c.algorithm or d.algorithm) == d.algorithm else {})
-            ),
-        }
-        rec_c = load_recipe(
-            {
-                "version": 1,
-                "calibration": self.rec.calibration.model_dump(),
-                "quantization": {"default": scheme},
-            }
-        )
-        wl = {n: lay for n, lay in select_weight_only(self.model, rec_c).items() if n in self.layers}
-        outcome = quantize_weights(self.model, rec_c, wl, self.calibration, progress=self.progress)
-        self._woq[cand] = outcome.results
-        return outcome.results
+        names = [n for u in self.units if cand in self.allowed(u) for n in u.layers]
+        plan = PrecisionPlan.from_recipe(self.rec).choose({n: self.layer_choice(n, cand) for n in names})
+        wl = {n: lay for n, lay in select_weight_only(self.model, plan).items() if n in names}
+        return WeightOnly().results(self.job(plan), wl).results
 
-    def _absmax_stats(self) -> dict[str, Any]:
-        if self._absmax is None:
-            from quantkit.algorithms.smoothquant import ChannelAbsMax
-            from quantkit.calibrate.cache import StatsCache, cache_key, model_hash
-            from quantkit.calibrate.gather import Request, gather
-            from quantkit.frontends.cache import cache_dir
-
-            proto = ir.to_proto(self.model)
-            inputs = sorted({u.input for u in self.units})
-            reqs = {f"{t}//absmax": Request(t, ChannelAbsMax, ChannelAbsMax.from_state) for t in inputs}
-            cache = None
-            if self.rec.calibration.cache and self.calibration is not None:
-                key = cache_key(
-                    model_hash(proto.SerializeToString()),
-                    self.calibration.fingerprint(),
-                    {"statistic": "channel-absmax", "rows": 256},
-                )
-                cache = StatsCache(cache_dir(), key)
-            got = gather(
-                proto,
-                self.calibration,
-                reqs,
-                cache=cache,
-                batch_size=1,
-                max_batch_output_bytes=self.rec.calibration.max_batch_output_bytes,
-                progress=self.progress,
-            )
-            self._absmax = {t: got.collectors[f"{t}//absmax"] for t in inputs}
-        return self._absmax
-
-    def int8_artifact(self, unit: Unit, cand: str) -> _Int8Artifact:
+    def int8_artifact(self, unit: Unit, cand: str) -> DynamicArtifact:
         """Smoothing scale (shared by the unit) and int8 codes of an int8_dynamic candidate."""
-        key = (unit.name, cand)
-        if key not in self._int8:
-            from quantkit.algorithms.smoothquant import choose_alpha, int8_weight_per_column
-            from quantkit.scheme.target import resolve_target
+        from quantkit.formats.dynamic import channel_absmax
 
-            c = self.candidates[cand]
-            ws = [self._weights[n] for n in unit.layers]
-            safe = resolve_target(self.rec.target.isa, self.rec.target.device).pair_safe
-            s, alpha = None, None
-            if c.smoothquant is not None:
-                st = self._absmax_stats()[unit.input]
-                # alpha is chosen on plain codes (pair-safe rounding moves the error by far less than alpha
-                # does, and costs a scale search per try); the final codes below are pair-safe
-                s, alpha, _ = choose_alpha(st, ws, c.smoothquant, per_token=c.granularity == "per_token")
-            codes = {}
-            for n, w in zip(unit.layers, ws, strict=True):
-                codes[n] = int8_weight_per_column(w if s is None else w * s[:, None], pair_safe=safe)
-            self._int8[key] = _Int8Artifact(s, alpha, codes)
-        return self._int8[key]
+        lp = self.layer_choice(unit.layers[0], cand)
+        plan = PrecisionPlan.from_recipe(self.rec).choose({n: self.layer_choice(n, cand) for n in unit.layers})
+        if lp.smoothquant != "off" and unit.input not in self.artifacts.absmax:  # every unit input in one pass
+            channel_absmax(self.job(plan), sorted({u.input for u in self.units if "int8_dynamic" in {
+                self.candidates[c].format for c in self.allowed(u)}}))
+        weights = {n: self._weights[n] for n in unit.layers}
+        return DynamicInt8().artifact(self.job(plan), list(unit.layers), weights, lp.smoothquant, lp.granularity,
+                                      unit.input)
 
     def effective_weights(self, unit: Unit, cand: str) -> dict[str, np.ndarray] | None:
         """What each layer of ``unit`` multiplies by under ``cand`` when that is a pure weight
@@ -338,65 +353,10 @@ class LinearSpace:
         act = float(sum(4 * rows * (self.layers[n].K + self.layers[n].N) for n in unit.layers))
         return flops, act
 
-    # -- pinned layers -----------------------------------------------------------------------------
-    def pinned_outcome(self) -> Any:
-        """Weight-only results of the pinned layers the recipe resolves to int4 / int8_weight."""
-        if self._pinned_outcome is None:
-            from quantkit.weight_only import quantize_weights, select_weight_only
-
-            wl = {n: lay for n, lay in select_weight_only(self.model, self.rec).items() if n in self.pinned}
-            self._pinned_outcome = quantize_weights(
-                self.model, self.rec, wl, self.calibration, progress=False
-            )
-        return self._pinned_outcome
-
     # -- emission --------------------------------------------------------------------------------
     def emit(self, assignment: dict[str, str]) -> ir.Model:
         """The ONNX model of ``assignment`` (unit name -> candidate name); pinned layers as the recipe says."""
-        from quantkit.lowering.cast import lower_cast, merge_casts
-        from quantkit.lowering.dynamic import lower_int8_dynamic
-        from quantkit.lowering.nbits import apply_input_scale, lower_matmul_nbits
-        from quantkit.weight_only import lower_weight_only
-
-        unknown = sorted(set(assignment) - {u.name for u in self.units})
-        if unknown:
-            raise RecipeError(f"assignment names unknown units {unknown[:5]}")
-        m = ir.from_proto(ir.to_proto(self.model))
-        pinned = self.pinned_outcome()
-        if pinned.layers:
-            lower_weight_only(m, self.rec, pinned)
-        acc = self.rec.export.accuracy_level
-        for unit in self.units:
-            cand = assignment.get(unit.name, "fp32")  # fp32 (keep) is always allowed
-            if cand not in self.candidates and cand != "fp32":
-                raise RecipeError(
-                    f"unit {unit.name!r}: unknown candidate {cand!r}; allowed: {sorted(self.candidates)}"
-                )
-            c = self.candidates.get(cand)
-            fmt = c.format if c is not None else "fp32"
-            if fmt == "fp32":
-                continue
-            if fmt in ("fp16", "bf16"):
-                for n in unit.layers:
-                    lower_cast(m, n, fmt, compute=c.compute if c is not None else "storage")
-            elif fmt == "int8_dynamic":
-                art = self.int8_artifact(unit, cand)
-                if art.s is not None:
-                    apply_input_scale(m, list(unit.layers), art.s)
-                for n in unit.layers:
-                    q, sc = art.codes[n]
-                    lower_int8_dynamic(
-                        m, n, q, sc, granularity=c.granularity if c is not None else "per_token"
-                    )
-            else:
-                res = self.woq_results(cand)
-                scaled = [n for n in unit.layers if res[n].input_scale is not None]
-                if len(scaled) > 1:
-                    apply_input_scale(m, scaled, res[scaled[0]].input_scale)
-                for n in unit.layers:
-                    lower_matmul_nbits(m, n, res[n], accuracy_level=acc, apply_scale=len(scaled) <= 1)
-        merge_casts(m)
-        return m
+        return lower_plan(self.job(self.plan_of(assignment))).model
 
     def assignment_table(self, assignment: dict[str, str]) -> list[dict[str, Any]]:
         """Per layer: unit, candidate, format, K, N (for reports)."""
@@ -414,7 +374,7 @@ class LinearSpace:
                     "K": lay.K,
                     "N": lay.N,
                 }
-                if c is not None and c.format == "int8_dynamic" and (u.name, cand) in self._int8:
-                    row["smoothquant_alpha"] = self._int8[(u.name, cand)].alpha
+                if c is not None and c.format == "int8_dynamic":
+                    row["smoothquant_alpha"] = self.int8_artifact(u, cand).alpha
                 rows.append(row)
         return rows

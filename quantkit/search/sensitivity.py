@@ -173,14 +173,25 @@ def _int8_branch(
 
 
 def probe_model(space: Any) -> tuple[onnx.ModelProto, dict[str, str], dict[tuple[str, str], str]]:
-    """``(probe proto, layer -> weight input name, (unit, int8 candidate) -> gate input name)``."""
+    """``(probe proto, layer -> weight input name, (unit, int8 candidate) -> gate input name)``.
+
+    A tied lm_head (``MatMul(h, Transpose(E))``) reads its own weight input ``W [K, N]`` in the probe and the
+    embedding ``Gather`` reads the table ``E`` as an input too: both are fed the candidate's weight (the
+    emitted model stores the table once, quantized, for both)."""
     import onnx_ir as ir
 
     proto = ir.to_proto(space.model)
     int8_cands = [n for n, c in space.candidates.items() if c.format == "int8_dynamic"]
     layer_unit = {n: u for u in space.units for n in u.layers}
-    weights = {n: space.layers[n].weight for n in space.layers}
-    wanted = set(weights.values())
+    weights = {n: (f"quantkit_probe::{n}::W" if getattr(space.layers[n], "tied", None) else space.layers[n].weight)
+               for n in space.layers}
+    wanted = {space.layers[n].weight for n in space.layers}
+    for node in proto.graph.node:
+        if node.name in weights and getattr(space.layers[node.name], "tied", None):
+            lay = space.layers[node.name]
+            node.input[1] = weights[node.name]
+            proto.graph.input.append(
+                onnx.helper.make_tensor_value_info(weights[node.name], onnx.TensorProto.FLOAT, [lay.K, lay.N]))
     keep = [t for t in proto.graph.initializer if t.name not in wanted]
     moved = [t for t in proto.graph.initializer if t.name in wanted]
     del proto.graph.initializer[:]
@@ -191,13 +202,16 @@ def probe_model(space: Any) -> tuple[onnx.ModelProto, dict[str, str], dict[tuple
     if int8_cands:
         for u in space.units:
             for c in int8_cands:
+                if not _ok(space, u, c):
+                    continue
                 gates[(u.name, c)] = _gate_name(u.name, c)
                 proto.graph.input.append(
                     onnx.helper.make_tensor_value_info(gates[(u.name, c)], onnx.TensorProto.BOOL, [])
                 )
         nodes = []
         for node in proto.graph.node:
-            if node.name not in layer_unit or node.op_type != "MatMul":
+            here = [c for c in int8_cands if node.name in layer_unit and (layer_unit[node.name].name, c) in gates]
+            if not here or node.op_type != "MatMul":
                 nodes.append(node)
                 continue
             unit = layer_unit[node.name]
@@ -210,8 +224,8 @@ def probe_model(space: Any) -> tuple[onnx.ModelProto, dict[str, str], dict[tuple
                 [],
                 [onnx.helper.make_tensor_value_info(inner_out, onnx.TensorProto.FLOAT, None)],
             )
-            for i, c in enumerate(int8_cands):
-                out_i = y if i == len(int8_cands) - 1 else f"{node.name}/if{i}_y"
+            for i, c in enumerate(here):
+                out_i = y if i == len(here) - 1 else f"{node.name}/if{i}_y"
                 then = _int8_branch(
                     space, unit, c, node.name, x, f"{node.name}/int8_{i}_y", f"{node.name}/c{i}/"
                 )
@@ -223,7 +237,7 @@ def probe_model(space: Any) -> tuple[onnx.ModelProto, dict[str, str], dict[tuple
                     then_branch=then,
                     else_branch=current,
                 )
-                if i == len(int8_cands) - 1:
+                if i == len(here) - 1:
                     nodes.append(if_node)
                 else:
                     current = onnx.helper.make_graph(
@@ -237,6 +251,12 @@ def probe_model(space: Any) -> tuple[onnx.ModelProto, dict[str, str], dict[tuple
         if not any(o.domain == "com.microsoft" for o in proto.opset_import):
             proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     return proto, weights, gates
+
+
+def _ok(space: Any, unit: Any, cand: str) -> bool:
+    """Whether ``unit`` can take ``cand`` (a space may restrict it, e.g. a tied lm_head: weight-only only)."""
+    allowed = getattr(space, "allowed", None)
+    return allowed is None or cand in allowed(unit)
 
 
 def _samples(dataset: Any, count: int, seq_len: int | None) -> list[dict[str, np.ndarray]]:
@@ -274,7 +294,7 @@ def measure_sensitivity(
         (u, c)
         for u in space.units
         for c, cand in space.candidates.items()
-        if cand.format != "fp32" and (u.name, c) not in cache.table
+        if cand.format != "fp32" and _ok(space, u, c) and (u.name, c) not in cache.table
     ]
     for u in space.units:
         for c, cand in space.candidates.items():
@@ -314,7 +334,9 @@ def _probe_runner(
     del proto
     out_name = sess.get_outputs()[0].name
     wanted = {i.name for i in sess.get_inputs()}
+    tables = {n: space.layers[n].weight for n in space.layers if getattr(space.layers[n], "tied", None)}
     base: dict[str, np.ndarray] = {weights[n]: space.weight(n) for n in space.layers}
+    base.update({t: np.ascontiguousarray(space.weight(n).T) for n, t in tables.items()})
     base.update({g: np.array(False) for g in gates.values()})
 
     def run(unit: Any, cand: str | None) -> list[np.ndarray]:
@@ -326,6 +348,8 @@ def _probe_runner(
             else:
                 for n, w in eff.items():
                     feed[weights[n]] = np.ascontiguousarray(w, np.float32)
+                    if n in tables:
+                        feed[tables[n]] = np.ascontiguousarray(w.T, np.float32)
         return [
             sess.run([out_name], {**{k: v for k, v in f.items() if k in wanted}, **feed})[0] for f in feeds
         ]

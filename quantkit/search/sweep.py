@@ -202,6 +202,13 @@ class SearchContext:
     timings: dict[str, float]
     t_start: float
     damage_metric: str = "kl"
+    allowed: dict[str, list[str]] = field(default_factory=dict)  # unit -> candidates it can take
+
+    def uniform(self, cand: str) -> dict[str, str]:
+        """``cand`` on every unit that can take it, the nearest allowed candidate elsewhere."""
+        from quantkit.search.linear import nearest_allowed
+
+        return {u: nearest_allowed(self.space.candidates, self.allowed.get(u, self.cnames), cand) for u in self.units}
 
     def predicted(self, assign: Mapping[str, str]) -> dict[str, float]:
         """Predicted damage and costs of an assignment (additive model + edges)."""
@@ -254,11 +261,10 @@ def prepare_search(
 
     ``model`` as for :func:`quantkit.quantize` (a ``torch.nn.Module`` needs ``example_inputs``)."""
     from quantkit.calibrate.cache import model_hash
-    from quantkit.data import as_dataset, make_dataset, model_inputs
-    from quantkit.frontends import load_model
+    from quantkit.data import model_inputs
     from quantkit.pipeline import eval_dataset as _eval_dataset
-    from quantkit.prep.pipeline import prepare
     from quantkit.recipe import load_recipe
+    from quantkit.run import load_inputs
     from quantkit.search.cost import measure_costs
     from quantkit.search.sensitivity import measure_sensitivity
     from quantkit.search.solver import Problem
@@ -273,23 +279,11 @@ def prepare_search(
         raise QuantkitError("sweep() needs a model: pass one, or name it in the recipe's model.source")
 
     t = time.perf_counter()
-    source = model if model is not None else rec.model.source  # type: ignore[union-attr]
-    load_kw: dict[str, Any] = {}
-    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir() and rec.model is not None:
-        load_kw["seq_len"] = rec.model.seq_len
-    if example_inputs is not None:
-        load_kw["example_inputs"] = example_inputs
-    loaded = load_model(source, **load_kw)
-    float_model = prepare(loaded.model).model
-    inputs = model_inputs(float_model)
-    if calibration_data is not None:
-        cal = as_dataset(calibration_data, inputs, tokenizer=loaded.tokenizer)
-    elif rec.calibration.data is not None:
-        cal = make_dataset(
-            rec.calibration.data.model_dump(), inputs=inputs, tokenizer=loaded.tokenizer, split="calibration"
-        )
-    else:
+    if calibration_data is None and rec.calibration.data is None:
         raise QuantkitError("sweep() needs calibration data: pass calibration_data or set calibration.data")
+    loaded, float_model, cal = load_inputs(model, calibration_data, rec, example_inputs=example_inputs,
+                                           progress=progress, timings=timings)
+    inputs = model_inputs(float_model)
     ev = _eval_dataset(rec, loaded, evaluation_data, inputs)
     if ev is None:
         raise DataError(
@@ -314,7 +308,7 @@ def prepare_search(
     else:
         from quantkit.search.linear import LinearSpace
 
-        space = LinearSpace.build(float_model, rec, cal, progress=progress)
+        space = LinearSpace.build(float_model, rec, cal, progress=progress, use_cache=use_cache)
     cand_spec = [c.model_dump() for c in srch.candidate_list()]
     common = {
         "model": digest,
@@ -371,13 +365,15 @@ def prepare_search(
     t = time.perf_counter()
     cnames = list(space.candidates)
     units = [u.name for u in space.units]
+    allowed = {u.name: [c for c in cnames if not hasattr(space, "allowed") or c in space.allowed(u)]
+               for u in space.units}
     problem = Problem(
         units=units,
-        formats={u: list(cnames) for u in units},
-        damage={(u, c): damage[(u, c)] for u in units for c in cnames},
+        formats=allowed,
+        damage={(u, c): damage[(u, c)] for u in units for c in allowed[u]},
         costs={
-            "bytes": {(u, c): costs.bytes[(u, c)] for u in units for c in cnames},
-            "latency_ms": {(u, c): costs.latency_ms[(u, c)] for u in units for c in cnames},
+            "bytes": {(u, c): costs.bytes[(u, c)] for u in units for c in allowed[u]},
+            "latency_ms": {(u, c): costs.latency_ms[(u, c)] for u in units for c in allowed[u]},
         },
         base=dict(costs.base),
         edges=list(getattr(space, "edges", lambda _c: [])(costs)),
@@ -411,7 +407,8 @@ def prepare_search(
             "bytes": costs.base["bytes"] + sum(costs.bytes[(u, "fp32")] for u in units),
             "latency_ms": costs.base["latency_ms"] + sum(costs.latency_ms[(u, "fp32")] for u in units),
         }
-    ctx.uniform_all = {**{c: ctx.predicted({u: c for u in units}) for c in cnames}, "fp32": ctx.fp32_pred}
+    ctx.allowed = allowed
+    ctx.uniform_all = {**{c: ctx.predicted(ctx.uniform(c)) for c in cnames}, "fp32": ctx.fp32_pred}
     return ctx
 
 
@@ -488,7 +485,7 @@ def sweep(
 
     if srch.include_uniform:
         for c in cnames:
-            add(f"uniform:{c}", "uniform", {u: c for u in units})
+            add(f"uniform:{c}", "uniform", ctx.uniform(c))
     for i, s in enumerate(_spread(front, metric, srch.points)):
         add(f"front-{i + 1}", "front", s.assignment)
     for expr in srch.budgets:

@@ -100,7 +100,7 @@ def test_cli_calibrate_writes_model_and_reports(tmp_path: Path, capsys: pytest.C
     assert rep["latency"]["speedup"] > 0 and rep["size"]["quantized_bytes"] > 0  # tiny model: overhead dominates size
     assert {r["layer"] for r in rep["layers"]} >= {"conv0", "dwconv", "project", "fc"}
     md = (out / "report.md").read_text()
-    assert "## Layers" in md and "QLinearConv" in md
+    assert "## Static INT8 layers" in md and "QLinearConv" in md
 
 
 def test_cli_model_override_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -91,7 +91,7 @@ def test_override_keeps_layer_float(cnn_model: onnx.ModelProto) -> None:
     rec = _recipe(overrides=[{"layer": "fc", "format": "fp32"}])
     res = quantize(cnn_model, image_batches(2), rec, evaluate=False, progress=False)
     assert "fc" not in res.plan.layers
-    assert res.plan.skipped["fc"].startswith("recipe keeps it fp32")
+    assert res.plan.skipped["fc"].startswith("the plan keeps it fp32")
     assert "QGemm" not in res.census.quantized_kernels
 
 

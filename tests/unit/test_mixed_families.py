@@ -1,5 +1,5 @@
-"""Static INT8 and weight-only formats in one model (a first slice of the one-precision-plan work):
-an override ``{op_type: Gemm, format: int4}`` on a CNN's classifier is honoured, not silently ignored."""
+"""Formats of every family in one model, one pipeline: an override ``{op_type: Gemm, format: int4}`` on a
+CNN's classifier is honoured (not silently ignored), and the int8 chain ends cleanly before it."""
 
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ def test_int8_convs_and_a_weight_only_classifier_in_one_model(fmt: str) -> None:
     fc = next(n for n in res.model.graph if n.name == "fc")
     assert fc.op_type == "MatMulNBits"
     assert res.report["fidelity"]["logits"]["top1_agreement"] >= 0.75  # 8 samples; a broken model gives ~0.1
+    # the pool ends the int8 chain: QLinearGlobalAveragePool, then ONE dequantization of its small output
+    assert k.get("QLinearGlobalAveragePool") == 1, k
+    by_kind = res.report["census"]["leftover_by_kind"]
+    assert by_kind["stray"] == 0 and by_kind["chain_exit"] == 1, res.report["census"]["leftover_qdq_nodes"]
+    assert not [w for w in res.report["warnings"] if "stray" in w]
 
 
 def test_the_gemm_rewrite_keeps_op_type_overrides_matching() -> None:
@@ -47,7 +52,8 @@ def test_a_transformer_mixes_static_int8_dynamic_int8_int4_and_fp16() -> None:
                                           {"layer": "o_proj", "format": "int4", "group_size": 16}]}}
     res = quantize(tiny_encoder(), data, rec, evaluation_data=data[:2], progress=False)
     assert list(res.plan.layers) == ["q_proj"]  # static int8 (the default)
-    assert res.report["linear_formats"] == [{"layer": "k_proj", "format": "int8_dynamic",
+    assert [{k: r[k] for k in ("layer", "format", "kernel")} for r in res.report["linear_formats"]] == [
+        {"layer": "k_proj", "format": "int8_dynamic",
                                              "kernel": "MatMulIntegerToFloat"}]
     assert [r["layer"] for r in res.report["weight_only"]] == ["o_proj"]
     k = res.census.quantized_kernels

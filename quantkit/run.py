@@ -1,0 +1,229 @@
+"""One quantization job once its precision plan is chosen: execute, check, evaluate, report.
+
+Both ways of choosing a plan end here - the recipe's overrides (:func:`quantkit.api.quantize`) and the
+search (``search.target``) - so every model quantkit emits goes through the same steps::
+
+    PrecisionPlan -> formats.lower_plan (handlers: static INT8, weight-only, dynamic INT8, 16-bit)
+                  -> onnx.checker -> ORT census (what fused) -> kernel check (fused vs QDQ math, int8 only)
+                  -> quality (fidelity per output, or perplexity for a causal LM) + per-layer SQNR
+                  -> latency (FP32 vs quantized, same run; prefill/decode for a causal LM)
+                  -> one report (report.build)
+
+This module sits above :mod:`quantkit.formats`, :mod:`quantkit.pipeline` and :mod:`quantkit.report`, below
+the API; the search never imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+
+from quantkit.data import Dataset, as_dataset, make_dataset, model_inputs
+from quantkit.errors import DataError, LoweringError, QuantkitError
+from quantkit.formats import Artifacts, Job, Lowered, lower_plan, prepare_float
+from quantkit.frontends import LoadedModel, load_model
+from quantkit.lowering.select import QuantPlan
+from quantkit.lowering.verify import Census, census
+from quantkit.pipeline import (
+    eval_dataset,
+    evaluate_fidelity,
+    layer_sqnr,
+    measure_pair_latency,
+    save_model,
+    verify_kernels,
+)
+from quantkit.prep.pipeline import prepare
+from quantkit.progress import stage
+from quantkit.recipe import RecipeModel
+from quantkit.recipe.plan import PrecisionPlan
+from quantkit.report.build import build_report, write_report
+from quantkit.scheme.target import resolve_target
+
+log = logging.getLogger("quantkit")
+
+__all__ = ["QuantizeResult", "load_inputs", "run_plan"]
+
+
+@dataclass
+class QuantizeResult:
+    """What :func:`quantkit.quantize` returns: the quantized model, its plan and its report."""
+
+    model: ir.Model
+    float_model: ir.Model
+    plan: QuantPlan  # the static-INT8 part: layers, Q/DQ tensors, why others stayed float
+    lowering: Any  # LoweringResult of the static-INT8 part (scales, zero points, notes)
+    census: Census
+    report: dict[str, Any]
+    recipe: RecipeModel
+    timings: dict[str, float] = field(default_factory=dict)
+    precision: PrecisionPlan | None = None
+    lowered: Lowered | None = None
+
+    def save(self, directory: str | os.PathLike[str], *, report: bool = True, overwrite: bool = False
+             ) -> dict[str, Path]:
+        """Write ``model.onnx`` (+ external data when large), ``report.json`` and ``report.md``.
+
+        All-or-nothing (:func:`quantkit.report.output.write_outputs`): the files are written into a
+        staging folder and moved into ``directory`` as a set; quantkit's own earlier outputs there are
+        replaced, a folder holding other files is refused unless ``overwrite``.
+        """
+        from quantkit.report.output import write_outputs
+
+        def fill(stage_dir: Path) -> None:
+            save_model(self.model, stage_dir / "model.onnx", self.recipe.export.external_data)
+            if report:
+                write_report(self.report, stage_dir, self.recipe.report.formats)
+
+        written = write_outputs(directory, fill, overwrite=overwrite)
+        out = Path(directory)
+        paths = {"model": out / "model.onnx"}
+        paths.update({n: p for n, p in written.items() if n.startswith("report.")})
+        return paths
+
+
+def load_inputs(model: Any, calibration_data: Any, rec: RecipeModel, *, example_inputs: Any = None,
+                progress: bool = True, timings: dict[str, float]) -> tuple[LoadedModel, ir.Model, Dataset]:
+    """Load and prepare the float model; build the calibration dataset (logged: what the run calibrates on)."""
+    t = time.perf_counter()
+    source = model if model is not None else rec.model.source  # type: ignore[union-attr]
+    load_kw: dict[str, Any] = {}
+    if example_inputs is not None:
+        load_kw["example_inputs"] = example_inputs
+    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir() and rec.model is not None:
+        load_kw["seq_len"] = rec.model.seq_len
+    with stage("load the model (the first use of a built-in exports it to ONNX, cached)", enabled=progress):
+        loaded = load_model(source, **load_kw)
+    timings["load_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    with stage("prepare the graph (shape inference, constant folding, BatchNorm folding)", enabled=progress):
+        float_model = prepare(loaded.model).model
+    timings["prepare_s"] = time.perf_counter() - t
+    inputs = model_inputs(float_model)
+    if calibration_data is not None:
+        cal = as_dataset(calibration_data, inputs, tokenizer=loaded.tokenizer)
+    elif rec.calibration.data is not None:
+        cal = make_dataset(rec.calibration.data.model_dump(), inputs=inputs, tokenizer=loaded.tokenizer,
+                           split="calibration")
+    else:
+        raise QuantkitError("quantize() needs calibration data: pass calibration_data, or set the recipe's "
+                            "calibration.data")
+    if len(cal) == 0:
+        raise DataError("the calibration dataset is empty")
+    spec = rec.calibration.data.model_dump() if calibration_data is None and rec.calibration.data else None
+    log.info("calibration set: %d samples (%s)", len(cal),
+             ", ".join(f"{k}={v}" for k, v in spec.items()) if spec else "given through the API")
+    return loaded, float_model, cal
+
+
+def checked_proto(model: ir.Model) -> onnx.ModelProto:
+    """The model as a proto that passes ``onnx.checker`` (else :class:`LoweringError`)."""
+    proto = ir.to_proto(model)
+    try:
+        onnx.checker.check_model(proto, full_check=False)
+    except onnx.checker.ValidationError as exc:
+        raise LoweringError(f"the emitted model fails onnx.checker: {exc}") from None
+    return proto
+
+
+def execute(float_model: ir.Model, plan: PrecisionPlan, cal: Dataset | None, *, progress: bool = True,
+            use_cache: bool = True, artifacts: Artifacts | None = None) -> tuple[Job, Lowered]:
+    """Lower ``plan`` on ``float_model`` (Gemm layers in MatMul-only formats are rewritten in place first)."""
+    rec = plan.recipe
+    prepare_float(float_model, plan)
+    job = Job(float_model, plan, cal, resolve_target(rec.target.isa, rec.target.device), progress=progress,
+              use_cache=use_cache, artifacts=artifacts or Artifacts())
+    lowered = lower_plan(job)
+    if not lowered.formats():
+        log.warning("the plan quantizes no layer: the model is emitted in float")
+    return job, lowered
+
+
+def _is_lm(rec: RecipeModel, proto: onnx.ModelProto) -> bool:
+    """A causal LM: perplexity and prefill / decode latency instead of output fidelity and one-call latency."""
+    return (bool(rec.evaluation.perplexity) and any(o.name == "logits" for o in proto.graph.output)
+            and any(i.name == "input_ids" for i in proto.graph.input))
+
+
+def _quality(job: Job, lowered: Lowered, qproto: onnx.ModelProto, ev: Dataset, progress: bool
+             ) -> tuple[dict[str, Any], dict[str, float]]:
+    """Perplexity (causal LM) or fidelity per output, and the static layers' output SQNR."""
+    rec = job.recipe
+    qbytes = qproto.SerializeToString()
+    if _is_lm(rec, job.float_proto):
+        from tqdm.auto import tqdm
+
+        from quantkit.evaluate.perplexity import perplexity
+
+        quality: dict[str, Any] = {}
+        for key, blob in (("perplexity_fp32", job.float_bytes), ("perplexity_quantized", qbytes)):
+            with tqdm(total=len(ev), desc=key.replace("_", " "), unit="window", disable=not progress) as bar:
+                def tick(done: int, total: int, bar: Any = bar) -> None:
+                    bar.n = done
+                    bar.refresh()
+
+                quality[key] = perplexity(blob, ev, progress=tick)
+        return quality, {}
+    fid = evaluate_fidelity(job.float_bytes, qbytes, ev, batch_size=rec.evaluation.batch_size,
+                            metric=rec.evaluation.metric, progress=progress)
+    sq = layer_sqnr(job.float_proto, qproto, lowered.static, ev, limit=16) if lowered.static.layers else {}
+    return {"fidelity": fid}, sq
+
+
+def _latency(job: Job, qproto: onnx.ModelProto, ds: Dataset) -> dict[str, Any]:
+    rec = job.recipe
+    if _is_lm(rec, job.float_proto):
+        from quantkit.evaluate.decode import llm_latency
+
+        return llm_latency(job.float_bytes, qproto.SerializeToString(), rec.report.latency,
+                           vocab_input=model_inputs(job.float_model))
+    return measure_pair_latency(job.float_bytes, qproto.SerializeToString(), ds, rec)
+
+
+def run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, cal: Dataset, *,
+             evaluation_data: Any = None, evaluate: bool = True, measure_latency: bool | None = None,
+             progress: bool = True, use_cache: bool = True, timings: dict[str, float], t_start: float,
+             artifacts: Artifacts | None = None, search: dict[str, Any] | None = None) -> QuantizeResult:
+    """Execute ``plan``, check the emitted model, evaluate it against FP32 and build the report."""
+    rec = plan.recipe
+    t = time.perf_counter()
+    job, lowered = execute(float_model, plan, cal, progress=progress, use_cache=use_cache, artifacts=artifacts)
+    qproto = checked_proto(lowered.model)
+    timings.update({k: v for k, v in lowered.timings.items()})
+    timings["lower_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    cen = census(qproto, quantizable=lowered.fused_layers())
+    timings["verify_s"] = time.perf_counter() - t
+    ev = eval_dataset(rec, loaded, evaluation_data, model_inputs(float_model)) if evaluate else None
+    kernels: dict[str, Any] = {}
+    if lowered.static.layers or lowered.layers.get("dynamic"):
+        t = time.perf_counter()
+        with stage("check the fused kernels against the QDQ math", enabled=progress):
+            kernels = verify_kernels(qproto, job.target, ev or cal, rec.report.kernel_check_samples)
+        timings["kernel_check_s"] = time.perf_counter() - t
+    quality: dict[str, Any] = {}
+    per_layer: dict[str, float] = {}
+    if ev is not None:
+        t = time.perf_counter()
+        quality, per_layer = _quality(job, lowered, qproto, ev, progress)
+        timings["evaluate_s"] = time.perf_counter() - t
+    latency: dict[str, Any] = {}
+    if rec.report.latency.enabled if measure_latency is None else measure_latency:
+        t = time.perf_counter()
+        with stage("measure latency (FP32 vs quantized, interleaved)", enabled=progress):
+            latency = _latency(job, qproto, ev or cal)
+        timings["latency_s"] = time.perf_counter() - t
+    timings["total_s"] = time.perf_counter() - t_start
+    report = build_report(
+        recipe=rec, source=loaded.source, float_proto=job.float_proto, quant_proto=qproto, lowered=lowered,
+        census=cen, quality=quality, per_layer_sqnr=per_layer, latency=latency, timings=timings,
+        calibration_samples=len(cal), evaluation_samples=len(ev) if ev is not None else 0, kernels=kernels,
+        zero_range=lowered.zero_range, search=search, calibration=job.artifacts.calibration_info)
+    return QuantizeResult(lowered.model, float_model, lowered.static, lowered.lowering, cen, report, rec, timings,
+                          precision=plan, lowered=lowered)
