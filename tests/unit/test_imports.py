@@ -77,3 +77,31 @@ def test_no_import_cycle_between_quantkit_folders() -> None:
 def test_the_search_does_not_import_the_api() -> None:
     g = _graph()
     assert "api" not in g["search"] and "cli" not in g["search"]
+
+
+# Floors, bottom to top: a unit may import only from its own floor or below (and no cycle within a floor).
+FLOORS: list[set[str]] = [
+    {"errors", "registry", "_version", "ops", "progress"},
+    {"scheme", "frontends"},
+    {"calibrate", "algorithms", "data", "evaluate"},
+    {"recipe"},
+    {"lowering"},
+    {"prep", "weight_only"},
+    {"report"},
+    {"pipeline"},
+    {"formats"},  # format handlers + the lowering walk over a precision plan
+    {"run"},  # execute, check, evaluate, report one plan
+    {"search"},  # proposes plans; runs them through formats / run
+    {"api"},
+    {"cli", "quantkit"},
+]
+
+
+def test_every_folder_imports_only_downward() -> None:
+    floor = {u: i for i, units in enumerate(FLOORS) for u in units}
+    g = _graph()
+    unknown = sorted((set(g) | {d for ds in g.values() for d in ds}) - set(floor))
+    assert not unknown, f"place these units on a floor: {unknown}"
+    upward = sorted(f"{s} (floor {floor[s]}) -> {d} (floor {floor[d]})" for s, ds in g.items() for d in ds
+                    if floor[d] > floor[s])
+    assert not upward, upward
