@@ -431,3 +431,41 @@ def test_sweep_torch_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     )
     assert {p.id.split(" = ")[0] for p in res.points} >= {"uniform:int8_dynamic", "uniform:int4"}
     assert all(p.measured["damage"] >= 0 for p in res.points)
+
+
+def test_tied_lm_head_is_a_searchable_unit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tied embedding / lm_head is one unit of the linear space: weight-only candidates only (the table is
+    stored once), the probe feeds the candidate's weight to both the Gather and the lm_head, and its damage
+    is what the emitted model shows."""
+    from tests.unit.test_weight_only import tiny_lm as tied_lm
+    from tests.unit.test_weight_only import windows
+
+    from quantkit.lowering.verify import census
+    from quantkit.search.sensitivity import measure_sensitivity
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    fm = prepare(ir.from_proto(tied_lm())).model
+    rec = load_recipe({
+        "version": 1, "quantization": {"default": {"format": "fp32", "group_size": 16}},
+        "export": {"accuracy_level": 0},
+        "search": {"candidates": [{"name": "int8", "format": "int8_dynamic"},
+                                  {"name": "w4", "format": "int4", "group_size": 16},
+                                  {"name": "w8", "format": "int8_weight", "group_size": 16}],
+                   "sensitivity": {"samples": 2, "seq_len": None}}})
+    cal = as_dataset(windows(4, 0), model_inputs(fm))
+    sp = LinearSpace.build(fm, rec, cal, progress=False)
+    lm = next(u for u in sp.units if "lm_head" in u.layers)
+    assert sp.allowed(lm) == ["w4", "w8"] and "int8" in sp.allowed(sp.units[0])
+    with pytest.raises(RecipeError, match="not allowed"):
+        sp.plan_of({lm.name: "int8"})
+    probe = measure_sensitivity(sp, cal, samples=2, seq_len=None, metric="kl", engine="probe", progress=False)
+    emit = measure_sensitivity(sp, cal, samples=2, seq_len=None, metric="kl", engine="emit", progress=False)
+    assert (lm.name, "int8") not in probe
+    for c in ("w4", "w8"):
+        assert probe[(lm.name, c)] > 0
+        assert probe[(lm.name, c)] == pytest.approx(emit[(lm.name, c)], rel=1e-3, abs=1e-9)
+    assert probe[(lm.name, "w4")] > probe[(lm.name, "w8")]
+    m = sp.emit({lm.name: "w8"})
+    k = census(ir.to_proto(m), quantizable=["lm_head"]).quantized_kernels
+    assert k.get("MatMulNBits") == 1 and k.get("GatherBlockQuantized") == 1, k
+    assert "embed.weight" not in {v.name for v in m.graph.initializers.values()}  # no float copy left
