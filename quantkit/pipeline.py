@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -256,11 +257,14 @@ def evaluate_fidelity(
 
 
 def layer_sqnr(
-    float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, plan: QuantPlan, ds: Dataset, *, limit: int = 16
+    float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, plan: QuantPlan, ds: Dataset, *, limit: int = 16,
+    extra_layers: Sequence[str] = (),
 ) -> dict[str, float]:
-    """Output SQNR (dB) of every quantized layer: the layer's output tensor in the QDQ model
-    (exposed as an extra output, so ORT computes it with the same QDQ arithmetic) against
-    the same tensor of the FP32 model, over the first ``limit`` evaluation samples."""
+    """Output SQNR (dB) of every quantized layer: the layer's output tensor in the quantized model
+    (exposed as an extra output, so ORT computes it with the same arithmetic) against the same tensor of
+    the FP32 model, over the first ``limit`` evaluation samples.  ``plan``: the static-INT8 layers;
+    ``extra_layers``: layers of other formats (weight-only, dynamic, 16-bit) whose node keeps its output."""
+    wanted = set(plan.layers) | set(extra_layers)
     names: dict[str, str] = {}
     q_values = {o for n in quant_proto.graph.node for o in n.output}
     users: dict[str, list[onnx.NodeProto]] = {}
@@ -268,7 +272,7 @@ def layer_sqnr(
         for i in n.input:
             users.setdefault(i, []).append(n)
     for n in float_proto.graph.node:
-        if n.name not in plan.layers or not n.output:
+        if n.name not in wanted or not n.output:
             continue
         out = n.output[0]
         # report the tensor that is actually quantized: after a folded Relu/Clip if there is one

@@ -172,7 +172,8 @@ def _quality(job: Job, lowered: Lowered, qproto: onnx.ModelProto, ev: Dataset, p
         return quality, {}
     fid = evaluate_fidelity(job.float_bytes, qbytes, ev, batch_size=rec.evaluation.batch_size,
                             metric=rec.evaluation.metric, progress=progress)
-    sq = layer_sqnr(job.float_proto, qproto, lowered.static, ev, limit=16) if lowered.static.layers else {}
+    others = [n for h, layers in lowered.layers.items() if h != "static" for n in layers]
+    sq = layer_sqnr(job.float_proto, qproto, lowered.static, ev, limit=16, extra_layers=others)
     return {"fidelity": fid}, sq
 
 

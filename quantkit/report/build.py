@@ -90,13 +90,17 @@ def _static_rows(lowered: Any, census: Census, per_layer_sqnr: Mapping[str, floa
     return rows, unfused
 
 
-def _section_rows(rows: Sequence[Mapping[str, Any]], family: str, census: Census) -> list[dict[str, Any]]:
+def _section_rows(rows: Sequence[Mapping[str, Any]], family: str, census: Census,
+                  per_layer_sqnr: Mapping[str, float]) -> list[dict[str, Any]]:
+    """A handler's rows with the census' kernel and, measured on the evaluation data, ``eval_output_sqnr_db``."""
     out = []
     for r in rows:
         fusion = census.per_layer.get(r["layer"])
+        sq = per_layer_sqnr.get(r["layer"])
         out.append({**{k: (_finite(v) if isinstance(v, float) else v) for k, v in r.items()}, "family": family,
                     "kernel": None if fusion is None else fusion.kernel,
-                    "fused": None if fusion is None else fusion.fused})
+                    "fused": None if fusion is None else fusion.fused,
+                    "eval_output_sqnr_db": None if sq is None else _finite(sq)})
     return out
 
 
@@ -134,9 +138,9 @@ def build_report(
     solver's target, status and prediction when a search chose the plan.
     """
     static_rows, unfused = _static_rows(lowered, census, per_layer_sqnr)
-    woq = _section_rows(lowered.sections.get("weight_only", []), "weight_only", census)
-    linear = (_section_rows(lowered.sections.get("dynamic", []), "dynamic", census)
-              + _section_rows(lowered.sections.get("float16", []), "float", census))
+    woq = _section_rows(lowered.sections.get("weight_only", []), "weight_only", census, per_layer_sqnr)
+    linear = (_section_rows(lowered.sections.get("dynamic", []), "dynamic", census, per_layer_sqnr)
+              + _section_rows(lowered.sections.get("float16", []), "float", census, per_layer_sqnr))
     formats = lowered.formats()
     families = sorted({r["family"] for r in static_rows + woq + linear})
     pf, pq = quality.get("perplexity_fp32"), quality.get("perplexity_quantized")
@@ -525,19 +529,21 @@ def _weight_only_lines(rep: Mapping[str, Any]) -> list[str]:
         return []
     lines = ["## Weight-only layers (MatMulNBits)", "",
              "Columns: `weight rel. error` = ||W - W_q|| / ||W||; `output SQNR dB` = the layer's output error on "
-             "calibration inputs, 10 log10(E||xW||^2 / E||x(W - W_q)||^2) (no calibration statistics: -); `stage` = "
+             "calibration inputs, 10 log10(E||xW||^2 / E||x(W - W_q)||^2) (no calibration statistics: -); `eval SQNR` = "
+             "the layer's output in the emitted model vs FP32 on evaluation samples (errors of earlier layers "
+             "included); `stage` = "
              "the sequential calibration pass the layer was quantized in (later stages see earlier layers already "
              "quantized).", "",
-             "| layer | format | algorithm | bits | group | sym | K x N | weight rel. error | output SQNR dB | kernel "
-             "| stage |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| layer | format | algorithm | bits | group | sym | K x N | weight rel. error | output SQNR dB "
+             "| eval SQNR dB | kernel | stage |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         sq = r.get("output_sqnr_db")
         lines.append(
             f"| `{r['layer']}` | {r['format']} | {r['algorithm']}{' +awq-scale' if r.get('awq_scaled') else ''}"
             f"{' (tied)' if r.get('tied') else ''} | {r['bits']} | {r['group_size']} | "
             f"{'y' if r['symmetric'] else 'n'} | {r['K']} x {r['N']} | {_fmt(r['weight_rel_error'], 4)} | "
-            f"{_fmt(sq, 1) if isinstance(sq, float) and math.isfinite(sq) else _fmt(sq)} | {r.get('kernel') or '-'} "
-            f"| {r.get('stage', '-')} |")
+            f"{_fmt(sq, 1) if isinstance(sq, float) and math.isfinite(sq) else _fmt(sq)} | "
+            f"{_fmt(r.get('eval_output_sqnr_db'), 1)} | {r.get('kernel') or '-'} | {r.get('stage', '-')} |")
     return [*lines, ""]
 
 
@@ -548,11 +554,12 @@ def _linear_lines(rep: Mapping[str, Any]) -> list[str]:
     lines = ["## int8_dynamic / fp16 / bf16 layers", "",
              "int8_dynamic: W8A8 with per-token activation scales computed at run time (SmoothQuant alpha per group "
              "of layers sharing an input); fp16 / bf16: 16-bit weight storage (ONNX Runtime's CPU provider computes "
-             "in FP32).", "", "| layer | format | detail | kernel |", "|---|---|---|---|"]
+             "in FP32).", "", "| layer | format | detail | eval output SQNR dB | kernel |", "|---|---|---|---|---|"]
     for r in rows:
         detail = (f"{r.get('granularity')}, SmoothQuant alpha {_fmt(r.get('smoothquant_alpha'))}"
                   if r["format"] == "int8_dynamic" else f"compute {r.get('compute', 'storage')}")
-        lines.append(f"| `{r['layer']}` | {r['format']} | {detail} | {r.get('kernel') or '-'} |")
+        lines.append(f"| `{r['layer']}` | {r['format']} | {detail} | {_fmt(r.get('eval_output_sqnr_db'), 1)} | "
+                     f"{r.get('kernel') or '-'} |")
     return [*lines, ""]
 
 

@@ -56,6 +56,9 @@ def test_a_transformer_mixes_static_int8_dynamic_int8_int4_and_fp16() -> None:
         {"layer": "k_proj", "format": "int8_dynamic",
                                              "kernel": "MatMulIntegerToFloat"}]
     assert [r["layer"] for r in res.report["weight_only"]] == ["o_proj"]
+    # every family's layers get their output SQNR on the evaluation data, in the emitted model
+    sq = {r["layer"]: r["eval_output_sqnr_db"] for r in res.report["linear_formats"] + res.report["weight_only"]}
+    assert all(isinstance(v, float) and 5 < v < 80 for v in sq.values()), sq
     k = res.census.quantized_kernels
     assert k.get("MatMulIntegerToFloat") == 2 and k.get("MatMulNBits") == 1, k  # static q_proj + dynamic k_proj
     ops = {n.name: n.op_type for n in res.model.graph}
