@@ -110,10 +110,11 @@ def worker(method: str, out: Path, block: int) -> None:
         from quantkit.recipe import load_recipe
 
         d = yaml.safe_load(RECIPE.read_text())
-        d["quantization"]["default"]["algorithm"] = "awq" if algo == "awq_gptq" else algo
+        awq_opts = {"awq_gptq": {"gptq": True}, "awq_signround": {"signround": True},
+                    "awq_gptq_signround": {"gptq": True, "signround": True}}
+        d["quantization"]["default"]["algorithm"] = "awq" if algo in awq_opts else algo
         d["quantization"]["default"]["algorithm_options"] = (
-            d["quantization"]["default"]["algorithm_options"] if algo == "gptq"
-            else {"gptq": True} if algo == "awq_gptq" else {})
+            d["quantization"]["default"]["algorithm_options"] if algo == "gptq" else awq_opts.get(algo, {}))
         d["quantization"]["default"]["group_size"] = block
         res = quantize(recipe=load_recipe(d), progress=False, evaluate=False, measure_latency=False)
         res.save(out / _slug(method), report=True)
@@ -384,7 +385,8 @@ def main() -> None:
     from quantkit.report.build import environment
 
     methods = ["fp32", *args.methods.split(",")]
-    allowed = {"quantkit": ("rtn", "gptq", "awq", "awq_gptq"), "ort": ("rtn_sym", "rtn_asym", "hqq")}
+    allowed = {"quantkit": ("rtn", "gptq", "awq", "awq_gptq", "signround", "awq_signround", "awq_gptq_signround"),
+               "ort": ("rtn_sym", "rtn_asym", "hqq")}
     allowed |= {"autoround": (f"g{args.block}",), "genai": GENAI_ALGOS}  # peers, in eval/.venv-peers
     for m in methods[1:]:
         kind, _, algo = m.partition(":")

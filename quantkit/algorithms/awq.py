@@ -57,12 +57,14 @@ def awq_shared(
     clip_rows: int = 512,
     narrow: bool = False,
     gptq: bool = False,
+    signround: bool = False,
 ) -> list[WOQResult]:
     """AWQ for layers that read the same input: one input scale ``s`` ``[K]`` for all of ``Ws``.
 
     ``gptq=True`` (AWQ then GPTQ): after the scale search, the scaled weights ``diag(s) W`` are rounded by
     GPTQ with the Hessian of the scaled inputs ``X / s`` (``diag(1/s) H diag(1/s)``) instead of the
-    clipping search + round-to-nearest."""
+    clipping search + round-to-nearest.  ``signround=True``: the result (GPTQ's or the clipped RTN's) is then
+    refined by signed gradient descent on the same scaled Hessian (:func:`quantkit.algorithms.signround.signround_from`)."""
     if stats is None or stats.count == 0 or stats.samples.shape[0] == 0:
         raise CalibrationError("awq needs calibration statistics with sampled input rows (stats=LayerStats)")
     mats = [check_weight(W, bits) for W in Ws]
@@ -98,6 +100,8 @@ def awq_shared(
         s64 = s.astype(np.float64)
         Hs = stats.hessian() / np.outer(s64, s64)
         r = run_gptq(Ws_, bits=bits, group_size=g, symmetric=symmetric, hessian=Hs, narrow=narrow)
+        if signround:
+            r = _signround(Ws_, Hs, r)
         sc, q, z = r.scales, r.codes, r.zero_points
         return _split(q, sc, z, widths, bits, g, symmetric, s)
     Xc = (X[:clip_rows] / s).astype(np.float32)
@@ -119,8 +123,18 @@ def awq_shared(
     sc, q, z = group_weight_codes(
         Ws_, bits, g, symmetric=symmetric, narrow=narrow, min_val=mn * best_r, max_val=mx * best_r
     )
+    if signround:
+        s64 = s.astype(np.float64)
+        r = _signround(Ws_, stats.hessian() / np.outer(s64, s64), WOQResult(q, sc, z, bits, g, symmetric))
+        sc, q, z = r.scales, r.codes, r.zero_points
 
     return _split(q, sc, z, widths, bits, g, symmetric, s)
+
+
+def _signround(w: np.ndarray, H: np.ndarray, init: WOQResult) -> WOQResult:
+    from quantkit.algorithms.signround import signround_from
+
+    return signround_from(w, H, init)
 
 
 def _split(q: np.ndarray, sc: np.ndarray, z: np.ndarray, widths: list[int], bits: int, g: int, symmetric: bool,
@@ -134,7 +148,7 @@ def _split(q: np.ndarray, sc: np.ndarray, z: np.ndarray, widths: list[int], bits
     return results
 
 
-AWQ_OPTIONS = frozenset({"n_grid", "max_shrink", "max_rows", "clip_rows", "narrow", "gptq"})
+AWQ_OPTIONS = frozenset({"n_grid", "max_shrink", "max_rows", "clip_rows", "narrow", "gptq", "signround"})
 
 
 @register_weight_algorithm("awq")
@@ -148,7 +162,7 @@ def awq(
     **options: Any,
 ) -> WOQResult:
     """AWQ of a single layer (see :func:`awq_shared`; options: n_grid, max_shrink, max_rows, clip_rows, narrow,
-    gptq = AWQ's scales then GPTQ rounding)."""
+    gptq = AWQ's scales then GPTQ rounding, signround = then signed-gradient refinement)."""
     allowed = AWQ_OPTIONS
     if set(options) - allowed:
         raise RecipeError(

@@ -125,7 +125,8 @@ def get_weight_algorithm(name: str) -> WeightAlgorithm:
     """The algorithm registered as ``name`` (imports the built-ins first)."""
     import quantkit.algorithms.awq
     import quantkit.algorithms.gptq
-    import quantkit.algorithms.rtn  # noqa: F401  (registration side effects)
+    import quantkit.algorithms.rtn
+    import quantkit.algorithms.signround  # noqa: F401  (registration side effects)
 
     return WEIGHT_ALGORITHMS.get(name)
 
