@@ -1,0 +1,606 @@
+"""A streaming builder of LLaMA-family decoders with ONNX Runtime's fused contrib ops.
+
+:func:`build_llm` reads a local Hugging Face folder (``config.json`` + ``*.safetensors``, sharded
+or not, bf16 / fp16 / fp32) and writes the decoder graph directly, the way onnxruntime-genai's
+model builder does, instead of tracing the PyTorch model:
+
+* the weights are streamed: a decoder block's tensors are read with ``safetensors.safe_open``
+  one at a time, converted to float32, transposed to ``[K, N]`` and **written straight into
+  the external-data file** (``<model>.onnx.data``) as they come; the graph only holds a
+  reference (location, offset, length).  Peak memory is about one block plus the embedding
+  table, whatever the model size, and the model may exceed protobuf's 2 GB limit;
+* the graph has a KV cache and fused kernels: ``SimplifiedLayerNormalization`` /
+  ``SkipSimplifiedLayerNormalization`` (RMSNorm, with the residual add inside),
+  ``GroupQueryAttention`` (``com.microsoft``; rotary embedding inside with ``do_rotary=1`` and
+  cos/sin caches as initializers), SiLU as ``Sigmoid`` x ``Mul``.
+
+Inputs and outputs are onnxruntime-genai's LLaMA ones, so the ``genai_config.json`` written
+next to the model lets ``onnxruntime_genai.Model`` load it:
+
+=====================================  =========================================  =======
+name                                   shape                                      type
+=====================================  =========================================  =======
+``input_ids``                          ``[batch_size, sequence_length]``          int64
+``attention_mask``                     ``[batch_size, total_sequence_length]``    int64
+``past_key_values.<i>.key|value``      ``[batch_size, kv_heads, past_sequence_length, head_dim]``  float32
+``logits``                             ``[batch_size, sequence_length, vocab]``   float32
+``present.<i>.key|value``              ``[batch_size, kv_heads, total_sequence_length, head_dim]`` float32
+=====================================  =========================================  =======
+
+Nodes are named after the HF modules so that quantkit recipes address them like the
+torch-exported graphs of :mod:`quantkit.frontends.llm`: ``model.embed_tokens`` (Gather),
+``model.layers.<i>.self_attn.q_proj`` ... ``model.layers.<i>.mlp.down_proj`` (MatMul with a
+``[K, N]`` initializer of the same name + ``.weight``), ``lm_head`` (MatMul).  With tied
+embeddings the table is stored once: ``lm_head`` reads it through the Transpose node
+``lm_head.weight_transpose`` (the pattern :mod:`quantkit.weight_only` recognises).
+
+GroupQueryAttention takes two tensors derived from ``attention_mask`` (as genai computes them):
+``seqlens_k = ReduceSum(attention_mask, axis 1) - 1`` (int32 ``[batch]``, the index of the
+last valid position, *not* a length) and ``total_sequence_length = Shape(attention_mask)[1]``
+(an int32 scalar).  With ``do_rotary=1`` the kernel derives the rotary positions from them
+(no ``position_ids`` input), so prompts must be right-aligned in the usual sense: a batch of
+one, or rows padded on the right.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from quantkit.errors import ModelError
+
+__all__ = [
+    "DecoderConfig",
+    "LLMSession",
+    "build_llm",
+    "generate",
+    "read_decoder_config",
+]
+
+OPSET = 21
+_MS = "com.microsoft"
+_ALIGN = 4096  # external-data offsets page-aligned: ORT can memory-map them
+_SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "smollm", "smollm2")
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """What the builder needs from ``config.json`` (LLaMA / Mistral / Qwen2 / SmolLM)."""
+
+    model_type: str
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_hidden_layers: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        factor = float((self.rope_scaling or {}).get("partial_rotary_factor", 1.0))
+        return int(self.head_dim * factor)
+
+
+def read_decoder_config(folder: str | Path) -> DecoderConfig:
+    """Parse ``folder/config.json``; :class:`ModelError` on an architecture this builder cannot do."""
+    path = Path(folder) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot read {str(path)!r}: {e}") from e
+    model_type = str(cfg.get("model_type", "")).lower()
+    if model_type not in _SUPPORTED_TYPES:
+        raise ModelError(f"model_type {model_type!r} is not a LLaMA-family decoder ({', '.join(_SUPPORTED_TYPES)})")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelError(f"hidden_act {act!r}: only SiLU MLPs are built")
+    try:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        # transformers >= 5 writes rope_parameters {rope_theta, rope_type, ...}; older: rope_theta + rope_scaling
+        rope = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or None
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        window = cfg.get("sliding_window")
+        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+            window = None
+        out = DecoderConfig(
+            model_type=model_type,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            vocab_size=int(cfg["vocab_size"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope_scaling=dict(scaling) if scaling else None,
+            sliding_window=int(window) if window else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            pad_token_id=cfg.get("pad_token_id"),
+            raw=cfg,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelError(f"{str(path)!r}: missing or bad field: {e}") from e
+    if heads % kv_heads:
+        raise ModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    kind = (out.rope_scaling or {}).get("rope_type", (out.rope_scaling or {}).get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise ModelError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+    return out
+
+
+def rotary_caches(cfg: DecoderConfig, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``cos``, ``sin`` ``[length, rotary_dim / 2]`` float32, computed as transformers does (float32)."""
+    dim = cfg.rotary_dim
+    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)))
+    inv = inv.astype(np.float32)
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "linear":
+        inv = (inv / np.float32(sc["factor"])).astype(np.float32)
+    elif kind == "llama3":
+        factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    t = np.arange(length or cfg.max_position_embeddings, dtype=np.float32)
+    freqs = np.outer(t, inv).astype(np.float32)
+    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+
+# --------------------------------------------------------------------------- weights
+
+
+class _Checkpoint:
+    """Tensor name -> shard file of a safetensors checkpoint; reads tensors as float32, a few at a time."""
+
+    def __init__(self, folder: Path) -> None:
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.where = {k: folder / v for k, v in weight_map.items()}
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise ModelError(f"no *.safetensors in {str(folder)!r}")
+            from safetensors import safe_open
+
+            self.where = {}
+            for f in files:
+                with safe_open(str(f), framework="numpy") as h:
+                    self.where.update({k: f for k in h.keys()})  # noqa: SIM118
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def read(self, names: Iterable[str]) -> Iterator[tuple[str, np.ndarray]]:
+        """Yield ``(name, float32 array)``; each shard is opened once per call and closed after.
+
+        Closing the shard drops its memory map, so pages touched for this call's tensors do not
+        stay resident (they would count in the process's RSS until the file is closed).
+        """
+        from safetensors import safe_open
+
+        names = list(names)
+        missing = [n for n in names if n not in self.where]
+        if missing:
+            raise ModelError(f"checkpoint lacks tensors {missing[:4]}")
+        by_shard: dict[Path, list[str]] = {}
+        for n in names:
+            by_shard.setdefault(self.where[n], []).append(n)
+        try:
+            import torch  # bf16 needs torch (numpy has no bfloat16)
+        except ImportError:  # pragma: no cover - torch is a dependency of the LLM frontends
+            torch = None
+        for shard, group in by_shard.items():
+            with safe_open(str(shard), framework="pt" if torch is not None else "numpy") as h:
+                for n in group:
+                    t = h.get_tensor(n)
+                    arr = t.to(torch.float32).numpy() if torch is not None else np.asarray(t, np.float32)
+                    del t
+                    yield n, arr
+
+
+class _ExternalData:
+    """Appends tensors to one external-data file; returns TensorProtos that point into it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fh = open(path, "wb")  # noqa: SIM115 - closed by close()
+        self.offset = 0
+
+    def add(self, name: str, arr: np.ndarray) -> TensorProto:
+        arr = np.ascontiguousarray(arr)
+        pad = (-self.offset) % _ALIGN
+        if pad:
+            self.fh.write(b"\0" * pad)
+            self.offset += pad
+        data = arr.tobytes() if arr.dtype.byteorder != ">" else arr.astype(arr.dtype.newbyteorder("<")).tobytes()
+        self.fh.write(data)
+        t = TensorProto()
+        t.name = name
+        t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
+        t.dims.extend(arr.shape)
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", self.path.name), ("offset", str(self.offset)), ("length", str(len(data)))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        self.offset += len(data)
+        return t
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+# --------------------------------------------------------------------------- graph
+
+
+class _GraphBuilder:
+    def __init__(self, cfg: DecoderConfig, data: _ExternalData) -> None:
+        self.cfg, self.data = cfg, data
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[TensorProto] = []
+        self._consts: dict[tuple[str, bytes], str] = {}
+
+    def node(self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs: Any) -> list[str]:
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain or None, **attrs))
+        return outputs
+
+    def external(self, name: str, arr: np.ndarray) -> str:
+        self.inits.append(self.data.add(name, arr))
+        return name
+
+    def const(self, value: Any, dtype: Any = np.int64) -> str:
+        arr = np.asarray(value, dtype=dtype)
+        key = (str(arr.dtype) + str(arr.shape), arr.tobytes())
+        if key not in self._consts:
+            name = f"/model/constants/{arr.dtype}/{arr.tolist()}".replace(" ", "")
+            self.inits.append(onnx.numpy_helper.from_array(arr, name))
+            self._consts[key] = name
+        return self._consts[key]
+
+
+def _linear(g: _GraphBuilder, x: str, prefix: str, w: np.ndarray, bias: np.ndarray | None) -> str:
+    """``MatMul(x, W^T)`` named ``prefix`` (initializer ``prefix.weight`` ``[K, N]``), + bias Add."""
+    wname = g.external(f"{prefix}.weight", w.T)
+    out = g.node("MatMul", [x, wname], [f"{prefix}/output_0"], prefix)[0]
+    if bias is not None:
+        bname = g.external(f"{prefix}.bias", bias)
+        out = g.node("Add", [out, bname], [f"{prefix}/bias_add/output_0"], f"{prefix}/bias_add")[0]
+    return out
+
+
+def _check_shape(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> None:
+    if tuple(arr.shape) != shape:
+        raise ModelError(f"tensor {name!r} has shape {tuple(arr.shape)}, config says {shape}")
+
+
+def _build(folder: Path, out_path: Path, cfg: DecoderConfig, ckpt: _Checkpoint, data: _ExternalData) -> onnx.ModelProto:
+    g = _GraphBuilder(cfg, data)
+    H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    nh, nkv, hd, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
+
+    # attention_mask -> seqlens_k (int32 [B], last valid index) and total_sequence_length (int32 scalar)
+    base = "/model/attn_mask_reformat"
+    rs = g.node("ReduceSum", ["attention_mask", g.const([1])], [f"{base}/ReduceSum/output_0"], f"{base}/ReduceSum",
+                keepdims=0)[0]
+    sub = g.node("Sub", [rs, g.const(1)], [f"{base}/Sub/output_0"], f"{base}/Sub")[0]
+    seqlens_k = g.node("Cast", [sub], ["/model/seqlens_k"], f"{base}/Sub/Cast", to=TensorProto.INT32)[0]
+    shp = g.node("Shape", ["attention_mask"], [f"{base}/Shape/output_0"], f"{base}/Shape")[0]
+    tot = g.node("Gather", [shp, g.const(1)], [f"{base}/Gather/output_0"], f"{base}/Gather", axis=0)[0]
+    total_len = g.node("Cast", [tot], ["/model/total_seq_len"], f"{base}/Gather/Cast", to=TensorProto.INT32)[0]
+
+    cos, sin = rotary_caches(cfg)
+    cos_name, sin_name = g.external("cos_cache", cos), g.external("sin_cache", sin)
+    del cos, sin
+
+    # embedding
+    ((_, emb),) = list(ckpt.read(["model.embed_tokens.weight"]))
+    _check_shape("model.embed_tokens.weight", emb, (V, H))
+    table = g.external("model.embed_tokens.weight", emb)
+    del emb
+    residual = g.node("Gather", [table, "input_ids"], ["/model/embed_tokens/output_0"], "model.embed_tokens")[0]
+
+    pending: str | None = None  # MLP output of the previous block, not yet added to the residual
+    eps = cfg.rms_norm_eps
+    attrs = {"num_heads": nh, "kv_num_heads": nkv, "scale": 1.0 / math.sqrt(hd), "do_rotary": 1,
+             "rotary_interleaved": 0, "local_window_size": cfg.sliding_window or -1, "softcap": 0.0}  # fmt: skip
+    linears = {
+        "self_attn.q_proj": (nh * hd, H), "self_attn.k_proj": (nkv * hd, H), "self_attn.v_proj": (nkv * hd, H),
+        "self_attn.o_proj": (H, nh * hd), "mlp.gate_proj": (inter, H), "mlp.up_proj": (inter, H),
+        "mlp.down_proj": (H, inter),
+    }  # fmt: skip
+    for i in range(L):
+        p = f"model.layers.{i}"
+        names = [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+        names += [f"{p}.{s}.weight" for s in linears]
+        names += [f"{p}.{s}.bias" for s in linears if f"{p}.{s}.bias" in ckpt]
+        w = dict(ckpt.read(names))  # this block's float32 weights, released at the end of the iteration
+        for s, shape in linears.items():
+            _check_shape(f"{p}.{s}.weight", w[f"{p}.{s}.weight"], shape)
+
+        # input RMSNorm (+ the residual add of the previous block)
+        ln = g.external(f"{p}.input_layernorm.weight", w.pop(f"{p}.input_layernorm.weight"))
+        name = f"{p}.input_layernorm"
+        if pending is None:
+            h = g.node("SimplifiedLayerNormalization", [residual, ln], [f"{name}/output_0"], name,
+                       axis=-1, epsilon=eps, stash_type=1)[0]  # fmt: skip
+        else:
+            h, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [residual, pending, ln],
+                                       [f"{name}/output_0", "", "", f"{name}/output_3"], name, _MS, epsilon=eps)
+        qkv = [_linear(g, h, f"{p}.self_attn.{k}", w.pop(f"{p}.self_attn.{k}.weight"),
+                       w.pop(f"{p}.self_attn.{k}.bias", None)) for k in ("q_proj", "k_proj", "v_proj")]  # fmt: skip
+        name = f"{p}.self_attn.GroupQueryAttention"
+        attn = g.node(
+            "GroupQueryAttention",
+            [*qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_len, cos_name, sin_name],
+            [f"{name}/output_0", f"present.{i}.key", f"present.{i}.value"], name, _MS, **attrs,
+        )[0]  # fmt: skip
+        o = _linear(g, attn, f"{p}.self_attn.o_proj", w.pop(f"{p}.self_attn.o_proj.weight"),
+                    w.pop(f"{p}.self_attn.o_proj.bias", None))  # fmt: skip
+        ln = g.external(f"{p}.post_attention_layernorm.weight", w.pop(f"{p}.post_attention_layernorm.weight"))
+        name = f"{p}.post_attention_layernorm"
+        h, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [residual, o, ln],
+                                   [f"{name}/output_0", "", "", f"{name}/output_3"], name, _MS, epsilon=eps)  # fmt: skip
+        gate = _linear(g, h, f"{p}.mlp.gate_proj", w.pop(f"{p}.mlp.gate_proj.weight"), w.pop(f"{p}.mlp.gate_proj.bias", None))
+        up = _linear(g, h, f"{p}.mlp.up_proj", w.pop(f"{p}.mlp.up_proj.weight"), w.pop(f"{p}.mlp.up_proj.bias", None))
+        a = f"{p}.mlp.act_fn"
+        sig = g.node("Sigmoid", [gate], [f"{a}/Sigmoid/output_0"], f"{a}/Sigmoid")[0]
+        silu = g.node("Mul", [gate, sig], [f"{a}/output_0"], f"{a}/Mul")[0]
+        prod = g.node("Mul", [silu, up], [f"{p}.mlp/Mul/output_0"], f"{p}.mlp/Mul")[0]
+        pending = _linear(g, prod, f"{p}.mlp.down_proj", w.pop(f"{p}.mlp.down_proj.weight"),
+                          w.pop(f"{p}.mlp.down_proj.bias", None))  # fmt: skip
+        del w
+
+    ((_, fw),) = list(ckpt.read(["model.norm.weight"]))
+    fn = g.external("model.norm.weight", fw)
+    if pending is None:  # zero layers
+        hidden = g.node("SimplifiedLayerNormalization", [residual, fn], ["/model/norm/output_0"], "model.norm",
+                        axis=-1, epsilon=eps, stash_type=1)[0]  # fmt: skip
+    else:
+        hidden = g.node("SkipSimplifiedLayerNormalization", [residual, pending, fn], ["/model/norm/output_0"],
+                        "model.norm", _MS, epsilon=eps)[0]  # fmt: skip
+    if tied:
+        wt = g.node("Transpose", [table], ["lm_head.weight_transpose/output_0"], "lm_head.weight_transpose",
+                    perm=[1, 0])[0]  # fmt: skip
+    else:
+        ((_, lm),) = list(ckpt.read(["lm_head.weight"]))
+        _check_shape("lm_head.weight", lm, (V, H))
+        wt = g.external("lm_head.weight", lm.T)
+        del lm
+    g.node("MatMul", [hidden, wt], ["logits"], "lm_head")
+
+    f32 = TensorProto.FLOAT
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
+    ]
+    outputs = [helper.make_tensor_value_info("logits", f32, ["batch_size", "sequence_length", V])]
+    for i in range(L):
+        for kv in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(
+                f"past_key_values.{i}.{kv}", f32, ["batch_size", nkv, "past_sequence_length", hd]))
+            outputs.append(helper.make_tensor_value_info(
+                f"present.{i}.{kv}", f32, ["batch_size", nkv, "total_sequence_length", hd]))  # fmt: skip
+    graph = helper.make_graph(g.nodes, "main_graph", inputs, outputs, initializer=g.inits)
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(_MS, 1)],
+        producer_name="quantkit.llm_builder",
+    )
+    model.ir_version = 10
+    onnx.helper.set_model_props(model, {"source": str(folder), "model_type": cfg.model_type})
+    return model
+
+
+def _genai_config(cfg: DecoderConfig, folder: Path, filename: str) -> dict[str, Any]:
+    gen: dict[str, Any] = {}
+    gpath = folder / "generation_config.json"
+    if gpath.is_file():
+        try:
+            gen = json.loads(gpath.read_text())
+        except ValueError:
+            gen = {}
+
+    def pick(key: str) -> Any:
+        return gen.get(key, getattr(cfg, key))
+
+    eos = pick("eos_token_id")
+    pad = pick("pad_token_id")
+    if pad is None:
+        pad = eos[0] if isinstance(eos, list) else eos
+    ctx = cfg.max_position_embeddings
+    return {
+        "model": {
+            "bos_token_id": pick("bos_token_id"),
+            "context_length": ctx,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": filename,
+                "head_size": cfg.head_dim,
+                "hidden_size": cfg.hidden_size,
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "attention_mask": "attention_mask",
+                    "past_key_names": "past_key_values.%d.key",
+                    "past_value_names": "past_key_values.%d.value",
+                },
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
+                "num_attention_heads": cfg.num_attention_heads,
+                "num_hidden_layers": cfg.num_hidden_layers,
+                "num_key_value_heads": cfg.num_key_value_heads,
+            },
+            "eos_token_id": eos,
+            "pad_token_id": pad,
+            "type": "llama" if cfg.model_type.startswith("smollm") else cfg.model_type,
+            "vocab_size": cfg.vocab_size,
+        },
+        "search": {
+            "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
+            "max_length": ctx, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
+            "num_return_sequences": 1, "past_present_share_buffer": False, "repetition_penalty": 1.0,
+            "temperature": 1.0, "top_k": 1, "top_p": 1.0,
+        },  # fmt: skip
+    }
+
+
+def build_llm(folder: str | Path, out_path: str | Path, *, dtype: str = "fp32", genai_config: bool = True) -> Path:
+    """Build the KV-cache decoder ONNX graph of a LLaMA-family HF folder, streaming its weights.
+
+    Writes ``out_path`` (the graph, small), ``out_path.name + ".data"`` next to it (every weight,
+    float32, page-aligned) and, with ``genai_config``, ``genai_config.json`` plus the tokenizer
+    files of ``folder`` (so ``onnxruntime_genai.Model(out_path.parent)`` works when the folder
+    holds one model).
+
+    Args:
+        folder: local HF folder with ``config.json`` and ``*.safetensors``
+            (``model.safetensors.index.json`` when sharded); bf16, fp16 or fp32 tensors.
+        out_path: the ``.onnx`` file to write (parent folders are created).
+        dtype: weight/activation precision; only ``"fp32"`` for now.
+
+    Returns:
+        ``out_path`` as a Path.
+
+    Raises:
+        ModelError: unsupported architecture/dtype, missing or mis-shaped tensors.
+    """
+    if dtype != "fp32":
+        raise ModelError(f"dtype {dtype!r}: the builder emits fp32 only (quantize the built graph with quantkit)")
+    folder, out = Path(folder), Path(out_path)
+    cfg = read_decoder_config(folder)
+    ckpt = _Checkpoint(folder)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data_path = out.with_name(out.name + ".data")
+    tmp_onnx = out.with_name(out.name + ".tmp")
+    data = _ExternalData(data_path)
+    try:
+        model = _build(folder, out, cfg, ckpt, data)
+    except BaseException:
+        data.close()
+        data_path.unlink(missing_ok=True)
+        raise
+    data.close()
+    with open(tmp_onnx, "wb") as fh:
+        fh.write(model.SerializeToString())
+    os.replace(tmp_onnx, out)
+    if genai_config:
+        (out.parent / "genai_config.json").write_text(json.dumps(_genai_config(cfg, folder, out.name), indent=4))
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                     "generation_config.json", "tokenizer.model"):  # fmt: skip
+            src = folder / name
+            if src.is_file() and src.resolve() != (out.parent / name).resolve():
+                (out.parent / name).write_bytes(src.read_bytes())
+    return out
+
+
+# --------------------------------------------------------------------------- running
+
+
+class LLMSession:
+    """An ORT session over a built decoder that keeps the KV cache between calls (batch 1 or more)."""
+
+    def __init__(self, model_path: str | Path, *, threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        if threads:
+            so.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+        self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
+        shapes = {i.name: i.shape for i in self.session.get_inputs()}
+        self.kv_heads, self.head_dim = shapes[self.past_names[0]][1], shapes[self.past_names[0]][3]
+        self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
+        self.reset()
+
+    def reset(self, batch: int = 1) -> None:
+        empty = np.zeros((batch, self.kv_heads, 0, self.head_dim), np.float32)
+        self.past = {n: empty for n in self.past_names}
+        self.mask = np.zeros((batch, 0), np.int64)
+
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+        """Run ``input_ids [B, S]`` after the cached positions; return logits ``[B, S, V]``."""
+        ids = np.asarray(input_ids, np.int64)
+        new = np.ones(ids.shape, np.int64) if attention_mask is None else np.asarray(attention_mask, np.int64)
+        self.mask = np.concatenate([self.mask, new], axis=1)
+        feed = {"input_ids": ids, "attention_mask": self.mask, **self.past}
+        outs = self.session.run(["logits", *self.present_names], feed)
+        self.past = dict(zip(self.past_names, outs[1:], strict=True))
+        return outs[0]
+
+
+def generate(
+    model_path: str | Path,
+    tokenizer_folder: str | Path,
+    prompt: str,
+    max_new_tokens: int = 32,
+    *,
+    threads: int | None = None,
+    return_timings: bool = False,
+) -> str | tuple[str, dict[str, Any]]:
+    """Greedy generation with the KV cache (prefill the prompt, then one token per step).
+
+    Returns the generated text (prompt excluded); with ``return_timings`` also
+    ``{"prefill_ms", "decode_ms": [...], "tokens": [...]}``.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_folder))
+    ids = np.asarray([tok(prompt)["input_ids"]], np.int64)
+    eos = tok.eos_token_id
+    sess = LLMSession(model_path, threads=threads)
+    t0 = time.perf_counter()
+    logits = sess(ids)
+    timings: dict[str, Any] = {"prefill_ms": (time.perf_counter() - t0) * 1e3, "decode_ms": [], "tokens": []}
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        nxt = int(np.argmax(logits[0, -1]))
+        out.append(nxt)
+        if (eos is not None and nxt == eos) or len(out) == max_new_tokens:
+            break
+        t0 = time.perf_counter()
+        logits = sess(np.asarray([[nxt]], np.int64))
+        timings["decode_ms"].append((time.perf_counter() - t0) * 1e3)
+    timings["tokens"] = out
+    text = tok.decode(out, skip_special_tokens=True)
+    return (text, timings) if return_timings else text
