@@ -9,8 +9,9 @@ model builder does, instead of tracing the PyTorch model:
   the external-data file** (``<model>.onnx.data``) as they come; the graph only holds a
   reference (location, offset, length).  Peak memory is about one block plus the embedding
   table, whatever the model size, and the model may exceed protobuf's 2 GB limit;
-* the graph has a KV cache and fused kernels: ``SimplifiedLayerNormalization`` /
-  ``SkipSimplifiedLayerNormalization`` (RMSNorm, with the residual add inside),
+* the graph has a KV cache and fused kernels: ``SkipSimplifiedLayerNormalization``
+  (``com.microsoft``: RMSNorm with the residual add inside; the first norm, which has no
+  residual to add, is written in standard ops that ORT fuses into ``SimplifiedLayerNormalization``),
   ``GroupQueryAttention`` (``com.microsoft``; rotary embedding inside with ``do_rotary=1`` and
   cos/sin caches as initializers), SiLU as ``Sigmoid`` x ``Mul``.
 
@@ -114,7 +115,9 @@ def read_decoder_config(folder: str | Path) -> DecoderConfig:
         raise ModelError(f"cannot read {str(path)!r}: {e}") from e
     model_type = str(cfg.get("model_type", "")).lower()
     if model_type not in _SUPPORTED_TYPES:
-        raise ModelError(f"model_type {model_type!r} is not a LLaMA-family decoder ({', '.join(_SUPPORTED_TYPES)})")
+        raise ModelError(
+            f"model_type {model_type!r} is not a LLaMA-family decoder ({', '.join(_SUPPORTED_TYPES)})"
+        )
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ModelError(f"hidden_act {act!r}: only SiLU MLPs are built")
@@ -164,7 +167,9 @@ def read_decoder_config(folder: str | Path) -> DecoderConfig:
 def rotary_caches(cfg: DecoderConfig, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``cos``, ``sin`` ``[length, rotary_dim / 2]`` float32, computed as transformers does (float32)."""
     dim = cfg.rotary_dim
-    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)))
+    inv = 1.0 / (
+        np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)
+    )
     inv = inv.astype(np.float32)
     sc = cfg.rope_scaling or {}
     kind = sc.get("rope_type", sc.get("type", "default"))
@@ -251,7 +256,9 @@ class _ExternalData:
         if pad:
             self.fh.write(b"\0" * pad)
             self.offset += pad
-        data = arr.tobytes() if arr.dtype.byteorder != ">" else arr.astype(arr.dtype.newbyteorder("<")).tobytes()
+        data = (
+            arr.tobytes() if arr.dtype.byteorder != ">" else arr.astype(arr.dtype.newbyteorder("<")).tobytes()
+        )
         self.fh.write(data)
         t = TensorProto()
         t.name = name
@@ -278,7 +285,9 @@ class _GraphBuilder:
         self.inits: list[TensorProto] = []
         self._consts: dict[tuple[str, bytes], str] = {}
 
-    def node(self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs: Any) -> list[str]:
+    def node(
+        self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs: Any
+    ) -> list[str]:
         self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain or None, **attrs))
         return outputs
 
@@ -306,12 +315,32 @@ def _linear(g: _GraphBuilder, x: str, prefix: str, w: np.ndarray, bias: np.ndarr
     return out
 
 
+def _rms_norm(g: _GraphBuilder, x: str, gamma: str, name: str, eps: float) -> str:
+    """RMSNorm in standard ops; ORT fuses it into ``SimplifiedLayerNormalization`` at session creation.
+
+    (``SimplifiedLayerNormalization`` itself is an ORT op registered in the default domain, which
+    ``onnx.checker`` -- run by quantkit on every emitted model -- rejects; the first norm has no
+    residual to add, so ``SkipSimplifiedLayerNormalization`` does not fit either.)  The last node,
+    ``Mul(x_hat, gamma)``, is named ``name`` so that recipes and scale folding find the gamma.
+    """
+    p = g.node("Pow", [x, g.const(2.0, np.float32)], [f"{name}/Pow/output_0"], f"{name}/Pow")[0]
+    m = g.node(
+        "ReduceMean", [p, g.const([-1])], [f"{name}/ReduceMean/output_0"], f"{name}/ReduceMean", keepdims=1
+    )[0]
+    a = g.node("Add", [m, g.const(eps, np.float32)], [f"{name}/Add/output_0"], f"{name}/Add")[0]
+    r = g.node("Sqrt", [a], [f"{name}/Sqrt/output_0"], f"{name}/Sqrt")[0]
+    d = g.node("Div", [x, r], [f"{name}/Div/output_0"], f"{name}/Div")[0]
+    return g.node("Mul", [d, gamma], [f"{name}/output_0"], name)[0]
+
+
 def _check_shape(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> None:
     if tuple(arr.shape) != shape:
         raise ModelError(f"tensor {name!r} has shape {tuple(arr.shape)}, config says {shape}")
 
 
-def _build(folder: Path, out_path: Path, cfg: DecoderConfig, ckpt: _Checkpoint, data: _ExternalData) -> onnx.ModelProto:
+def _build(
+    folder: Path, out_path: Path, cfg: DecoderConfig, ckpt: _Checkpoint, data: _ExternalData
+) -> onnx.ModelProto:
     g = _GraphBuilder(cfg, data)
     H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     nh, nkv, hd, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
@@ -319,13 +348,20 @@ def _build(folder: Path, out_path: Path, cfg: DecoderConfig, ckpt: _Checkpoint, 
 
     # attention_mask -> seqlens_k (int32 [B], last valid index) and total_sequence_length (int32 scalar)
     base = "/model/attn_mask_reformat"
-    rs = g.node("ReduceSum", ["attention_mask", g.const([1])], [f"{base}/ReduceSum/output_0"], f"{base}/ReduceSum",
-                keepdims=0)[0]
+    rs = g.node(
+        "ReduceSum",
+        ["attention_mask", g.const([1])],
+        [f"{base}/ReduceSum/output_0"],
+        f"{base}/ReduceSum",
+        keepdims=0,
+    )[0]
     sub = g.node("Sub", [rs, g.const(1)], [f"{base}/Sub/output_0"], f"{base}/Sub")[0]
     seqlens_k = g.node("Cast", [sub], ["/model/seqlens_k"], f"{base}/Sub/Cast", to=TensorProto.INT32)[0]
     shp = g.node("Shape", ["attention_mask"], [f"{base}/Shape/output_0"], f"{base}/Shape")[0]
     tot = g.node("Gather", [shp, g.const(1)], [f"{base}/Gather/output_0"], f"{base}/Gather", axis=0)[0]
-    total_len = g.node("Cast", [tot], ["/model/total_seq_len"], f"{base}/Gather/Cast", to=TensorProto.INT32)[0]
+    total_len = g.node("Cast", [tot], ["/model/total_seq_len"], f"{base}/Gather/Cast", to=TensorProto.INT32)[
+        0
+    ]
 
     cos, sin = rotary_caches(cfg)
     cos_name, sin_name = g.external("cos_cache", cos), g.external("sin_cache", sin)
@@ -336,7 +372,9 @@ def _build(folder: Path, out_path: Path, cfg: DecoderConfig, ckpt: _Checkpoint, 
     _check_shape("model.embed_tokens.weight", emb, (V, H))
     table = g.external("model.embed_tokens.weight", emb)
     del emb
-    residual = g.node("Gather", [table, "input_ids"], ["/model/embed_tokens/output_0"], "model.embed_tokens")[0]
+    residual = g.node("Gather", [table, "input_ids"], ["/model/embed_tokens/output_0"], "model.embed_tokens")[
+        0
+    ]
 
     pending: str | None = None  # MLP output of the previous block, not yet added to the residual
     eps = cfg.rms_norm_eps
@@ -360,11 +398,16 @@ def _build(folder: Path, out_path: Path, cfg: DecoderConfig, ckpt: _Checkpoint, 
         ln = g.external(f"{p}.input_layernorm.weight", w.pop(f"{p}.input_layernorm.weight"))
         name = f"{p}.input_layernorm"
         if pending is None:
-            h = g.node("SimplifiedLayerNormalization", [residual, ln], [f"{name}/output_0"], name,
-                       axis=-1, epsilon=eps, stash_type=1)[0]  # fmt: skip
+            h = _rms_norm(g, residual, ln, name, eps)
         else:
-            h, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [residual, pending, ln],
-                                       [f"{name}/output_0", "", "", f"{name}/output_3"], name, _MS, epsilon=eps)
+            h, _, _, residual = g.node(
+                "SkipSimplifiedLayerNormalization",
+                [residual, pending, ln],
+                [f"{name}/output_0", "", "", f"{name}/output_3"],
+                name,
+                _MS,
+                epsilon=eps,
+            )
         qkv = [_linear(g, h, f"{p}.self_attn.{k}", w.pop(f"{p}.self_attn.{k}.weight"),
                        w.pop(f"{p}.self_attn.{k}.bias", None)) for k in ("q_proj", "k_proj", "v_proj")]  # fmt: skip
         name = f"{p}.self_attn.GroupQueryAttention"
@@ -379,8 +422,16 @@ def _build(folder: Path, out_path: Path, cfg: DecoderConfig, ckpt: _Checkpoint, 
         name = f"{p}.post_attention_layernorm"
         h, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [residual, o, ln],
                                    [f"{name}/output_0", "", "", f"{name}/output_3"], name, _MS, epsilon=eps)  # fmt: skip
-        gate = _linear(g, h, f"{p}.mlp.gate_proj", w.pop(f"{p}.mlp.gate_proj.weight"), w.pop(f"{p}.mlp.gate_proj.bias", None))
-        up = _linear(g, h, f"{p}.mlp.up_proj", w.pop(f"{p}.mlp.up_proj.weight"), w.pop(f"{p}.mlp.up_proj.bias", None))
+        gate = _linear(
+            g,
+            h,
+            f"{p}.mlp.gate_proj",
+            w.pop(f"{p}.mlp.gate_proj.weight"),
+            w.pop(f"{p}.mlp.gate_proj.bias", None),
+        )
+        up = _linear(
+            g, h, f"{p}.mlp.up_proj", w.pop(f"{p}.mlp.up_proj.weight"), w.pop(f"{p}.mlp.up_proj.bias", None)
+        )
         a = f"{p}.mlp.act_fn"
         sig = g.node("Sigmoid", [gate], [f"{a}/Sigmoid/output_0"], f"{a}/Sigmoid")[0]
         silu = g.node("Mul", [gate, sig], [f"{a}/output_0"], f"{a}/Mul")[0]
@@ -392,8 +443,7 @@ def _build(folder: Path, out_path: Path, cfg: DecoderConfig, ckpt: _Checkpoint, 
     ((_, fw),) = list(ckpt.read(["model.norm.weight"]))
     fn = g.external("model.norm.weight", fw)
     if pending is None:  # zero layers
-        hidden = g.node("SimplifiedLayerNormalization", [residual, fn], ["/model/norm/output_0"], "model.norm",
-                        axis=-1, epsilon=eps, stash_type=1)[0]  # fmt: skip
+        hidden = _rms_norm(g, residual, fn, "model.norm", eps)
     else:
         hidden = g.node("SkipSimplifiedLayerNormalization", [residual, pending, fn], ["/model/norm/output_0"],
                         "model.norm", _MS, epsilon=eps)[0]  # fmt: skip
@@ -410,13 +460,18 @@ def _build(folder: Path, out_path: Path, cfg: DecoderConfig, ckpt: _Checkpoint, 
     f32 = TensorProto.FLOAT
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
-        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
+        helper.make_tensor_value_info(
+            "attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]
+        ),
     ]
     outputs = [helper.make_tensor_value_info("logits", f32, ["batch_size", "sequence_length", V])]
     for i in range(L):
         for kv in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(
-                f"past_key_values.{i}.{kv}", f32, ["batch_size", nkv, "past_sequence_length", hd]))
+            inputs.append(
+                helper.make_tensor_value_info(
+                    f"past_key_values.{i}.{kv}", f32, ["batch_size", nkv, "past_sequence_length", hd]
+                )
+            )
             outputs.append(helper.make_tensor_value_info(
                 f"present.{i}.{kv}", f32, ["batch_size", nkv, "total_sequence_length", hd]))  # fmt: skip
     graph = helper.make_graph(g.nodes, "main_graph", inputs, outputs, initializer=g.inits)
@@ -477,15 +532,27 @@ def _genai_config(cfg: DecoderConfig, folder: Path, filename: str) -> dict[str, 
             "vocab_size": cfg.vocab_size,
         },
         "search": {
-            "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
-            "max_length": ctx, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
-            "num_return_sequences": 1, "past_present_share_buffer": False, "repetition_penalty": 1.0,
-            "temperature": 1.0, "top_k": 1, "top_p": 1.0,
+            "diversity_penalty": 0.0,
+            "do_sample": False,
+            "early_stopping": True,
+            "length_penalty": 1.0,
+            "max_length": ctx,
+            "min_length": 0,
+            "no_repeat_ngram_size": 0,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "past_present_share_buffer": False,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
         },  # fmt: skip
     }
 
 
-def build_llm(folder: str | Path, out_path: str | Path, *, dtype: str = "fp32", genai_config: bool = True) -> Path:
+def build_llm(
+    folder: str | Path, out_path: str | Path, *, dtype: str = "fp32", genai_config: bool = True
+) -> Path:
     """Build the KV-cache decoder ONNX graph of a LLaMA-family HF folder, streaming its weights.
 
     Writes ``out_path`` (the graph, small), ``out_path.name + ".data"`` next to it (every weight,
@@ -506,7 +573,9 @@ def build_llm(folder: str | Path, out_path: str | Path, *, dtype: str = "fp32", 
         ModelError: unsupported architecture/dtype, missing or mis-shaped tensors.
     """
     if dtype != "fp32":
-        raise ModelError(f"dtype {dtype!r}: the builder emits fp32 only (quantize the built graph with quantkit)")
+        raise ModelError(
+            f"dtype {dtype!r}: the builder emits fp32 only (quantize the built graph with quantkit)"
+        )
     folder, out = Path(folder), Path(out_path)
     cfg = read_decoder_config(folder)
     ckpt = _Checkpoint(folder)
@@ -525,7 +594,9 @@ def build_llm(folder: str | Path, out_path: str | Path, *, dtype: str = "fp32", 
         fh.write(model.SerializeToString())
     os.replace(tmp_onnx, out)
     if genai_config:
-        (out.parent / "genai_config.json").write_text(json.dumps(_genai_config(cfg, folder, out.name), indent=4))
+        (out.parent / "genai_config.json").write_text(
+            json.dumps(_genai_config(cfg, folder, out.name), indent=4)
+        )
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                      "generation_config.json", "tokenizer.model"):  # fmt: skip
             src = folder / name
@@ -561,6 +632,8 @@ class LLMSession:
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
         """Run ``input_ids [B, S]`` after the cached positions; return logits ``[B, S, V]``."""
         ids = np.asarray(input_ids, np.int64)
+        if self.mask.shape[1] == 0 and self.mask.shape[0] != ids.shape[0]:
+            self.reset(ids.shape[0])
         new = np.ones(ids.shape, np.int64) if attention_mask is None else np.asarray(attention_mask, np.int64)
         self.mask = np.concatenate([self.mask, new], axis=1)
         feed = {"input_ids": ids, "attention_mask": self.mask, **self.past}
