@@ -88,8 +88,25 @@ def signround_refine(
     the loss ``tr((W_hat - w)^T H (W_hat - w))``; ``H`` float ``[K, K]`` (damped by the caller)."""
     import torch
 
-    if not learn_clip:
-        return _refine_fixed_scales(w, H, init, iters=iters, lr=lr, relaxed=relaxed)
+    threads = torch.get_num_threads()
+    # one thread: the matrices are small (K, N <= a few thousand); on a shared 2-core machine two OpenMP
+    # threads spent 10x the CPU time of one (busy waiting) for the same result, and one thread keeps the
+    # float32 summation order, hence the codes, independent of the machine
+    torch.set_num_threads(1)
+    try:
+        if not learn_clip:
+            return _refine_fixed_scales(w, H, init, iters=iters, lr=lr, relaxed=relaxed)
+        return _refine_learned_clip(w, H, init, iters=iters, lr=lr, min_clip=min_clip, narrow=narrow,
+                                    relaxed=relaxed, clip_lr_scale=clip_lr_scale)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _refine_learned_clip(w: np.ndarray, H: np.ndarray, init: WOQResult, *, iters: int, lr: float | None,
+                         min_clip: float, narrow: bool, relaxed: bool, clip_lr_scale: float) -> WOQResult:
+    """:func:`signround_refine` with learned clip factors (autograd)."""
+    import torch
+
     K, N = w.shape
     g, bits, sym = init.group_size, init.bits, init.symmetric
     kb = -(-K // g)
@@ -134,8 +151,8 @@ def signround_refine(
         d = torch.from_numpy(init.codes.astype(np.float32)) - (torch.round(Wt / S) + Z)
 
     V = torch.zeros((K, N), dtype=torch.float32, requires_grad=True)
-    alpha = a0.clone().requires_grad_(learn_clip)
-    beta = a0.clone().requires_grad_(learn_clip) if not sym else None
+    alpha = a0.clone().requires_grad_(True)
+    beta = a0.clone().requires_grad_(True) if not sym else None
     params = [p for p in (V, alpha, beta) if p is not None and p.requires_grad]
     lr0 = 1.0 / iters if lr is None else float(lr)
     best = (np.inf, V.detach().clone(), alpha.detach().clone(), None if beta is None else beta.detach().clone())
