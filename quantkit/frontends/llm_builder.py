@@ -5,10 +5,11 @@ or not, bf16 / fp16 / fp32) and writes the decoder graph directly, the way onnxr
 model builder does, instead of tracing the PyTorch model:
 
 * the weights are streamed: a decoder block's tensors are read with ``safetensors.safe_open``
-  one at a time, converted to float32, transposed to ``[K, N]`` and **written straight into
-  the external-data file** (``<model>.onnx.data``) as they come; the graph only holds a
-  reference (location, offset, length).  Peak memory is about one block plus the embedding
-  table, whatever the model size, and the model may exceed protobuf's 2 GB limit;
+  (one shard open at a time, closed after the block), then each is converted to float32 and
+  transposed to ``[K, N]`` in row chunks that are **written straight into the external-data
+  file** (``<model>.onnx.data``); the graph only holds a reference (location, offset, length).
+  Peak memory is about one block in its stored dtype plus a chunk, whatever the model size,
+  and the model may exceed protobuf's 2 GB limit;
 * the graph has a KV cache and fused kernels: ``SkipSimplifiedLayerNormalization``
   (``com.microsoft``: RMSNorm with the residual add inside; the first norm, which has no
   residual to add, is written in standard ops that ORT fuses into ``SimplifiedLayerNormalization``),
@@ -214,11 +215,13 @@ class _Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
-    def read(self, names: Iterable[str]) -> Iterator[tuple[str, np.ndarray]]:
-        """Yield ``(name, float32 array)``; each shard is opened once per call and closed after.
+    def read(self, names: Iterable[str]) -> Iterator[tuple[str, Any]]:
+        """Yield ``(name, tensor)`` in the stored dtype; each shard is opened once per call and closed after.
 
-        Closing the shard drops its memory map, so pages touched for this call's tensors do not
-        stay resident (they would count in the process's RSS until the file is closed).
+        The tensors are torch tensors (bf16 needs torch: numpy has no bfloat16), or float32
+        numpy arrays without torch; :meth:`_ExternalData.add` converts them to float32 in row
+        chunks as it writes them.  Closing the shard drops its memory map, so pages touched for
+        this call's tensors do not stay resident (they would count in the RSS until it is closed).
         """
         from safetensors import safe_open
 
@@ -230,45 +233,68 @@ class _Checkpoint:
         for n in names:
             by_shard.setdefault(self.where[n], []).append(n)
         try:
-            import torch  # bf16 needs torch (numpy has no bfloat16)
+            import torch  # noqa: F401
         except ImportError:  # pragma: no cover - torch is a dependency of the LLM frontends
-            torch = None
+            framework = "numpy"
+        else:
+            framework = "pt"
         for shard, group in by_shard.items():
-            with safe_open(str(shard), framework="pt" if torch is not None else "numpy") as h:
+            with safe_open(str(shard), framework=framework) as h:
                 for n in group:
                     t = h.get_tensor(n)
-                    arr = t.to(torch.float32).numpy() if torch is not None else np.asarray(t, np.float32)
-                    del t
-                    yield n, arr
+                    yield n, (t if framework == "pt" else np.asarray(t, np.float32))
+
+
+def _float32_rows(t: Any, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of a torch tensor / numpy array (maybe a transposed view) as C-contiguous float32."""
+    chunk = t[start:stop]
+    if isinstance(chunk, np.ndarray):
+        return np.ascontiguousarray(chunk, dtype=np.float32)
+    import torch
+
+    return chunk.to(torch.float32).contiguous().numpy()
 
 
 class _ExternalData:
-    """Appends tensors to one external-data file; returns TensorProtos that point into it."""
+    """Appends float32 tensors to one external-data file; returns TensorProtos that point into it.
 
-    def __init__(self, path: Path) -> None:
+    A tensor is converted and written in row chunks of about ``chunk_bytes``, so a transposed
+    view (``W.T`` for ``MatMul(x, W^T)``) or a bf16 tensor costs one chunk of extra memory, not
+    a full float32 copy.
+    """
+
+    def __init__(self, path: Path, chunk_bytes: int = 16 << 20) -> None:
         self.path = path
         self.fh = open(path, "wb")  # noqa: SIM115 - closed by close()
         self.offset = 0
+        self.chunk_bytes = chunk_bytes
 
-    def add(self, name: str, arr: np.ndarray) -> TensorProto:
-        arr = np.ascontiguousarray(arr)
+    def add(self, name: str, arr: Any) -> TensorProto:
+        shape = tuple(int(d) for d in arr.shape)
+        if not shape:
+            arr, shape = np.asarray(arr, np.float32).reshape(1), ()
         pad = (-self.offset) % _ALIGN
         if pad:
             self.fh.write(b"\0" * pad)
             self.offset += pad
-        data = (
-            arr.tobytes() if arr.dtype.byteorder != ">" else arr.astype(arr.dtype.newbyteorder("<")).tobytes()
-        )
-        self.fh.write(data)
+        rows = shape[0] if shape else 1
+        row_bytes = 4 * (math.prod(shape[1:]) if len(shape) > 1 else 1)
+        step = max(1, self.chunk_bytes // max(1, row_bytes))
+        length = 0
+        for i in range(0, rows, step):
+            chunk = _float32_rows(arr, i, min(rows, i + step))
+            self.fh.write(memoryview(chunk).cast("B"))
+            length += chunk.nbytes
+            del chunk
         t = TensorProto()
         t.name = name
-        t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
-        t.dims.extend(arr.shape)
+        t.data_type = TensorProto.FLOAT
+        t.dims.extend(shape)
         t.data_location = TensorProto.EXTERNAL
-        for k, v in (("location", self.path.name), ("offset", str(self.offset)), ("length", str(len(data)))):
+        for k, v in (("location", self.path.name), ("offset", str(self.offset)), ("length", str(length))):
             e = t.external_data.add()
             e.key, e.value = k, v
-        self.offset += len(data)
+        self.offset += length
         return t
 
     def close(self) -> None:
@@ -368,7 +394,7 @@ def _build(
     del cos, sin
 
     # embedding
-    ((_, emb),) = list(ckpt.read(["model.embed_tokens.weight"]))
+    ((_, emb),) = list(ckpt.read(["model.embed_tokens.weight"]))  # stored dtype; written as float32
     _check_shape("model.embed_tokens.weight", emb, (V, H))
     table = g.external("model.embed_tokens.weight", emb)
     del emb
@@ -390,7 +416,9 @@ def _build(
         names = [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
         names += [f"{p}.{s}.weight" for s in linears]
         names += [f"{p}.{s}.bias" for s in linears if f"{p}.{s}.bias" in ckpt]
-        w = dict(ckpt.read(names))  # this block's float32 weights, released at the end of the iteration
+        w = dict(
+            ckpt.read(names)
+        )  # this block's weights (stored dtype), released at the end of the iteration
         for s, shape in linears.items():
             _check_shape(f"{p}.{s}.weight", w[f"{p}.{s}.weight"], shape)
 
