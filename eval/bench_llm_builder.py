@@ -12,7 +12,7 @@
 (b) synthetic LLaMA-shaped folders with random bf16 weights written as sharded safetensors
     (1.1B shape: hidden 2048, intermediate 5632, 32 heads, 4 KV heads, vocab 32000; 11 and 22
     layers; ``--shape 7b`` for hidden 4096 / 32 layers): the build runs in a child process that
-    reports its peak RSS (``resource.getrusage``), wall time and the bytes written.  A peak
+    reports its peak RSS (``VmHWM``; ``ru_maxrss`` would inherit the parent's), wall time and the bytes written.  A peak
     RSS that does not grow with the layer count is the streaming property.
 
     python eval/bench_llm_builder.py                  # both parts, writes eval/results/llm_builder.md
@@ -207,21 +207,35 @@ config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_
 (folder / "config.json").write_text(json.dumps(config, indent=2))
 """
 
-_CHILD_BUILD = r"""
-import json, resource, sys, time
+_HWM = r"""
+def hwm_kb():  # VmHWM resets at exec; ru_maxrss would start at the parent's high-water mark
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+"""
+
+_CHILD_BUILD = (
+    _HWM
+    + r"""
+import json, sys, time
 t0 = time.perf_counter()
 import torch, safetensors, onnx  # what the builder imports, so that "after import" is the baseline
 from quantkit.frontends.llm_builder import build_llm
-imported = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+imported = hwm_kb()
 t1 = time.perf_counter()
 build_llm(sys.argv[1], sys.argv[2])
 t2 = time.perf_counter()
 print(json.dumps({"build_s": t2 - t1, "import_s": t1 - t0, "import_rss_kb": imported,
-                  "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+                  "peak_rss_kb": hwm_kb()}))
 """
+)
 
-_CHILD_RUN = r"""
-import json, resource, sys, time
+_CHILD_RUN = (
+    _HWM
+    + r"""
+import json, sys, time
 import numpy as np
 from quantkit.frontends.llm_builder import LLMSession
 t0 = time.perf_counter()
@@ -233,8 +247,9 @@ steps = []
 for j in range(4):
     t = time.perf_counter(); lg = s(np.asarray([[int(lg[0, -1].argmax())]])); steps.append(time.perf_counter() - t)
 print(json.dumps({"session_s": t1 - t0, "prefill32_s": t2 - t1, "decode_ms": 1e3 * float(np.median(steps)),
-                  "finite": bool(np.isfinite(lg).all()), "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+                  "finite": bool(np.isfinite(lg).all()), "peak_rss_kb": hwm_kb()}))
 """
+)
 
 
 def _du(path: Path) -> int:
@@ -252,7 +267,7 @@ def _child(code: str, *args: str) -> dict[str, Any]:
 
 
 def bench_synthetic(
-    work: Path, *, shape: str, layers: list[int], run_check: bool, threads: int
+    work: Path, *, shape: str, layers: list[int], run_check: int, threads: int
 ) -> list[dict[str, Any]]:
     rows = []
     for n in layers:
@@ -273,7 +288,7 @@ def bench_synthetic(
             "import_rss_MB": res["import_rss_kb"] / 1024, "block_fp32_MB": block / 2**20,
             "embedding_fp32_MB": 4 * V * H / 2**20,
         }  # fmt: skip
-        if run_check:
+        if n <= run_check:
             try:
                 row["run"] = _child(_CHILD_RUN, str(out / "model.onnx"), str(threads))
             except RuntimeError as e:
@@ -312,7 +327,9 @@ def render(smol: dict[str, Any] | None, synth: list[dict[str, Any]]) -> str:
             f"Latency, medians, {lat['threads']} intra-op threads, {lat['rounds']} interleaved rounds: prefill of "
             f"1x{smol['prompt_len']} tokens; generation of {smol['new_tokens']} tokens after a "
             f"{smol['prompt_len']}-token prompt (built: one token per step with the KV cache; torch graph: "
-            f"no cache, step t re-runs all {smol['prompt_len']}+t tokens).",
+            f"no cache, step t re-runs all {smol['prompt_len']}+t tokens).  Absolute times come from a "
+            f"shared machine (load {os.getloadavg()[0]:.0f} on {os.cpu_count()} cores when this was rendered, "
+            "other jobs running): compare within a row, both columns were timed interleaved.",
             "",
             "| | built (GQA + KV cache) | torch-exported full sequence | ratio |",
             "|---|---|---|---|",
@@ -328,9 +345,13 @@ def render(smol: dict[str, Any] | None, synth: list[dict[str, Any]]) -> str:
         lines += [
             "## Synthetic LLaMA folders (random bf16 weights, sharded safetensors) -> FP32 ONNX",
             "",
-            "Build in a child process; peak RSS = `ru_maxrss` of that process (import of the builder, "
-            "torch, onnx and safetensors included, shown separately).  One block and the embedding in FP32 "
-            "are listed for scale: the peak should be about import + embedding + one block, whatever the depth.",
+            "Build in a child process; peak RSS = `VmHWM` of that process (not `ru_maxrss`: on Linux a child "
+            "inherits its parent's high-water mark through fork + exec) (import of the builder, "
+            "torch, onnx and safetensors included, shown separately).  FP32 sizes of one block and of the "
+            "embedding are listed for scale: tensors are read in their stored dtype one block at a time and "
+            "converted / transposed in 16 MB row chunks while written, so the peak is about import + the "
+            "largest group read at once (here the bf16 embedding or lm_head, 125 MB) and does not grow "
+            "with the depth.",
             "",
             "| shape | layers | params (M) | bf16 in (GB) | fp32 out (GB) | build (s) | peak RSS (MB) "
             "| after import (MB) | 1 block fp32 (MB) | embedding fp32 (MB) |",
@@ -369,8 +390,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument(
-        "--run-check", action="store_true", help="also load and run the built synthetic graphs in ORT"
-    )
+        "--run-check", type=int, default=11, metavar="MAX_LAYERS",
+        help="load and run the built synthetic graphs of at most this many layers in ORT (0: none)",
+    )  # fmt: skip
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "llm_builder.md")
     args = ap.parse_args()
@@ -387,6 +409,11 @@ def main() -> None:
                                     threads=args.threads)  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    prev_path = args.out.with_suffix(".json")
+    if args.part != "all" and prev_path.is_file():  # keep the other part of an earlier run
+        prev = json.loads(prev_path.read_text())
+        smol = smol if smol is not None else prev.get("smollm2")
+        synth = synth if synth is not None else prev.get("synthetic")
     text = render(smol, synth or [])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
