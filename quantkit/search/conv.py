@@ -250,9 +250,10 @@ class ConvSpace:
             if c <= 0:
                 continue
             pairs = {}
-            for a, ca in self.candidates.items():
-                for b, cb in self.candidates.items():
-                    if (ca.format == "int8") != (cb.format == "int8"):
+            src = next(w for w in self.units if w.name == (node.name or ""))
+            for a in self.allowed(src):
+                for b in self.allowed(u):
+                    if (self.candidates[a].format == "int8") != (self.candidates[b].format == "int8"):
                         pairs[(a, b)] = c
             out.append(Edge(node.name or "", u.name, "latency_ms", pairs))
         return out
@@ -269,7 +270,7 @@ class ConvSpace:
                     "candidate": cand,
                     "format": self.candidates[cand].format if cand in self.candidates else "fp32",
                     "op_type": lay.op_type,
-                    "K": int(np.prod(lay.weight_shape[1:])),
+                    "K": int(lay.weight_shape[0]) if lay.op_type == "MatMul" else int(np.prod(lay.weight_shape[1:])),
                     "N": lay.out_channels,
                 }
             )
