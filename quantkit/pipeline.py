@@ -244,16 +244,23 @@ def measure_pair_latency(float_bytes: bytes, q_bytes: bytes, ds: Dataset, rec: R
 
 
 
+def compared_outputs(names: list[str]) -> list[str]:
+    """The outputs a fidelity comparison looks at: all, except a KV-cache decoder's ``present.*``."""
+    kept = [n for n in names if not n.startswith("present.")]
+    return kept or names
+
+
 def evaluate_fidelity(
     float_model: bytes, quant_model: bytes, ds: Dataset, *, batch_size: int = 8, metric: str = "auto",
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Run both models on ``ds`` (streaming) and compare every graph output."""
+    """Run both models on ``ds`` (streaming) and compare every graph output (a KV-cache decoder: its
+    ``logits`` only - the ``present.*`` caches are inputs of the next step, not results)."""
     from tqdm.auto import tqdm
 
     s_f = make_session(float_model)
     s_q = make_session(quant_model)
-    names = [o.name for o in s_f.get_outputs()]
+    names = compared_outputs([o.name for o in s_f.get_outputs()])
     cls = {"classification": True, "embedding": False, "sqnr": False}.get(metric)
     acc = FidelityAccumulator(classification=cls)
     with tqdm(total=len(ds), desc="evaluate", unit="sample", disable=not progress) as bar:

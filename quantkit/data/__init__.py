@@ -13,12 +13,16 @@ kind (recipe)       class
 ``text``            :class:`TextDataset` -- pydoc / a .txt file / strings, tokenised
 (Python only)       :class:`IterableDataset`, :class:`ArrayDataset`
 ==================  ===========================================================
+
+A KV-cache decoder's ``past_key_values.*`` inputs are filled with empty past tensors
+(:class:`KVCacheFeeds`) wherever a dataset is bound to a model's inputs.
 """
 
 from quantkit.data.base import ArrayDataset, Dataset, InputInfo, check_batch, model_inputs
 from quantkit.data.factory import DATASET_KINDS, as_dataset, make_dataset
 from quantkit.data.images import PRESETS, ImageFolderDataset, Preprocess, get_preprocess, preprocess_image
 from quantkit.data.iterable import IterableDataset
+from quantkit.data.kv import KVCacheFeeds, bind_kv_cache
 from quantkit.data.npz import NpzDataset
 from quantkit.data.photos import (
     PHOTO_NAMES,
@@ -39,11 +43,13 @@ __all__ = [
     "ImageFolderDataset",
     "InputInfo",
     "IterableDataset",
+    "KVCacheFeeds",
     "NpzDataset",
     "Preprocess",
     "SamplePhotosDataset",
     "TextDataset",
     "as_dataset",
+    "bind_kv_cache",
     "check_batch",
     "get_preprocess",
     "load_text",

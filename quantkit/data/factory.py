@@ -13,6 +13,7 @@ import numpy as np
 from quantkit.data.base import ArrayDataset, Dataset, InputInfo, check_array, check_batch
 from quantkit.data.images import ImageFolderDataset, get_preprocess
 from quantkit.data.iterable import IterableDataset
+from quantkit.data.kv import bind_kv_cache, split_past
 from quantkit.data.npz import NpzDataset
 from quantkit.data.photos import SPLITS, SamplePhotosDataset
 from quantkit.data.text import TextDataset
@@ -73,10 +74,19 @@ def make_dataset(
     ``sample_photos`` and ``text`` sources; files given by path are used as they are.
     The first batch is checked against ``inputs`` so that a mismatch fails here.
 
+    A KV-cache decoder's ``past_key_values.*`` inputs are not asked of the data: every batch gets
+    empty past tensors (:func:`quantkit.data.kv.bind_kv_cache`).
+
     Raises:
         DataError: unknown kind, unknown or missing key, a bad value, or data that does
             not match the model inputs (the message names the key or input).
     """
+    data_inputs, past = split_past(inputs)
+    ds = _make_dataset(spec, inputs=data_inputs, tokenizer=tokenizer, split=split)
+    return bind_kv_cache(ds, past)
+
+
+def _make_dataset(spec: Mapping[str, Any], *, inputs: list[InputInfo], tokenizer: Any, split: str) -> Dataset:
     if not isinstance(spec, Mapping):
         raise DataError(f"a dataset spec must be a mapping with a 'kind' key, got {type(spec).__name__}")
     kind = spec.get("kind")
@@ -169,9 +179,16 @@ def as_dataset(
       :class:`IterableDataset`; whether items are samples or batches is inferred by
       comparing the first item's rank with the model input's rank.
 
+    A KV-cache decoder's ``past_key_values.*`` inputs get empty past tensors (see :func:`make_dataset`).
+
     Raises:
         DataError: the object is of none of these kinds or does not match the inputs.
     """
+    data_inputs, past = split_past(inputs)
+    return bind_kv_cache(_as_dataset(obj, data_inputs, tokenizer, split=split), past)
+
+
+def _as_dataset(obj: Any, inputs: list[InputInfo], tokenizer: Any = None, *, split: str = "calibration") -> Dataset:
     names = [i.name for i in inputs]
     if isinstance(obj, Dataset) and hasattr(obj, "batches") and hasattr(obj, "fingerprint"):
         return obj

@@ -14,6 +14,12 @@ Two graph kinds are recognised from their inputs:
 Feeds are synthetic (random token ids, zero caches): latency does not depend on values.
 Timing goes through :func:`quantkit.evaluate.latency.compare_latency`, so several models given
 together are measured interleaved and suffer the same machine noise.
+
+:func:`measure_generation` times real decoding on a KV-cache graph: a prompt of ``prompt_len``
+tokens, then ``new_tokens`` steps of one token each, every step's ``present.*`` fed back as the next
+step's ``past_key_values.*`` (the cache grows from ``prompt_len`` to ``prompt_len + new_tokens - 1``).
+Several models generate in lockstep (step ``t`` of each, then step ``t + 1``), so they share the noise;
+:func:`llm_latency` reports its per-token median as the decode row of KV-cache graphs.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ __all__ = [
     "has_kv_cache",
     "llm_latency",
     "measure_decode",
+    "measure_generation",
     "measure_prefill",
 ]
 
@@ -237,6 +244,99 @@ def measure_prefill(
     )
 
 
+def _past_names(session: Any) -> tuple[list[str], list[str]]:
+    past = [i.name for i in session.get_inputs() if i.name.startswith(_PAST)]
+    outs = {o.name for o in session.get_outputs()}
+    present = [n.replace(_PAST, "present.", 1) for n in past]
+    missing = [n for n in present if n not in outs]
+    if missing:
+        raise ModelError(f"KV-cache graph has past inputs but no outputs {missing[:3]}; expected present.<i>.key|value")
+    return past, present
+
+
+def measure_generation(
+    models: ModelSource | Mapping[str, ModelSource],
+    *,
+    prompt_len: int = 128,
+    new_tokens: int = 64,
+    threads: int | None = None,
+    rounds: int = 3,
+    warmup_tokens: int = 4,
+    seed: int = 0,
+) -> dict[str, dict[str, Any]]:
+    """Per-token decode latency with the KV cache: ``new_tokens`` one-token steps after a ``prompt_len`` prompt.
+
+    Each round, every model prefills the same random prompt (empty past), then all models take one decode step
+    each in turn (lockstep, so they see the same machine noise), feeding each step's ``present.*`` back as
+    ``past_key_values.*`` and the step's greedy token as the next input.  A first, untimed round of
+    ``warmup_tokens`` steps warms the sessions.
+
+    Returns:
+        ``{name: {"median_ms", "mean_ms", "p90_ms", "min_ms", "steps", "new_tokens", "prompt_ms", "tokens_per_s"}}``:
+        per decode step over all rounds (``prompt_ms``: median prefill of the prompt in the same loop;
+        ``new_tokens`` is smaller than asked when the model's context ends first).
+
+    Raises:
+        ModelError: a model has no KV cache (``past_key_values.*`` inputs and ``present.*`` outputs).
+    """
+    import time
+
+    sessions = {k: make_session(_source(m), threads=threads) for k, m in _as_mapping(models).items()}
+    names: dict[str, tuple[list[str], list[str]]] = {}
+    for k, s in sessions.items():
+        if not has_kv_cache(s):
+            raise ModelError(f"measure_generation: model {k!r} has no KV cache (past_key_values.* inputs)")
+        names[k] = _past_names(s)
+    first = next(iter(sessions.values()))
+    feed0 = _feed(first, new_tokens=prompt_len, past_len=0, seed=seed)
+    vocab_hi = int(feed0["input_ids"].max()) + 1
+    steps: dict[str, list[float]] = {k: [] for k in sessions}
+    prompts: dict[str, list[float]] = {k: [] for k in sessions}
+    for rnd in range(rounds + 1):
+        timed = rnd > 0
+        n_steps = new_tokens if timed else min(warmup_tokens, new_tokens)
+        state: dict[str, dict[str, np.ndarray]] = {}
+        for k, s in sessions.items():
+            past, present = names[k]
+            feed = {n: v for n, v in feed0.items() if n in {i.name for i in s.get_inputs()}}
+            t0 = time.perf_counter()
+            outs = s.run(["logits", *present], feed)
+            if timed:
+                prompts[k].append((time.perf_counter() - t0) * 1e3)
+            state[k] = {"mask": feed0["attention_mask"], "logits": outs[0],
+                        **dict(zip(past, outs[1:], strict=True))}
+        for t in range(n_steps):
+            row: dict[str, float] = {}
+            try:
+                for k, s in sessions.items():
+                    past, present = names[k]
+                    st = state[k]
+                    tok = int(np.argmax(st["logits"][0, -1])) % vocab_hi
+                    ids = np.full((st["mask"].shape[0], 1), tok, np.int64)
+                    mask = np.concatenate([st["mask"], np.ones_like(ids)], axis=1)
+                    feed = {"input_ids": ids, "attention_mask": mask, **{n: st[n] for n in past}}
+                    t0 = time.perf_counter()
+                    outs = s.run(["logits", *present], feed)
+                    row[k] = (time.perf_counter() - t0) * 1e3
+                    state[k] = {"mask": mask, "logits": outs[0], **dict(zip(past, outs[1:], strict=True))}
+            except Exception:  # the model's context (rotary cache) ends before prompt_len + new_tokens
+                if t == 0:
+                    raise
+                new_tokens = t
+                break
+            if timed:
+                for k, ms in row.items():
+                    steps[k].append(ms)
+    out: dict[str, dict[str, Any]] = {}
+    for k in sessions:
+        a = np.asarray(steps[k])
+        med = float(np.median(a))
+        out[k] = {"median_ms": med, "mean_ms": float(a.mean()), "p90_ms": float(np.percentile(a, 90)),
+                  "min_ms": float(a.min()), "steps": int(a.size), "new_tokens": new_tokens, "prompt_ms": float(np.median(prompts[k])),
+                  "tokens_per_s": 1e3 / med}  # fmt: skip
+    return out
+
+
 def llm_latency(
     fp32: ModelSource,
     quantized: ModelSource,
@@ -256,7 +356,10 @@ def llm_latency(
     Returns:
         ``{"prefill": row, "decode": row}`` with ``row = {"label", "tokens", "fp32_ms",
         "quantized_ms", "fp32_p90_ms", "quantized_p90_ms", "speedup"}``
-        (``speedup = fp32_ms / quantized_ms``, medians).
+        (``speedup = fp32_ms / quantized_ms``, medians).  For KV-cache graphs the decode row is
+        :func:`measure_generation` (64 tokens after a ``seq_len`` prompt, present -> past, per-token
+        median) and adds ``kv_cache: True``, ``prompt_len``, ``new_tokens``, ``steps``, ``fp32_mean_ms``,
+        ``quantized_mean_ms``; full-sequence graphs keep the one-token forward (``kv_cache: False``).
     """
     del vocab_input
     batch = int(getattr(settings, "batch_size", 1) or 1)
@@ -266,12 +369,27 @@ def llm_latency(
     threads = getattr(settings, "threads", None)
     models = {"fp32": fp32, "quantized": quantized}
     rows: dict[str, dict[str, Any]] = {}
-    steps = (
-        ("prefill", measure_prefill(models, seq_len=seq_len, batch=batch, threads=threads, warmup=warmup,
-                                    repeat=repeat)),
-        ("decode", measure_decode(models, past_len=seq_len, batch=batch, threads=threads, warmup=warmup,
-                                  repeat=2 * repeat)),
-    )  # fmt: skip
+    prefill = measure_prefill(models, seq_len=seq_len, batch=batch, threads=threads, warmup=warmup, repeat=repeat)
+    if prefill["fp32"].kv_cache:
+        new_tokens = 64
+        gen = measure_generation(models, prompt_len=seq_len, new_tokens=new_tokens, threads=threads,
+                                 rounds=max(1, min(3, repeat // 10)))
+        gf, gq = gen["fp32"], gen["quantized"]
+        new_tokens = int(gf["new_tokens"])
+        rows["decode"] = {
+            "label": f"decode with KV cache: {new_tokens} tokens after a {seq_len}-token prompt (present -> past)",
+            "tokens": 1, "fp32_ms": gf["median_ms"], "quantized_ms": gq["median_ms"],
+            "fp32_p90_ms": gf["p90_ms"], "quantized_p90_ms": gq["p90_ms"], "speedup": gf["median_ms"] / gq["median_ms"],
+            "kv_cache": True, "prompt_len": seq_len, "new_tokens": new_tokens, "steps": gf["steps"],
+            "fp32_mean_ms": gf["mean_ms"], "quantized_mean_ms": gq["mean_ms"],
+        }  # fmt: skip
+        steps: tuple[tuple[str, dict[str, StepLatency]], ...] = (("prefill", prefill),)
+    else:
+        steps = (
+            ("prefill", prefill),
+            ("decode", measure_decode(models, past_len=seq_len, batch=batch, threads=threads, warmup=warmup,
+                                      repeat=2 * repeat)),
+        )  # fmt: skip
     for key, res in steps:
         f, q = res["fp32"], res["quantized"]
         rows[key] = {
@@ -282,5 +400,6 @@ def llm_latency(
             "fp32_p90_ms": f.p90_ms,
             "quantized_p90_ms": q.p90_ms,
             "speedup": f.median_ms / q.median_ms,
+            "kv_cache": f.kv_cache,
         }
-    return rows
+    return {k: rows[k] for k in ("prefill", "decode")}

@@ -63,9 +63,11 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "BUILT_DECODERS",
     "LINEAR_SUFFIXES",
     "CausalLMNamesPass",
     "LinearLayer",
+    "built_decoder_path",
     "causal_lm_with_cache_path",
     "check_linear_layout",
     "export_causal_lm",
@@ -518,3 +520,55 @@ def causal_lm_with_cache_path(name: str = "smollm2-135m", *, refresh: bool = Fal
 
         atomic_write_dir(folder, fill)
     return folder / "model.onnx"
+
+
+# --------------------------------------------------------------------------- built decoder (GQA + KV cache)
+
+#: Bump to invalidate cached decoder builds after changing :mod:`quantkit.frontends.llm_builder`.
+DECODER_BUILD_VERSION = 1
+#: Built-in causal LMs whose decoder :func:`quantkit.frontends.llm_builder.build_llm` can build: name -> HF folder.
+BUILT_DECODERS: dict[str, Callable[[], Path]] = {"smollm2-135m": smollm2_folder}
+
+
+def _folder_key(folder: Path) -> dict[str, Any]:
+    """What identifies a HF folder's content cheaply: its path, config and weight files' size / mtime."""
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
+    return {
+        "folder": str(folder.resolve()),
+        "files": [[p.name, p.stat().st_size, int(p.stat().st_mtime)] for p in files],
+        "builder": DECODER_BUILD_VERSION,
+        **{d: _version(d) for d in ("onnx", "onnxruntime", "quantkit", "safetensors")},
+    }
+
+
+def built_decoder_path(folder: str | Path, *, refresh: bool = False) -> Path:
+    """``model.onnx`` of the KV-cache decoder built from the HF folder ``folder``, built once and cached.
+
+    :func:`quantkit.frontends.llm_builder.build_llm` streams the weights into
+    ``cache_dir()/models/decoder-<folder name>-<key>/model.onnx`` (+ ``model.onnx.data``,
+    ``genai_config.json`` and the tokenizer files); ``<key>`` hashes the folder's path, its
+    ``*.json`` / ``*.safetensors`` sizes and mtimes, the builder's version and the library versions.
+
+    Raises:
+        ModelError: the folder is not a LLaMA-family decoder the builder supports.
+    """
+    from quantkit.frontends.llm_builder import build_llm, read_decoder_config
+
+    folder = Path(folder)
+    read_decoder_config(folder)  # fails early, naming the architecture
+    digest = hashlib.sha256(json.dumps(_folder_key(folder), sort_keys=True).encode()).hexdigest()[:16]
+    dest = cache_dir() / "models" / f"decoder-{folder.resolve().name}-{digest}"
+    if refresh and dest.exists():
+        import shutil
+
+        shutil.rmtree(dest)
+    if not (dest / "model.onnx").is_file():
+
+        def fill(tmp: Path) -> None:
+            t0 = time.perf_counter()
+            build_llm(folder, tmp / "model.onnx")
+            info = {"folder": str(folder), "graph": "decoder", "build_s": round(time.perf_counter() - t0, 1)}
+            (tmp / "info.json").write_text(json.dumps(info))
+
+        atomic_write_dir(dest, fill)
+    return dest / "model.onnx"

@@ -23,7 +23,8 @@ Three forms, all reading a :class:`~quantkit.algorithms.woq.WOQResult` (codes ``
 
 An input scale ``s`` (AWQ: ``y = (x / s) @ W_hat``) is applied by :func:`apply_input_scale`:
 folded into the constant weight (and bias) of a preceding ``SimplifiedLayerNormalization`` /
-``LayerNormalization`` / ``Mul``-by-constant when all consumers of ``x`` are the layers that
+``LayerNormalization`` / ``SkipSimplifiedLayerNormalization`` / ``SkipLayerNormalization`` (their
+normalized output 0 only: the skip-sum output 3 is not scaled) / ``Mul``-by-constant when all consumers of ``x`` are the layers that
 share ``s``, else as one inserted ``Mul(x, 1 / s)``.  The float weights are removed when no
 other node reads them.
 """
@@ -53,7 +54,11 @@ __all__ = [
 _NORMS = {
     "SimplifiedLayerNormalization": (1, None),
     "LayerNormalization": (1, 2),
-}  # op -> (gamma, beta) input
+    # com.microsoft, residual add inside: y = norm(x + skip [+ bias]) * gamma [+ beta] is output 0 and the
+    # sum x + skip is output 3; scaling gamma (and beta) scales output 0 only - the residual stream is untouched
+    "SkipSimplifiedLayerNormalization": (2, None),
+    "SkipLayerNormalization": (2, 3),
+}  # op -> (gamma, beta) input; only output 0 (the normalized tensor) is scaled
 
 
 def _find(graph: ir.Graph, name: str, ops: Sequence[str]) -> ir.Node:
@@ -136,7 +141,7 @@ def apply_input_scale(model: ir.Model, node_names: Sequence[str], s: np.ndarray)
     """Make the layers ``node_names`` (which read the same ``x``) compute on ``x / s`` (``s`` ``[K]``).
 
     Folds ``1 / s`` into the gamma (and beta) of a preceding ``SimplifiedLayerNormalization`` /
-    ``LayerNormalization`` or into the constant of a preceding ``Mul`` when every consumer of ``x``
+    ``LayerNormalization`` / ``Skip(Simplified)LayerNormalization`` (whose output 0 is ``x``) or into the constant of a preceding ``Mul`` when every consumer of ``x``
     is one of ``node_names``; otherwise inserts one ``Mul(x, 1 / s)``.  Returns what it did.
     """
     graph = model.graph

@@ -41,6 +41,22 @@ class ModelSection(_Strict):
 
     source: str = Field(min_length=1)
     seq_len: int = Field(128, ge=1, le=8192, description="sequence length used to export text models")
+    graph: Literal["auto", "decoder", "full_sequence"] = Field(
+        "auto",
+        description="causal LMs: 'decoder' = the KV-cache decoder built from the weights (GroupQueryAttention, "
+        "fused RMSNorm; quantized, evaluated and timed with its cache), 'full_sequence' = the torch-exported "
+        "input_ids -> logits graph without a cache, 'auto' = decoder for LLaMA-family models, else the export",
+    )
+
+    @model_validator(mode="after")
+    def _source_carries_graph(self) -> ModelSection:
+        # The loader reads the graph from the source string (quantkit.frontends.ModelSource), so every
+        # caller that hands rec.model.source to load_model gets the recipe's graph.
+        from quantkit.frontends import ModelSource
+
+        if getattr(self.source, "graph", None) != self.graph:
+            object.__setattr__(self, "source", ModelSource(str(self.source), self.graph))
+        return self
 
 
 class DataSection(_Strict):

@@ -232,8 +232,8 @@ def test_hf_causal_lm_tiny_llama(tmp_path: Path) -> None:
     llama = transformers.LlamaForCausalLM(config).eval()
     llama.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    lm = load_model(tmp_path, seq_len=16)
-    assert lm.kind == "hf" and [v.name for v in lm.model.graph.outputs] == ["logits"]
+    lm = load_model(tmp_path, seq_len=16, graph="full_sequence")  # default (auto): the built KV-cache decoder
+    assert lm.kind == "hf" and lm.graph == "full_sequence" and [v.name for v in lm.model.graph.outputs] == ["logits"]
     enc = tok(["hello there general kenobi", "hi"], padding=True, return_tensors="np")
     feed = {
         "input_ids": enc["input_ids"].astype(np.int64),
