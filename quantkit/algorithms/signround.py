@@ -186,10 +186,10 @@ def _refine_learned_clip(w: np.ndarray, H: np.ndarray, init: WOQResult, *, iters
         with torch.no_grad():
             V -= step * torch.sign(V.grad)  # type: ignore[arg-type]
             V.clamp_(-0.5, 0.5)
-            for p in (alpha, beta):
-                if p is not None and p.requires_grad:
-                    p -= clip_lr_scale * step * torch.sign(p.grad)  # type: ignore[arg-type]
-                    p.clamp_(min_clip, 1.0)
+            for c in (alpha, beta):
+                if c is not None and c.requires_grad:
+                    c.sub_(clip_lr_scale * step * torch.sign(c.grad))  # type: ignore[arg-type]
+                    c.clamp_(min_clip, 1.0)
 
     _, Vb, ab, bb = best
     with torch.no_grad():
@@ -328,4 +328,4 @@ def signround(
                             clip_lr_scale=clip_lr_scale)
 
 
-signround.options = SIGNROUND_OPTIONS  # type: ignore[attr-defined]  # what the recipe may pass (checked when it loads)
+signround.options = SIGNROUND_OPTIONS  # what the recipe may pass (checked when it loads)

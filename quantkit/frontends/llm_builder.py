@@ -283,7 +283,7 @@ class _ExternalData:
         length = 0
         for i in range(0, rows, step):
             chunk = _float32_rows(arr, i, min(rows, i + step))
-            self.fh.write(memoryview(chunk).cast("B"))
+            self.fh.write(np.ascontiguousarray(chunk).data.cast("B"))
             length += chunk.nbytes
             del chunk
         t = TensorProto()
@@ -703,5 +703,5 @@ def generate(
         logits = sess(np.asarray([[nxt]], np.int64))
         timings["decode_ms"].append((time.perf_counter() - t0) * 1e3)
     timings["tokens"] = out
-    text = tok.decode(out, skip_special_tokens=True)
+    text = str(tok.decode(out, skip_special_tokens=True))
     return (text, timings) if return_timings else text

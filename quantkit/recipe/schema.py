@@ -103,6 +103,12 @@ class ActivationScheme(_Strict):
     symmetric: bool = False
 
 
+def _smoothquant_alpha(v: Any) -> Any:
+    if isinstance(v, float) and not 0.0 <= v <= 1.0:
+        raise ValueError(f"smoothquant alpha {v} is outside [0, 1]; allowed: a number in [0, 1], 'auto' or 'off'")
+    return v
+
+
 class LayerScheme(_Strict):
     """The scheme of one layer (the default, or one override)."""
 
@@ -124,12 +130,7 @@ class LayerScheme(_Strict):
         "storage", description="fp16 / bf16: 'storage' = 16-bit weights cast to fp32 once; 'native' = "
         "activations cast to 16 bits around the layer")
 
-    @field_validator("smoothquant")
-    @classmethod
-    def _alpha_range(cls, v: Any) -> Any:
-        if isinstance(v, float) and not 0.0 <= v <= 1.0:
-            raise ValueError(f"smoothquant alpha {v} is outside [0, 1]; allowed: a number in [0, 1], 'auto' or 'off'")
-        return v
+    _alpha_range = field_validator("smoothquant")(classmethod(lambda cls, v: _smoothquant_alpha(v)))
 
     @field_validator("group_size")
     @classmethod
@@ -155,12 +156,7 @@ class Override(_Strict):
     granularity: Literal["per_token", "per_tensor"] | None = None
     compute: Literal["storage", "native"] | None = None
 
-    @field_validator("smoothquant")
-    @classmethod
-    def _alpha_range(cls, v: Any) -> Any:
-        if isinstance(v, float) and not 0.0 <= v <= 1.0:
-            raise ValueError(f"smoothquant alpha {v} is outside [0, 1]; allowed: a number in [0, 1], 'auto' or 'off'")
-        return v
+    _alpha_range = field_validator("smoothquant")(classmethod(lambda cls, v: _smoothquant_alpha(v)))
 
     @model_validator(mode="after")
     def _one_selector(self) -> Override:

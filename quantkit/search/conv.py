@@ -250,8 +250,8 @@ class ConvSpace:
             if c <= 0:
                 continue
             pairs = {}
-            src = next(w for w in self.units if w.name == (node.name or ""))
-            for a in self.allowed(src):
+            src_unit = next(w for w in self.units if w.name == (node.name or ""))
+            for a in self.allowed(src_unit):
                 for b in self.allowed(u):
                     if (self.candidates[a].format == "int8") != (self.candidates[b].format == "int8"):
                         pairs[(a, b)] = c

@@ -437,11 +437,10 @@ def test_tied_lm_head_is_a_searchable_unit(tmp_path: Path, monkeypatch: pytest.M
     """A tied embedding / lm_head is one unit of the linear space: weight-only candidates only (the table is
     stored once), the probe feeds the candidate's weight to both the Gather and the lm_head, and its damage
     is what the emitted model shows."""
-    from tests.unit.test_weight_only import tiny_lm as tied_lm
-    from tests.unit.test_weight_only import windows
-
     from quantkit.lowering.verify import census
     from quantkit.search.sensitivity import measure_sensitivity
+    from tests.unit.test_weight_only import tiny_lm as tied_lm
+    from tests.unit.test_weight_only import windows
 
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
     fm = prepare(ir.from_proto(tied_lm())).model
