@@ -226,3 +226,22 @@ def test_fidelity_compares_logits_not_the_cache() -> None:
 
     assert compared_outputs(["logits", "present.0.key", "present.0.value"]) == ["logits"]
     assert compared_outputs(["a", "b"]) == ["a", "b"]
+
+
+def test_int8_dynamic_smoothquant_on_the_built_decoder(tiny: tuple[Path, Any]) -> None:
+    """SmoothQuant's scales fold into the decoder's Skip norms like AWQ's (same apply_input_scale)."""
+    from quantkit.api import quantize
+
+    folder, _ = tiny
+    rec = {"version": 1, "model": {"source": str(folder)},
+           "quantization": {"default": {"format": "int8_dynamic", "smoothquant": 0.5},
+                            "overrides": [{"layer": "lm_head", "format": "fp32"}]},
+           "report": {"latency": {"enabled": False}}}  # fmt: skip
+    res = quantize(None, _windows(8, 32, 1), rec, evaluation_data=_windows(4, 32, 2), progress=False)
+    assert res.report["census"]["quantized_kernels"] == {"MatMulIntegerToFloat": 7 * LAYERS}
+    q = res.report["quality"]
+    assert abs(q["perplexity_quantized"]["nll"] - q["perplexity_fp32"]["nll"]) < 0.02 * q["perplexity_fp32"]["nll"]
+    proto = ir.to_proto(res.model)
+    folded = [n for n in proto.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"
+              and n.input[2].endswith("_gamma_awq")]  # fmt: skip
+    assert len(folded) == 2 * LAYERS - 1  # every norm before q/k/v and gate/up (the first is a standard-op Mul)
