@@ -106,9 +106,12 @@ def pair_violations(q_view: npt.ArrayLike) -> np.ndarray:
     return (pos * 255 > _I16_MAX) | (neg * 255 < _I16_MIN)
 
 
-def emulate_u8s8(a: npt.ArrayLike, q: npt.ArrayLike, *, saturate: bool = True, chunk: int = 256) -> np.ndarray:
+def emulate_u8s8(a: npt.ArrayLike, q: npt.ArrayLike, *, saturate: bool = True, chunk: int | None = None,
+                 max_elements: int = 1 << 22) -> np.ndarray:
     """``a [M, K]`` uint8 codes times ``q [K, N]`` int8 codes as int32, with (``saturate=True``, the
-    ``x86-avx2`` kernel) or without (the exact sum of every other class) the int16 pair saturation."""
+    ``x86-avx2`` kernel) or without (the exact sum of every other class) the int16 pair saturation.
+    Rows are processed in chunks whose ``[rows, K/2, N]`` pair sums hold at most ``max_elements`` values
+    (bounded memory: a 1536 x 576 layer at 256 rows would otherwise need ~1 GB per temporary)."""
     a = np.asarray(a)
     q = np.asarray(q)
     if not saturate:
@@ -119,6 +122,8 @@ def emulate_u8s8(a: npt.ArrayLike, q: npt.ArrayLike, *, saturate: bool = True, c
         a32 = np.concatenate([a32, np.zeros((a32.shape[0], 1), np.int32)], axis=1)
     ap = a32.reshape(a32.shape[0], -1, 2)  # [M, P, 2]
     out = np.empty((a.shape[0], q.shape[1]), np.int64)
+    if chunk is None:
+        chunk = max(1, max_elements // max(1, qp.shape[0] * qp.shape[2]))
     for s in range(0, a.shape[0], chunk):
         blk = ap[s : s + chunk]
         pair = blk[:, :, 0, None] * qp[None, :, 0, :] + blk[:, :, 1, None] * qp[None, :, 1, :]  # [m, P, N]
