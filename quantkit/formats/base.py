@@ -19,6 +19,7 @@ weight-only results, SmoothQuant scales and codes.
 
 from __future__ import annotations
 
+import abc
 import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -114,7 +115,7 @@ class Lowered:
         return out
 
 
-class FormatHandler:
+class FormatHandler(abc.ABC):
     """Base class of the handlers registered in :data:`quantkit.formats.FORMAT_HANDLERS`."""
 
     name: ClassVar[str]
@@ -123,10 +124,10 @@ class FormatHandler:
     needs: ClassVar[str]  # the statistics it gathers, for docs and reports
     boundary: ClassVar[str]  # what it needs from its neighbours
 
+    @abc.abstractmethod
     def select(self, job: Job) -> dict[str, Any]:
         """The layers of ``job.plan`` this handler lowers (name -> whatever it needs later)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def lower(self, job: Job, model: ir.Model, layers: dict[str, Any], out: Lowered) -> None:
         """Edit ``model`` in place for ``layers``; record rows/notes in ``out``."""
-        raise NotImplementedError
