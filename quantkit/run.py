@@ -98,6 +98,8 @@ def load_inputs(model: Any, calibration_data: Any, rec: RecipeModel, *, example_
         load_kw["example_inputs"] = example_inputs
     if isinstance(source, (str, os.PathLike)) and Path(source).is_dir() and rec.model is not None:
         load_kw["seq_len"] = rec.model.seq_len
+    if rec.model is not None:  # the recipe's causal-LM graph also for a model passed explicitly
+        load_kw["graph"] = rec.model.graph
     with stage("load the model (the first use of a built-in exports it to ONNX, cached)", enabled=progress):
         loaded = load_model(source, **load_kw)
     timings["load_s"] = time.perf_counter() - t
