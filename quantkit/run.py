@@ -198,7 +198,7 @@ def run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, ca
     t = time.perf_counter()
     job, lowered = execute(float_model, plan, cal, progress=progress, use_cache=use_cache, artifacts=artifacts)
     qproto = checked_proto(lowered.model)
-    timings.update({k: v for k, v in lowered.timings.items()})
+    timings.update(lowered.timings)
     timings["lower_s"] = time.perf_counter() - t
     t = time.perf_counter()
     cen = census(qproto, quantizable=lowered.fused_layers())

@@ -9,7 +9,6 @@ each layer's input in the kernel's K order (one more pass).  Selection and Q/DQ 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
@@ -101,6 +100,3 @@ class StaticInt8(FormatHandler):
                     max_batch_output_bytes=rec.calibration.max_batch_output_bytes, progress=job.progress))
         return {k: v for k, v in cache.items() if k in qplan.layers}
 
-
-def target_metadata(model: ir.Model, job: Job) -> None:
-    model.metadata_props["quantkit.target"] = json.dumps(job.target.as_dict())
