@@ -179,6 +179,91 @@ def _quantized_tensors(model: onnx.ModelProto) -> list[tuple[str, str, float]]:
     return outs
 
 
+def _float_int8_layers(model: onnx.ModelProto, codes: set[str]) -> list[tuple[str, str]]:
+    """(output, layer) of every QDQ MatMul / Gemm that multiplies quantized activation codes by int8 weights
+    and hands a *float* result on (no QuantizeLinear after it): after fusion a ``MatMulIntegerToFloat`` /
+    ``QGemm`` with float output, whose saturation no code comparison would see."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    int8 = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8}
+    quantized_after = {n.input[0] for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input}
+    out = []
+    for n in model.graph.node:
+        if n.op_type not in ("MatMul", "Gemm") or len(n.input) < 2 or not n.output:
+            continue
+        a, w = producer.get(n.input[0]), producer.get(n.input[1])
+        if a is None or w is None or a.op_type != "DequantizeLinear" or w.op_type != "DequantizeLinear":
+            continue
+        if a.input[0] in codes and w.input[0] in int8 and n.output[0] not in quantized_after:
+            out.append((n.output[0], n.name or n.output[0]))
+    return out
+
+
+_FLOAT_TOL = 1e-4  # a float-output layer's element is "off" when it differs by more than this x max |reference|
+_MAX_LAYER_NODES = 16  # a float-output layer whose isolated subgraph is larger (run-time scales) is not checked
+
+
+def _direct_layer_model(node: onnx.NodeProto, model: onnx.ModelProto) -> tuple[bytes, dict[str, np.ndarray]] | None:
+    """A ``MatMulIntegerToFloat`` node alone (its constant inputs as initializers) and those constants;
+    None when an input other than A is computed at run time."""
+    inits = {t.name: t for t in model.graph.initializer}
+    consts = {i: numpy_helper.to_array(inits[i]) for i in node.input[1:] if i}
+    if any(i and i not in inits for i in node.input[1:]):
+        return None
+    g = onnx.helper.make_graph(
+        [node], "layer", [onnx.helper.make_tensor_value_info(node.input[0], onnx.TensorProto.UINT8, None)],
+        [onnx.helper.make_empty_tensor_value_info(node.output[0])],
+        [inits[i] for i in node.input[1:] if i])
+    m = onnx.helper.make_model(g, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    return m.SerializeToString(), consts
+
+
+def _matmul_integer_to_float_math(node: onnx.NodeProto, a: np.ndarray, c: dict[str, np.ndarray]) -> np.ndarray:
+    """What ``MatMulIntegerToFloat`` states, in exact integer arithmetic then float64:
+    ``(A - a_zp) @ (B - b_zp) * a_scale * b_scale + bias``."""
+    ins = list(node.input) + [""] * (7 - len(node.input))
+    b = c[ins[1]].astype(np.int64)
+    za = c[ins[4]].astype(np.int64) if ins[4] else np.int64(0)
+    zb = c[ins[5]].astype(np.int64) if ins[5] else np.int64(0)
+    acc = np.matmul(a.astype(np.int64) - za, b - zb)
+    y = acc.astype(np.float64) * (c[ins[2]].astype(np.float64) * c[ins[3]].astype(np.float64))
+    return y + c[ins[6]].astype(np.float64) if ins[6] else y
+
+
+def _float_layer_rows(model: onnx.ModelProto, codes: set[str], env: dict[str, np.ndarray],
+                      cache: dict[str, Any]) -> list[tuple[str, str, np.ndarray, np.ndarray]]:
+    """Each float-output int8 layer run alone on the reference's input codes, fused and as the math it
+    states: a QDQ MatMul / Gemm against its ``ORT_DISABLE_ALL`` run, a ``MatMulIntegerToFloat`` (whose
+    reference run would use the same kernel) against exact integer arithmetic in NumPy."""
+    from quantkit.evaluate.latency import make_session
+
+    rows = []
+    for n in model.graph.node:
+        if n.op_type != "MatMulIntegerToFloat" or n.input[0] not in env or not n.output:
+            continue
+        key = "direct:" + n.output[0]
+        if key not in cache:
+            built = _direct_layer_model(n, model)
+            cache[key] = None if built is None else (make_session(built[0], level="all"), built[1])
+        entry = cache[key]
+        if entry is None:
+            continue
+        a = np.asarray(env[n.input[0]])
+        rows.append((n.output[0], n.name or n.output[0], entry[0].run(None, {n.input[0]: a})[0],
+                     _matmul_integer_to_float_math(n, a, entry[1])))
+    for t, layer in _float_int8_layers(model, codes):
+        if t not in cache:
+            lm = _layer_model(model, t, codes, env)
+            if lm is not None and len(onnx.load_from_string(lm).graph.node) > _MAX_LAYER_NODES:
+                lm = None
+            cache[t] = None if lm is None else (make_session(lm, level="all"), make_session(lm, level="disabled"))
+        pair = cache[t]
+        if pair is None:
+            continue
+        ins = {i.name: env[i.name] for i in pair[0].get_inputs()}
+        rows.append((t, layer, pair[0].run([t], ins)[0], pair[1].run([t], ins)[0]))
+    return rows
+
+
 def _ints(node: onnx.NodeProto, name: str, default: list[int]) -> list[int]:
     for a in node.attribute:
         if a.name == name:
@@ -311,6 +396,8 @@ def kernel_vs_reference(
     top1 = dict.fromkeys(out_names, 0)
     rows = dict.fromkeys(out_names, 0)
     layer_sessions: dict[str, Any] = {}
+    float_sessions: dict[str, Any] = {}
+    float_iso: dict[str, tuple[str, _Agg, list[int]]] = {}
     res = KernelCheck()
     for feed in feeds:
         a = dict(zip(names, fused.run(names, feed), strict=True))
@@ -337,6 +424,11 @@ def kernel_vs_reference(
                     continue
                 ins = {i.name: env[i.name] for i in sess.get_inputs()}
                 iso[t].add(sess.run([t], ins)[0], b[t], zps.get(t))
+            for t, layer, got, want in _float_layer_rows(model, set(t_names), env, float_sessions):
+                g = float_iso.setdefault(t, (layer, _Agg(), [0]))
+                g[1].add(got, want, None)
+                tol = _FLOAT_TOL * max(float(np.max(np.abs(want))), 1e-30)
+                g[2][0] += int(np.sum(np.abs(np.asarray(got, np.float64) - want) > tol))
         res.samples += 1
         if res.samples >= samples:
             break
@@ -356,6 +448,12 @@ def kernel_vs_reference(
         row = {"tensor": t, "layer": layer, "off": off, "sqnr_db": g.db, "drift_db": agg[t].db}
         res.layers.append(row)
         if res.first_parted is None and off > max_off:
+            res.first_parted = row
+    for t, (layer, g, far) in float_iso.items():  # float-output int8 layers: no whole-model drift measured
+        off = far[0] / max(g.n, 1)
+        row = {"tensor": t, "layer": layer, "off": off, "sqnr_db": g.db, "drift_db": None, "float_output": True}
+        res.layers.append(row)
+        if off > max_off and res.first_parted is None:
             res.first_parted = row
     res.agree = res.first_parted is None
     return res

@@ -332,8 +332,10 @@ def kernel_lines(rep: Mapping[str, Any]) -> list[str]:
                          + (f", top-1 agreement {v['top1_agreement']:.3f}" if "top1_agreement" in v else ""))
         if chk.get("first_parted"):
             f = chk["first_parted"]
+            what = ("of its float outputs off by more than 1e-4 of the largest" if f.get("float_output")
+                    else "of its codes more than one step off")
             lines.append(f"- first layer where they part: `{f['layer']}` (alone, on the reference's input codes: "
-                         f"{100 * f['off']:.2f}% of its codes more than one step off, SQNR {_fmt(f['sqnr_db'], 1)} dB)")
+                         f"{100 * f['off']:.2f}% {what}, SQNR {_fmt(f['sqnr_db'], 1)} dB)")
         lyr = chk.get("layers") or []
         if lyr:
             worst = min(lyr, key=lambda r: r["drift_db"] if isinstance(r["drift_db"], float) else 1e9)

@@ -197,6 +197,34 @@ def test_emulated_saturation_of_a_matmul_integer_to_float() -> None:
     assert emulate_saturation(m, {"a": np.full((4, 32), 60, np.uint8)}, {"mm"})["mm"] == 0.0
 
 
+def _matmul_integer_to_float(w: np.ndarray) -> onnx.ModelProto:
+    nodes = [helper.make_node("MatMulIntegerToFloat", ["a", "w", "sa", "sw", "za", "", "bias"], ["y"], name="mm",
+                              domain="com.microsoft")]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(0.1, np.float32), "sa"),
+             numpy_helper.from_array(np.full(w.shape[1], 0.02, np.float32), "sw"),
+             numpy_helper.from_array(np.array(3, np.uint8), "za"),
+             numpy_helper.from_array(np.linspace(-1, 1, w.shape[1]).astype(np.float32), "bias")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", TensorProto.UINT8, [4, w.shape[0]])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, w.shape[1]])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 19), helper.make_opsetid("com.microsoft", 1)])
+
+
+def test_kernel_check_judges_float_output_int8_layers_against_exact_integer_math() -> None:
+    """A ``MatMulIntegerToFloat`` has no QDQ reference (ORT_DISABLE_ALL runs the same kernel): it is checked
+    alone against exact integer arithmetic, so saturation on this CPU is seen and named."""
+    rng = np.random.default_rng(4)
+    feeds = [{"a": np.full((4, 32), 255, np.uint8)}, {"a": rng.integers(0, 256, (4, 32)).astype(np.uint8)}]
+    safe = _matmul_integer_to_float(rng.integers(-64, 65, (32, 8)).astype(np.int8))  # |q0 + q1| <= 128
+    chk = kernel_vs_reference(safe, feeds, samples=2)
+    rows = [r for r in chk.layers if r.get("float_output")]
+    assert chk.agree and len(rows) == 1 and rows[0]["off"] == 0.0 and rows[0]["sqnr_db"] > 100
+    big = _matmul_integer_to_float(rng.integers(70, 128, (32, 8)).astype(np.int8))  # every pair saturates
+    chk = kernel_vs_reference(big, feeds, samples=2)
+    assert chk.agree is not _RUNNING_SATURATES
+    if _RUNNING_SATURATES:
+        assert chk.first_parted is not None and chk.first_parted["layer"] == "mm" and chk.first_parted["off"] > 0.1
+
+
 def test_cli_verify_warns_about_other_classes_and_fails_when_kernels_part(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
