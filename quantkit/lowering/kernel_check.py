@@ -425,10 +425,10 @@ def kernel_vs_reference(
                 ins = {i.name: env[i.name] for i in sess.get_inputs()}
                 iso[t].add(sess.run([t], ins)[0], b[t], zps.get(t))
             for t, layer, got, want in _float_layer_rows(model, set(t_names), env, float_sessions):
-                g = float_iso.setdefault(t, (layer, _Agg(), [0]))
-                g[1].add(got, want, None)
+                entry = float_iso.setdefault(t, (layer, _Agg(), [0]))
+                entry[1].add(got, want, None)
                 tol = _FLOAT_TOL * max(float(np.max(np.abs(want))), 1e-30)
-                g[2][0] += int(np.sum(np.abs(np.asarray(got, np.float64) - want) > tol))
+                entry[2][0] += int(np.sum(np.abs(np.asarray(got, np.float64) - want) > tol))
         res.samples += 1
         if res.samples >= samples:
             break
@@ -449,9 +449,9 @@ def kernel_vs_reference(
         res.layers.append(row)
         if res.first_parted is None and off > max_off:
             res.first_parted = row
-    for t, (layer, g, far) in float_iso.items():  # float-output int8 layers: no whole-model drift measured
-        off = far[0] / max(g.n, 1)
-        row = {"tensor": t, "layer": layer, "off": off, "sqnr_db": g.db, "drift_db": None, "float_output": True}
+    for t, (layer, fagg, far) in float_iso.items():  # float-output int8 layers: no whole-model drift measured
+        off = far[0] / max(fagg.n, 1)
+        row = {"tensor": t, "layer": layer, "off": off, "sqnr_db": fagg.db, "drift_db": None, "float_output": True}
         res.layers.append(row)
         if off > max_off and res.first_parted is None:
             res.first_parted = row
