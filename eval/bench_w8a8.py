@@ -84,7 +84,7 @@ def worker(method: str, out: Path) -> None:
         sp = LinearSpace.build(fm, rec, cal, progress=False)
         m = sp.emit({u.name: "int8" for u in sp.units})
         save_model(m, target, "always")
-        alphas = [sp._int8[(u.name, "int8")].alpha for u in sp.units]
+        alphas = [sp.int8_artifact(u, "int8").alpha for u in sp.units]
         info["smoothed_units"] = sum(a is not None for a in alphas)
         info["units"] = len(alphas)
     info["wall_s"] = time.perf_counter() - t0
