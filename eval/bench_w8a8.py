@@ -57,7 +57,9 @@ def worker(method: str, out: Path) -> None:
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         quantize_dynamic(str(out / "fp32.onnx"), str(target), per_channel=True, weight_type=QuantType.QInt8,
-                         op_types_to_quantize=["MatMul"], use_external_data_format=True)
+                         op_types_to_quantize=["MatMul"], use_external_data_format=True,
+                         # the decoder graph's GroupQueryAttention outputs have no inferred type
+                         extra_options={"DefaultTensorType": 1})  # onnx.TensorProto.FLOAT
     else:
         import yaml
 
