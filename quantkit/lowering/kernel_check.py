@@ -202,19 +202,23 @@ _FLOAT_TOL = 1e-4  # a float-output layer's element is "off" when it differs by 
 _MAX_LAYER_NODES = 16  # a float-output layer whose isolated subgraph is larger (run-time scales) is not checked
 
 
-def _direct_layer_model(node: onnx.NodeProto, model: onnx.ModelProto) -> tuple[bytes, dict[str, np.ndarray]] | None:
-    """A ``MatMulIntegerToFloat`` node alone (its constant inputs as initializers) and those constants;
-    None when an input other than A is computed at run time."""
+def _direct_layer_model(node: onnx.NodeProto, model: onnx.ModelProto,
+                        env: dict[str, np.ndarray]) -> tuple[bytes, dict[str, np.ndarray], list[str]] | None:
+    """A ``MatMulIntegerToFloat`` node alone: its constant inputs as initializers, its computed inputs (A,
+    and a per-token scale / zero point) as graph inputs fed from the reference run.  Returns the model,
+    the constants and the names of the computed inputs; None when a computed input was not captured."""
     inits = {t.name: t for t in model.graph.initializer}
-    consts = {i: numpy_helper.to_array(inits[i]) for i in node.input[1:] if i}
-    if any(i and i not in inits for i in node.input[1:]):
+    computed = [node.input[0]] + [i for i in node.input[1:] if i and i not in inits]
+    if any(i not in env for i in computed):
         return None
+    consts = {i: numpy_helper.to_array(inits[i]) for i in node.input[1:] if i and i in inits}
+    ins = [onnx.helper.make_tensor_value_info(i, onnx.helper.np_dtype_to_tensor_dtype(np.asarray(env[i]).dtype),
+                                              None) for i in computed]
     g = onnx.helper.make_graph(
-        [node], "layer", [onnx.helper.make_tensor_value_info(node.input[0], onnx.TensorProto.UINT8, None)],
-        [onnx.helper.make_empty_tensor_value_info(node.output[0])],
-        [inits[i] for i in node.input[1:] if i])
+        [node], "layer", ins, [onnx.helper.make_empty_tensor_value_info(node.output[0])],
+        [inits[i] for i in node.input[1:] if i and i in inits])
     m = onnx.helper.make_model(g, opset_imports=list(model.opset_import), ir_version=model.ir_version)
-    return m.SerializeToString(), consts
+    return m.SerializeToString(), consts, computed
 
 
 def _matmul_integer_to_float_math(node: onnx.NodeProto, a: np.ndarray, c: dict[str, np.ndarray]) -> np.ndarray:
@@ -242,14 +246,14 @@ def _float_layer_rows(model: onnx.ModelProto, codes: set[str], env: dict[str, np
             continue
         key = "direct:" + n.output[0]
         if key not in cache:
-            built = _direct_layer_model(n, model)
-            cache[key] = None if built is None else (make_session(built[0], level="all"), built[1])
+            built = _direct_layer_model(n, model, env)
+            cache[key] = None if built is None else (make_session(built[0], level="all"), built[1], built[2])
         entry = cache[key]
-        if entry is None:
+        if entry is None or any(i not in env for i in entry[2]):
             continue
-        a = np.asarray(env[n.input[0]])
-        rows.append((n.output[0], n.name or n.output[0], entry[0].run(None, {n.input[0]: a})[0],
-                     _matmul_integer_to_float_math(n, a, entry[1])))
+        feed = {i: np.asarray(env[i]) for i in entry[2]}
+        rows.append((n.output[0], n.name or n.output[0], entry[0].run(None, feed)[0],
+                     _matmul_integer_to_float_math(n, feed[n.input[0]], {**entry[1], **feed})))
     for t, layer in _float_int8_layers(model, codes):
         if t not in cache:
             lm = _layer_model(model, t, codes, env)
@@ -382,9 +386,15 @@ def kernel_vs_reference(
     m = onnx.ModelProto()
     m.CopyFrom(model)
     have = {o.name for o in m.graph.output}
-    for t, _, _ in qt:
+    init_names = {t.name for t in model.graph.initializer} | {i.name for i in model.graph.input}
+    # computed inputs of MatMulIntegerToFloat (per-token codes, scales, zero points): captured for the
+    # layer-alone check, not compared themselves
+    direct_ins = list(dict.fromkeys(i for n in model.graph.node if n.op_type == "MatMulIntegerToFloat"
+                                    for i in n.input if i and i not in init_names))
+    for t in [t for t, _, _ in qt] + direct_ins:
         if t not in have:
             m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
+            have.add(t)
     data = m.SerializeToString()
     fused = make_session(data, level="all")
     ref = make_session(data, level="disabled")
@@ -401,7 +411,10 @@ def kernel_vs_reference(
     res = KernelCheck()
     for feed in feeds:
         a = dict(zip(names, fused.run(names, feed), strict=True))
-        b = dict(zip(names, ref.run(names, feed), strict=True))
+        extra = [i for i in direct_ins if i not in names]
+        b_all = ref.run(names + extra, feed)
+        b = dict(zip(names, b_all[:len(names)], strict=True))
+        direct_env = dict(zip(extra, b_all[len(names):], strict=True))
         for n in names:
             y = np.asarray(b[n])
             if not np.issubdtype(y.dtype, np.number):
@@ -414,7 +427,7 @@ def kernel_vs_reference(
             res.emulated_avx2 = emulate_saturation(model, {**{k: np.asarray(v) for k, v in feed.items()}, **b},
                                                    emulate)
         if res.samples < layer_samples:
-            env = {**{k: np.asarray(v) for k, v in feed.items()}, **b}
+            env = {**{k: np.asarray(v) for k, v in feed.items()}, **direct_env, **b}
             for t in t_names:
                 if t not in layer_sessions:
                     lm = _layer_model(model, t, set(t_names), env)

@@ -245,3 +245,8 @@ def test_int8_dynamic_smoothquant_on_the_built_decoder(tiny: tuple[Path, Any]) -
     folded = [n for n in proto.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"
               and n.input[2].endswith("_gamma_awq")]  # fmt: skip
     assert len(folded) == 2 * LAYERS - 1  # every norm before q/k/v and gate/up (the first is a standard-op Mul)
+    # the per-token layers (scale and zero point computed at run time) are checked against exact integer math
+    check = res.report["kernels"]["check"]
+    float_rows = [r for r in check["layers"] if r.get("float_output")]
+    assert len(float_rows) == 7 * LAYERS
+    assert all(r["sqnr_db"] > 40 for r in float_rows), [(r["layer"], r["sqnr_db"], r["off"]) for r in float_rows]
