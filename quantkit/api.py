@@ -66,6 +66,12 @@ def quantize(
     rec = load_recipe(recipe if recipe is not None else {"version": 1, "name": "api"})
     if model is None and rec.model is None:
         raise QuantkitError("quantize() needs a model: pass one, or name it in the recipe's model.source")
+    if rec.calibration.layerwise:  # an LLM built, calibrated and quantized block by block (bounded memory)
+        from quantkit.llm_run import check_layerwise_plan, run_layerwise
+
+        check_layerwise_plan(rec)
+        return run_layerwise(model, calibration_data, rec, evaluation_data=evaluation_data,  # type: ignore[return-value]
+                             evaluate=evaluate, measure_latency=measure_latency, progress=progress, t_start=t_start)
     if calibration_data is None and rec.calibration.data is None:
         raise QuantkitError(
             "quantize() needs calibration data: pass calibration_data, or set the recipe's calibration.data"

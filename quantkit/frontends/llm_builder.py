@@ -46,6 +46,7 @@ one, or rows padded on the right.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -62,7 +63,10 @@ from onnx import TensorProto, helper
 from quantkit.errors import ModelError
 
 __all__ = [
+    "BuildHook",
     "DecoderConfig",
+    "PackedLinear",
+    "block_model",
     "LLMSession",
     "build_llm",
     "generate",
@@ -255,12 +259,22 @@ def _float32_rows(t: Any, start: int, stop: int) -> np.ndarray:
     return chunk.to(torch.float32).contiguous().numpy()
 
 
-class _ExternalData:
-    """Appends float32 tensors to one external-data file; returns TensorProtos that point into it.
+_NP_TO_ONNX = {np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.int8): TensorProto.INT8,
+               np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.int64): TensorProto.INT64}  # fmt: skip
 
-    A tensor is converted and written in row chunks of about ``chunk_bytes``, so a transposed
-    view (``W.T`` for ``MatMul(x, W^T)``) or a bf16 tensor costs one chunk of extra memory, not
-    a full float32 copy.
+
+def _is_raw(arr: Any) -> bool:
+    """A numpy array stored in its own dtype (packed codes), not converted to float32."""
+    return isinstance(arr, np.ndarray) and arr.dtype in _NP_TO_ONNX
+
+
+class _ExternalData:
+    """Appends tensors to one external-data file; returns TensorProtos that point into it.
+
+    Float tensors (torch or numpy, any float dtype) are written as float32, converted in row
+    chunks of about ``chunk_bytes``, so a transposed view (``W.T`` for ``MatMul(x, W^T)``) or a
+    bf16 tensor costs one chunk of extra memory, not a full float32 copy.  uint8 / int8 / float16
+    / int64 numpy arrays (packed 4-bit codes, ...) are written as they are.
     """
 
     def __init__(self, path: Path, chunk_bytes: int = 16 << 20) -> None:
@@ -271,24 +285,27 @@ class _ExternalData:
 
     def add(self, name: str, arr: Any) -> TensorProto:
         shape = tuple(int(d) for d in arr.shape)
+        raw = _is_raw(arr)
         if not shape:
-            arr, shape = np.asarray(arr, np.float32).reshape(1), ()
+            arr, shape = (np.asarray(arr).reshape(1) if raw else np.asarray(arr, np.float32).reshape(1)), ()
         pad = (-self.offset) % _ALIGN
         if pad:
             self.fh.write(b"\0" * pad)
             self.offset += pad
+        itemsize = arr.dtype.itemsize if raw else 4
         rows = shape[0] if shape else 1
-        row_bytes = 4 * (math.prod(shape[1:]) if len(shape) > 1 else 1)
+        row_bytes = itemsize * (math.prod(shape[1:]) if len(shape) > 1 else 1)
         step = max(1, self.chunk_bytes // max(1, row_bytes))
         length = 0
         for i in range(0, rows, step):
-            chunk = _float32_rows(arr, i, min(rows, i + step))
+            chunk = np.ascontiguousarray(arr[i : min(rows, i + step)]) if raw else _float32_rows(
+                arr, i, min(rows, i + step))  # fmt: skip
             self.fh.write(np.ascontiguousarray(chunk).data.cast("B"))
             length += chunk.nbytes
             del chunk
         t = TensorProto()
         t.name = name
-        t.data_type = TensorProto.FLOAT
+        t.data_type = _NP_TO_ONNX[arr.dtype] if raw else TensorProto.FLOAT
         t.dims.extend(shape)
         t.data_location = TensorProto.EXTERNAL
         for k, v in (("location", self.path.name), ("offset", str(self.offset)), ("length", str(length))):
@@ -301,15 +318,81 @@ class _ExternalData:
         self.fh.close()
 
 
+class _InMemoryData:
+    """The :class:`_ExternalData` interface for a graph held in memory (a block graph for calibration)."""
+
+    def add(self, name: str, arr: Any) -> TensorProto:
+        if _is_raw(arr):
+            return onnx.numpy_helper.from_array(np.ascontiguousarray(arr), name)
+        a = np.asarray(arr, np.float32) if np.ndim(arr) == 0 else _float32_rows(arr, 0, int(arr.shape[0]))
+        return onnx.numpy_helper.from_array(a, name)
+
+
+# --------------------------------------------------------------------------- quantized linears
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A linear layer ``y = x @ W`` (``W`` ``[K, N]``) quantized to ``bits``, in ``MatMulNBits`` layout.
+
+    ``B`` uint8 ``[N, K_blocks, block_size * bits / 8]``, ``scales`` float32 ``[N, K_blocks]``,
+    ``zero_points`` (packed, ``None`` when symmetric) as :func:`quantkit.lowering.nbits.matmul_nbits_arrays`
+    makes them.  ``input_scale`` ``s`` ``[K]`` (AWQ): the layer computes ``(x / s) @ W_hat``; the builder
+    folds ``1 / s`` into the RMSNorm weight before the layer when it is the layer's only reader
+    (q/k/v, gate/up), else inserts ``Mul(x, 1 / s)``.
+    """
+
+    B: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+    bits: int
+    block_size: int
+    K: int
+    N: int
+    input_scale: np.ndarray | None = None
+    accuracy_level: int = 4
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.B.nbytes + self.scales.nbytes + (0 if self.zero_points is None else self.zero_points.nbytes))
+
+
+class BuildHook:
+    """What :func:`build_llm` asks while it streams a checkpoint: which linears to emit quantized.
+
+    The default keeps every weight in float.  A subclass (e.g. quantkit's layer-wise quantizer) is
+    called in checkpoint order with the tensors as stored (torch bf16/fp16/fp32 tensors, ``[N, K]``
+    as in the HF checkpoint) and returns :class:`PackedLinear` results for the layers it quantized.
+    """
+
+    def embedding(self, table: Any, tied: bool) -> PackedLinear | None:
+        """The embedding table ``[V, H]``; when ``tied``, a quantized lm_head weight ``[H, V]`` (the
+        table transposed, groups along H) that the ``GatherBlockQuantized`` and the lm_head share."""
+        return None
+
+    def block(self, index: int, weights: dict[str, Any]) -> dict[str, PackedLinear]:
+        """Block ``index``'s tensors by HF name; return quantized linears by layer name
+        (``model.layers.<i>.self_attn.q_proj`` ...).  May replace the RMSNorm weights in ``weights``."""
+        return {}
+
+    def lm_head(self, weight: Any, norm_weight: Any) -> PackedLinear | None:
+        """An untied lm_head weight ``[V, H]`` (``norm_weight``: the final RMSNorm's, which precedes it)."""
+        return None
+
+    def finish(self) -> None:
+        """Called once after the last tensor is written."""
+
+
 # --------------------------------------------------------------------------- graph
 
 
 class _GraphBuilder:
-    def __init__(self, cfg: DecoderConfig, data: _ExternalData) -> None:
+    def __init__(self, cfg: DecoderConfig, data: _ExternalData | _InMemoryData) -> None:
         self.cfg, self.data = cfg, data
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[TensorProto] = []
         self._consts: dict[tuple[str, bytes], str] = {}
+        self.uses_ms = False
 
     def node(
         self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs: Any
@@ -317,7 +400,7 @@ class _GraphBuilder:
         self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain or None, **attrs))
         return outputs
 
-    def external(self, name: str, arr: np.ndarray) -> str:
+    def external(self, name: str, arr: Any) -> str:
         self.inits.append(self.data.add(name, arr))
         return name
 
@@ -331,10 +414,36 @@ class _GraphBuilder:
         return self._consts[key]
 
 
-def _linear(g: _GraphBuilder, x: str, prefix: str, w: np.ndarray, bias: np.ndarray | None) -> str:
-    """``MatMul(x, W^T)`` named ``prefix`` (initializer ``prefix.weight`` ``[K, N]``), + bias Add."""
-    wname = g.external(f"{prefix}.weight", w.T)
-    out = g.node("MatMul", [x, wname], [f"{prefix}/output_0"], prefix)[0]
+def _matmul_nbits(g: _GraphBuilder, x: str, prefix: str, q: PackedLinear, weight_name: str | None = None,
+                  out: str | None = None) -> str:
+    """``MatMulNBits(x, B, scales[, zero_points])`` named ``prefix`` (``weight_name``: B is computed)."""
+    b = weight_name or g.external(f"{prefix}.weight_Q{q.bits}", q.B)
+    ins = [x, b, g.external(f"{prefix}.weight_scales", q.scales)]
+    if q.zero_points is not None:
+        ins.append(g.external(f"{prefix}.weight_zero_points", q.zero_points))
+    return g.node("MatMulNBits", ins, [out or f"{prefix}/output_0"], prefix, _MS, K=q.K, N=q.N, bits=q.bits,
+                  block_size=q.block_size, accuracy_level=q.accuracy_level)[0]  # fmt: skip
+
+
+def _scaled_input(g: _GraphBuilder, x: str, prefix: str, q: PackedLinear | None) -> str:
+    """``x``, or ``Mul(x, 1 / s)`` when ``q`` carries an AWQ input scale that was not folded."""
+    if q is None or q.input_scale is None:
+        return x
+    inv = (np.float32(1.0) / np.asarray(q.input_scale, np.float32)).astype(np.float32)
+    c = g.external(f"{prefix}.input_scale_inv", inv)
+    return g.node("Mul", [x, c], [f"{prefix}/input_scale/output_0"], f"{prefix}/input_scale")[0]
+
+
+def _linear(g: _GraphBuilder, x: str, prefix: str, w: Any, bias: Any | None,
+            q: PackedLinear | None = None) -> str:
+    """``MatMul(x, W^T)`` named ``prefix`` (initializer ``prefix.weight`` ``[K, N]``), or ``MatMulNBits``
+    when ``q`` is given; + bias Add."""
+    if q is None:
+        wname = g.external(f"{prefix}.weight", w.T)
+        out = g.node("MatMul", [x, wname], [f"{prefix}/output_0"], prefix)[0]
+    else:
+        out = _matmul_nbits(g, _scaled_input(g, x, prefix, q), prefix, q)
+        g.uses_ms = True
     if bias is not None:
         bname = g.external(f"{prefix}.bias", bias)
         out = g.node("Add", [out, bname], [f"{prefix}/bias_add/output_0"], f"{prefix}/bias_add")[0]
@@ -359,36 +468,205 @@ def _rms_norm(g: _GraphBuilder, x: str, gamma: str, name: str, eps: float) -> st
     return g.node("Mul", [d, gamma], [f"{name}/output_0"], name)[0]
 
 
-def _check_shape(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> None:
+def _check_shape(name: str, arr: Any, shape: tuple[int, ...]) -> None:
     if tuple(arr.shape) != shape:
         raise ModelError(f"tensor {name!r} has shape {tuple(arr.shape)}, config says {shape}")
 
 
-def _build(
-    folder: Path, out_path: Path, cfg: DecoderConfig, ckpt: _Checkpoint, data: _ExternalData
-) -> onnx.ModelProto:
-    g = _GraphBuilder(cfg, data)
-    H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
-    nh, nkv, hd, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
-    tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
+def linear_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, int]]:
+    """A block's linear layers (suffix after ``model.layers.<i>.``) -> HF weight shape ``[N, K]``, in graph order."""
+    H, nh, nkv, hd, inter = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                             cfg.intermediate_size)  # fmt: skip
+    return {
+        "self_attn.q_proj": (nh * hd, H), "self_attn.k_proj": (nkv * hd, H), "self_attn.v_proj": (nkv * hd, H),
+        "self_attn.o_proj": (H, nh * hd), "mlp.gate_proj": (inter, H), "mlp.up_proj": (inter, H),
+        "mlp.down_proj": (H, inter),
+    }  # fmt: skip
 
-    # attention_mask -> seqlens_k (int32 [B], last valid index) and total_sequence_length (int32 scalar)
+
+def block_tensor_names(cfg: DecoderConfig, index: int, has: Any) -> list[str]:
+    """The checkpoint tensors of block ``index`` (``has(name)``: whether an optional bias exists)."""
+    p = f"model.layers.{index}"
+    names = [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+    names += [f"{p}.{s}.weight" for s in linear_shapes(cfg)]
+    names += [f"{p}.{s}.bias" for s in linear_shapes(cfg) if has(f"{p}.{s}.bias")]
+    return names
+
+
+def _fold_norm(gamma: Any, qs: list[PackedLinear | None]) -> tuple[Any, list[PackedLinear | None]]:
+    """Fold a shared AWQ input scale of the layers ``qs`` (all readers of the norm) into the norm weight."""
+    scales = [q.input_scale for q in qs if q is not None]
+    if not qs or any(q is None for q in qs) or len(scales) != len(qs):
+        return gamma, qs
+    s = np.asarray(scales[0], np.float32)
+    if any(not np.array_equal(np.asarray(t, np.float32), s) for t in scales[1:]):
+        return gamma, qs
+    g32 = _float32_rows(gamma, 0, int(gamma.shape[0]))
+    folded = (g32 / s).astype(np.float32)
+    return folded, [dataclasses.replace(q, input_scale=None) for q in qs if q is not None]
+
+
+def _mask_inputs(g: _GraphBuilder) -> tuple[str, str]:
+    """``attention_mask`` -> seqlens_k (int32 ``[B]``, last valid index) and total_sequence_length (int32 scalar)."""
     base = "/model/attn_mask_reformat"
-    rs = g.node(
-        "ReduceSum",
-        ["attention_mask", g.const([1])],
-        [f"{base}/ReduceSum/output_0"],
-        f"{base}/ReduceSum",
-        keepdims=0,
-    )[0]
+    rs = g.node("ReduceSum", ["attention_mask", g.const([1])], [f"{base}/ReduceSum/output_0"],
+                f"{base}/ReduceSum", keepdims=0)[0]  # fmt: skip
     sub = g.node("Sub", [rs, g.const(1)], [f"{base}/Sub/output_0"], f"{base}/Sub")[0]
     seqlens_k = g.node("Cast", [sub], ["/model/seqlens_k"], f"{base}/Sub/Cast", to=TensorProto.INT32)[0]
     shp = g.node("Shape", ["attention_mask"], [f"{base}/Shape/output_0"], f"{base}/Shape")[0]
     tot = g.node("Gather", [shp, g.const(1)], [f"{base}/Gather/output_0"], f"{base}/Gather", axis=0)[0]
-    total_len = g.node("Cast", [tot], ["/model/total_seq_len"], f"{base}/Gather/Cast", to=TensorProto.INT32)[
-        0
-    ]
+    total = g.node("Cast", [tot], ["/model/total_seq_len"], f"{base}/Gather/Cast", to=TensorProto.INT32)[0]
+    return seqlens_k, total
 
+
+@dataclass
+class _BlockIO:
+    residual: str
+    pending: str | None
+    taps: dict[str, str]  # linear layer name -> the tensor it reads
+
+
+def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packed: dict[str, PackedLinear],
+                seqlens_k: str, total_len: str, cos_name: str, sin_name: str) -> _BlockIO:
+    """Append decoder block ``i`` (weights ``w`` by HF name, consumed) after ``io``; return the new stream."""
+    cfg = g.cfg
+    p = f"model.layers.{i}"
+    nh, nkv, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    attrs = {"num_heads": nh, "kv_num_heads": nkv, "scale": 1.0 / math.sqrt(hd), "do_rotary": 1,
+             "rotary_interleaved": 0, "local_window_size": cfg.sliding_window or -1, "softcap": 0.0}  # fmt: skip
+    for s, shape in linear_shapes(cfg).items():
+        _check_shape(f"{p}.{s}.weight", w[f"{p}.{s}.weight"], shape)
+    q = {s: packed.get(f"{p}.{s}") for s in linear_shapes(cfg)}
+    taps: dict[str, str] = {}
+    residual, pending = io.residual, io.pending
+
+    # input RMSNorm (+ the residual add of the previous block); an AWQ scale shared by q/k/v folds into it
+    attn_in = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    gamma, folded = _fold_norm(w.pop(f"{p}.input_layernorm.weight"), [q[s] for s in attn_in])
+    q.update({s: f for s, f in zip(attn_in, folded, strict=True)})
+    ln = g.external(f"{p}.input_layernorm.weight", gamma)
+    name = f"{p}.input_layernorm"
+    if pending is None:
+        h = _rms_norm(g, residual, ln, name, eps)
+    else:
+        h, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [residual, pending, ln],
+                                   [f"{name}/output_0", "", "", f"{name}/output_3"], name, _MS, epsilon=eps)  # fmt: skip
+    qkv = []
+    for k in ("q_proj", "k_proj", "v_proj"):
+        taps[f"{p}.self_attn.{k}"] = h
+        qkv.append(_linear(g, h, f"{p}.self_attn.{k}", w.pop(f"{p}.self_attn.{k}.weight"),
+                           w.pop(f"{p}.self_attn.{k}.bias", None), q[f"self_attn.{k}"]))  # fmt: skip
+    name = f"{p}.self_attn.GroupQueryAttention"
+    attn = g.node(
+        "GroupQueryAttention",
+        [*qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_len, cos_name, sin_name],
+        [f"{name}/output_0", f"present.{i}.key", f"present.{i}.value"], name, _MS, **attrs,
+    )[0]  # fmt: skip
+    taps[f"{p}.self_attn.o_proj"] = attn
+    o = _linear(g, attn, f"{p}.self_attn.o_proj", w.pop(f"{p}.self_attn.o_proj.weight"),
+                w.pop(f"{p}.self_attn.o_proj.bias", None), q["self_attn.o_proj"])  # fmt: skip
+    mlp_in = ("mlp.gate_proj", "mlp.up_proj")
+    gamma, folded = _fold_norm(w.pop(f"{p}.post_attention_layernorm.weight"), [q[s] for s in mlp_in])
+    q.update({s: f for s, f in zip(mlp_in, folded, strict=True)})
+    ln = g.external(f"{p}.post_attention_layernorm.weight", gamma)
+    name = f"{p}.post_attention_layernorm"
+    h, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [residual, o, ln],
+                               [f"{name}/output_0", "", "", f"{name}/output_3"], name, _MS, epsilon=eps)  # fmt: skip
+    taps[f"{p}.mlp.gate_proj"] = taps[f"{p}.mlp.up_proj"] = h
+    gate = _linear(g, h, f"{p}.mlp.gate_proj", w.pop(f"{p}.mlp.gate_proj.weight"),
+                   w.pop(f"{p}.mlp.gate_proj.bias", None), q["mlp.gate_proj"])  # fmt: skip
+    up = _linear(g, h, f"{p}.mlp.up_proj", w.pop(f"{p}.mlp.up_proj.weight"),
+                 w.pop(f"{p}.mlp.up_proj.bias", None), q["mlp.up_proj"])  # fmt: skip
+    a = f"{p}.mlp.act_fn"
+    sig = g.node("Sigmoid", [gate], [f"{a}/Sigmoid/output_0"], f"{a}/Sigmoid")[0]
+    silu = g.node("Mul", [gate, sig], [f"{a}/output_0"], f"{a}/Mul")[0]
+    prod = g.node("Mul", [silu, up], [f"{p}.mlp/Mul/output_0"], f"{p}.mlp/Mul")[0]
+    taps[f"{p}.mlp.down_proj"] = prod
+    pending = _linear(g, prod, f"{p}.mlp.down_proj", w.pop(f"{p}.mlp.down_proj.weight"),
+                      w.pop(f"{p}.mlp.down_proj.bias", None), q["mlp.down_proj"])  # fmt: skip
+    return _BlockIO(residual, pending, taps)
+
+
+def _past_io(cfg: DecoderConfig, layers: Iterable[int]) -> tuple[list[Any], list[Any]]:
+    f32, nkv, hd = TensorProto.FLOAT, cfg.num_key_value_heads, cfg.head_dim
+    ins, outs = [], []
+    for i in layers:
+        for kv in ("key", "value"):
+            ins.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kv}", f32,
+                                                     ["batch_size", nkv, "past_sequence_length", hd]))  # fmt: skip
+            outs.append(helper.make_tensor_value_info(f"present.{i}.{kv}", f32,
+                                                      ["batch_size", nkv, "total_sequence_length", hd]))  # fmt: skip
+    return ins, outs
+
+
+def _model(g: _GraphBuilder, inputs: list[Any], outputs: list[Any], name: str = "main_graph") -> onnx.ModelProto:
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, initializer=g.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(_MS, 1)],
+                              producer_name="quantkit.llm_builder")  # fmt: skip
+    model.ir_version = 10
+    return model
+
+
+def block_model(cfg: DecoderConfig, index: int, weights: dict[str, Any], packed: dict[str, PackedLinear],
+                taps: Iterable[str] = ()) -> onnx.ModelProto:
+    """Decoder block ``index`` alone, in memory, for layer-wise calibration.
+
+    Inputs ``hidden`` (the residual stream entering the block, ``[batch, seq, H]``), ``attention_mask``
+    and empty ``past_key_values.<index>.*``; outputs ``hidden_out`` (the stream after the block: the
+    input plus the attention and MLP outputs) and, for every layer name in ``taps``, the tensor that
+    layer reads, as ``<layer>/input``.  The nodes are the ones :func:`build_llm` writes (same fused
+    ops, same ``MatMulNBits`` for the layers in ``packed``), so what is calibrated is what ships.
+    ``weights`` is not consumed (the block's tensors by HF name, as :meth:`BuildHook.block` gets them).
+    """
+    g = _GraphBuilder(cfg, _InMemoryData())
+    seqlens_k, total_len = _mask_inputs(g)
+    cos, sin = rotary_caches(cfg)
+    cos_name, sin_name = g.external("cos_cache", cos), g.external("sin_cache", sin)
+    io = _emit_block(g, index, dict(weights), _BlockIO("hidden", None, {}), packed, seqlens_k, total_len,
+                     cos_name, sin_name)  # fmt: skip
+    if io.pending is None:  # pragma: no cover - a block always ends in down_proj
+        raise ModelError(f"block {index} has no MLP output")
+    g.node("Add", [io.residual, io.pending], ["hidden_out"], f"model.layers.{index}/residual_add")
+    f32, H = TensorProto.FLOAT, cfg.hidden_size
+    past_in, present_out = _past_io(cfg, [index])
+    inputs = [helper.make_tensor_value_info("hidden", f32, ["batch_size", "sequence_length", H]),
+              helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
+                                            ["batch_size", "total_sequence_length"]), *past_in]  # fmt: skip
+    outputs = [helper.make_tensor_value_info("hidden_out", f32, ["batch_size", "sequence_length", H])]
+    for t in taps:
+        src = io.taps[t]
+        g.node("Identity", [src], [f"{t}/input"], f"{t}/input_tap")
+        outputs.append(helper.make_tensor_value_info(f"{t}/input", f32, None))
+    del present_out  # the block's KV cache is not needed during calibration
+    return _model(g, inputs, outputs, f"block_{index}")
+
+
+def _gather_quantized(g: _GraphBuilder, q: PackedLinear, ids: str, out: str, name: str) -> tuple[str, str]:
+    """``GatherBlockQuantized`` over a tied table stored once; returns ``(output, packed-bytes name)``."""
+    V, H, bs, bits = q.N, q.K, q.block_size, q.bits
+    kb = q.B.shape[1]
+    Hp = kb * bs
+    data = g.external(f"model.embed_tokens.weight_Q{bits}", q.B.reshape(V, Hp * bits // 8))
+    scales = g.external("model.embed_tokens.weight_scales", q.scales)
+    zp = g.external("model.embed_tokens.weight_zero_points", q.zero_points) if q.zero_points is not None else None
+    ins = [data, ids, scales] + ([zp] if zp else [])
+    raw = out if Hp == H else f"{name}/padded/output_0"
+    g.node("GatherBlockQuantized", ins, [raw], name, _MS, gather_axis=0, quantize_axis=1, block_size=bs,
+           bits=bits)  # fmt: skip
+    if Hp != H:
+        g.node("Slice", [raw, g.const([0]), g.const([H]), g.const([-1])], [out], f"{name}/unpad")
+    return out, data
+
+
+def _build(
+    folder: Path, out_path: Path, cfg: DecoderConfig, ckpt: _Checkpoint, data: _ExternalData,
+    hook: BuildHook | None = None,
+) -> onnx.ModelProto:
+    hook = hook or BuildHook()
+    g = _GraphBuilder(cfg, data)
+    H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
+    seqlens_k, total_len = _mask_inputs(g)
     cos, sin = rotary_caches(cfg)
     cos_name, sin_name = g.external("cos_cache", cos), g.external("sin_cache", sin)
     del cos, sin
@@ -396,94 +674,52 @@ def _build(
     # embedding
     ((_, emb),) = list(ckpt.read(["model.embed_tokens.weight"]))  # stored dtype; written as float32
     _check_shape("model.embed_tokens.weight", emb, (V, H))
-    table = g.external("model.embed_tokens.weight", emb)
+    q_emb = hook.embedding(emb, tied)
+    table = ""
+    if q_emb is not None and tied:
+        residual, packed_table = _gather_quantized(g, q_emb, "input_ids", "/model/embed_tokens/output_0",
+                                                   "model.embed_tokens")  # fmt: skip
+        g.uses_ms = True
+    else:
+        table = g.external("model.embed_tokens.weight", emb)
+        residual = g.node("Gather", [table, "input_ids"], ["/model/embed_tokens/output_0"],
+                          "model.embed_tokens")[0]  # fmt: skip
     del emb
-    residual = g.node("Gather", [table, "input_ids"], ["/model/embed_tokens/output_0"], "model.embed_tokens")[
-        0
-    ]
 
-    pending: str | None = None  # MLP output of the previous block, not yet added to the residual
-    eps = cfg.rms_norm_eps
-    attrs = {"num_heads": nh, "kv_num_heads": nkv, "scale": 1.0 / math.sqrt(hd), "do_rotary": 1,
-             "rotary_interleaved": 0, "local_window_size": cfg.sliding_window or -1, "softcap": 0.0}  # fmt: skip
-    linears = {
-        "self_attn.q_proj": (nh * hd, H), "self_attn.k_proj": (nkv * hd, H), "self_attn.v_proj": (nkv * hd, H),
-        "self_attn.o_proj": (H, nh * hd), "mlp.gate_proj": (inter, H), "mlp.up_proj": (inter, H),
-        "mlp.down_proj": (H, inter),
-    }  # fmt: skip
+    io = _BlockIO(residual, None, {})
     for i in range(L):
-        p = f"model.layers.{i}"
-        names = [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-        names += [f"{p}.{s}.weight" for s in linears]
-        names += [f"{p}.{s}.bias" for s in linears if f"{p}.{s}.bias" in ckpt]
-        w = dict(
-            ckpt.read(names)
-        )  # this block's weights (stored dtype), released at the end of the iteration
-        for s, shape in linears.items():
-            _check_shape(f"{p}.{s}.weight", w[f"{p}.{s}.weight"], shape)
-
-        # input RMSNorm (+ the residual add of the previous block)
-        ln = g.external(f"{p}.input_layernorm.weight", w.pop(f"{p}.input_layernorm.weight"))
-        name = f"{p}.input_layernorm"
-        if pending is None:
-            h = _rms_norm(g, residual, ln, name, eps)
-        else:
-            h, _, _, residual = g.node(
-                "SkipSimplifiedLayerNormalization",
-                [residual, pending, ln],
-                [f"{name}/output_0", "", "", f"{name}/output_3"],
-                name,
-                _MS,
-                epsilon=eps,
-            )
-        qkv = [_linear(g, h, f"{p}.self_attn.{k}", w.pop(f"{p}.self_attn.{k}.weight"),
-                       w.pop(f"{p}.self_attn.{k}.bias", None)) for k in ("q_proj", "k_proj", "v_proj")]  # fmt: skip
-        name = f"{p}.self_attn.GroupQueryAttention"
-        attn = g.node(
-            "GroupQueryAttention",
-            [*qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_len, cos_name, sin_name],
-            [f"{name}/output_0", f"present.{i}.key", f"present.{i}.value"], name, _MS, **attrs,
-        )[0]  # fmt: skip
-        o = _linear(g, attn, f"{p}.self_attn.o_proj", w.pop(f"{p}.self_attn.o_proj.weight"),
-                    w.pop(f"{p}.self_attn.o_proj.bias", None))  # fmt: skip
-        ln = g.external(f"{p}.post_attention_layernorm.weight", w.pop(f"{p}.post_attention_layernorm.weight"))
-        name = f"{p}.post_attention_layernorm"
-        h, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [residual, o, ln],
-                                   [f"{name}/output_0", "", "", f"{name}/output_3"], name, _MS, epsilon=eps)  # fmt: skip
-        gate = _linear(
-            g,
-            h,
-            f"{p}.mlp.gate_proj",
-            w.pop(f"{p}.mlp.gate_proj.weight"),
-            w.pop(f"{p}.mlp.gate_proj.bias", None),
-        )
-        up = _linear(
-            g, h, f"{p}.mlp.up_proj", w.pop(f"{p}.mlp.up_proj.weight"), w.pop(f"{p}.mlp.up_proj.bias", None)
-        )
-        a = f"{p}.mlp.act_fn"
-        sig = g.node("Sigmoid", [gate], [f"{a}/Sigmoid/output_0"], f"{a}/Sigmoid")[0]
-        silu = g.node("Mul", [gate, sig], [f"{a}/output_0"], f"{a}/Mul")[0]
-        prod = g.node("Mul", [silu, up], [f"{p}.mlp/Mul/output_0"], f"{p}.mlp/Mul")[0]
-        pending = _linear(g, prod, f"{p}.mlp.down_proj", w.pop(f"{p}.mlp.down_proj.weight"),
-                          w.pop(f"{p}.mlp.down_proj.bias", None))  # fmt: skip
-        del w
+        w = dict(ckpt.read(block_tensor_names(cfg, i, ckpt.__contains__)))  # released after the block
+        for s, shape in linear_shapes(cfg).items():
+            _check_shape(f"model.layers.{i}.{s}.weight", w[f"model.layers.{i}.{s}.weight"], shape)
+        packed = hook.block(i, w)
+        io = _emit_block(g, i, w, io, packed, seqlens_k, total_len, cos_name, sin_name)
+        del w, packed
 
     ((_, fw),) = list(ckpt.read(["model.norm.weight"]))
     fn = g.external("model.norm.weight", fw)
-    if pending is None:  # zero layers
-        hidden = _rms_norm(g, residual, fn, "model.norm", eps)
+    if io.pending is None:  # zero layers
+        hidden = _rms_norm(g, io.residual, fn, "model.norm", eps=cfg.rms_norm_eps)
     else:
-        hidden = g.node("SkipSimplifiedLayerNormalization", [residual, pending, fn], ["/model/norm/output_0"],
-                        "model.norm", _MS, epsilon=eps)[0]  # fmt: skip
-    if tied:
+        hidden = g.node("SkipSimplifiedLayerNormalization", [io.residual, io.pending, fn], ["/model/norm/output_0"],
+                        "model.norm", _MS, epsilon=cfg.rms_norm_eps)[0]  # fmt: skip
+    if tied and q_emb is not None:
+        blocks = g.const([V, q_emb.B.shape[1], q_emb.B.shape[2]])
+        view = g.node("Reshape", [packed_table, blocks], ["lm_head.weight_Q/blocks"], "lm_head.weight_view")[0]
+        _matmul_nbits(g, hidden, "lm_head", q_emb, weight_name=view, out="logits")
+    elif tied:
         wt = g.node("Transpose", [table], ["lm_head.weight_transpose/output_0"], "lm_head.weight_transpose",
                     perm=[1, 0])[0]  # fmt: skip
+        g.node("MatMul", [hidden, wt], ["logits"], "lm_head")
     else:
         ((_, lm),) = list(ckpt.read(["lm_head.weight"]))
         _check_shape("lm_head.weight", lm, (V, H))
-        wt = g.external("lm_head.weight", lm.T)
+        q_lm = hook.lm_head(lm, fw)
+        if q_lm is None:
+            g.node("MatMul", [hidden, g.external("lm_head.weight", lm.T)], ["logits"], "lm_head")
+        else:
+            _matmul_nbits(g, _scaled_input(g, hidden, "lm_head", q_lm), "lm_head", q_lm, out="logits")
         del lm
-    g.node("MatMul", [hidden, wt], ["logits"], "lm_head")
+    hook.finish()
 
     f32 = TensorProto.FLOAT
     inputs = [
@@ -493,22 +729,8 @@ def _build(
         ),
     ]
     outputs = [helper.make_tensor_value_info("logits", f32, ["batch_size", "sequence_length", V])]
-    for i in range(L):
-        for kv in ("key", "value"):
-            inputs.append(
-                helper.make_tensor_value_info(
-                    f"past_key_values.{i}.{kv}", f32, ["batch_size", nkv, "past_sequence_length", hd]
-                )
-            )
-            outputs.append(helper.make_tensor_value_info(
-                f"present.{i}.{kv}", f32, ["batch_size", nkv, "total_sequence_length", hd]))  # fmt: skip
-    graph = helper.make_graph(g.nodes, "main_graph", inputs, outputs, initializer=g.inits)
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(_MS, 1)],
-        producer_name="quantkit.llm_builder",
-    )
-    model.ir_version = 10
+    past_in, present_out = _past_io(cfg, range(L))
+    model = _model(g, inputs + past_in, outputs + present_out)
     onnx.helper.set_model_props(model, {"source": str(folder), "model_type": cfg.model_type})
     return model
 
@@ -579,7 +801,8 @@ def _genai_config(cfg: DecoderConfig, folder: Path, filename: str) -> dict[str, 
 
 
 def build_llm(
-    folder: str | Path, out_path: str | Path, *, dtype: str = "fp32", genai_config: bool = True
+    folder: str | Path, out_path: str | Path, *, dtype: str = "fp32", genai_config: bool = True,
+    hook: BuildHook | None = None,
 ) -> Path:
     """Build the KV-cache decoder ONNX graph of a LLaMA-family HF folder, streaming its weights.
 
@@ -592,7 +815,10 @@ def build_llm(
         folder: local HF folder with ``config.json`` and ``*.safetensors``
             (``model.safetensors.index.json`` when sharded); bf16, fp16 or fp32 tensors.
         out_path: the ``.onnx`` file to write (parent folders are created).
-        dtype: weight/activation precision; only ``"fp32"`` for now.
+        dtype: weight/activation precision; only ``"fp32"`` (quantized linears come from ``hook``).
+        hook: asked block by block which linears to write quantized (``MatMulNBits``,
+            ``GatherBlockQuantized`` for a tied embedding); see :class:`BuildHook` and
+            :mod:`quantkit.layerwise`, which calibrates and quantizes while the checkpoint streams.
 
     Returns:
         ``out_path`` as a Path.
@@ -612,7 +838,7 @@ def build_llm(
     tmp_onnx = out.with_name(out.name + ".tmp")
     data = _ExternalData(data_path)
     try:
-        model = _build(folder, out, cfg, ckpt, data)
+        model = _build(folder, out, cfg, ckpt, data, hook)
     except BaseException:
         data.close()
         data_path.unlink(missing_ok=True)

@@ -88,6 +88,11 @@ class CalibrationSection(_Strict):
     max_rows: int = Field(
         4096, ge=64, description="weight-only: activation rows kept per layer input for AWQ"
     )
+    layerwise: bool = Field(
+        False,
+        description="LLaMA-family LLMs: build, calibrate and quantize block by block while the checkpoint "
+        "streams (bounded memory; formats int4 / int8_weight / fp32; resumable)",
+    )
     histogram_bins: int = Field(8192, ge=256, le=1 << 16, description="streaming histogram bins per tensor")
     cache: bool = Field(True, description="reuse collected statistics from the on-disk cache")
 

@@ -418,7 +418,10 @@ def render_markdown(rep: dict[str, Any]) -> str:
     lines.append(f"Samples: {rep['samples']['calibration']} calibration, {rep['samples']['evaluation']} evaluation")
     lines += data_lines(rep)
     cal = rep.get("calibration") or {}
-    if cal:
+    if cal.get("mode") == "layerwise":
+        lines.append(f"Calibration: layer-wise, block by block on {cal.get('tokens', 0)} tokens "
+                     f"({cal.get('resumed_blocks', 0)} finished blocks resumed from an interrupted run)")
+    elif cal:
         lines.append(f"Calibration statistics: {cal.get('reused', 0)} reused from cache, {cal.get('collected', 0)} "
                      f"collected ({cal.get('cache') or 'cache disabled'})")
     lines.append("")

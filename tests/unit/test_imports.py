@@ -86,11 +86,11 @@ FLOORS: list[set[str]] = [
     {"calibrate", "algorithms", "data", "evaluate"},
     {"recipe"},
     {"lowering"},
-    {"prep", "weight_only"},
+    {"prep", "weight_only", "layerwise"},
     {"report"},
     {"pipeline"},
     {"formats"},  # format handlers + the lowering walk over a precision plan
-    {"run"},  # execute, check, evaluate, report one plan
+    {"run", "llm_run"},  # execute, check, evaluate, report one plan
     {"search"},  # proposes plans; runs them through formats / run
     {"api"},
     {"cli", "quantkit"},

@@ -1,0 +1,166 @@
+"""Layer-wise, streaming weight-only quantization (quantkit.layerwise, calibration.layerwise in a recipe).
+
+On tiny random LLaMA folders: the streamed RTN build equals the whole-graph path code for code (same
+logits); GPTQ calibrated block by block runs what ships (MatMulNBits in the block graphs) and an interrupted
+run resumes from its last finished block with the same result; a block graph alone matches the full model's
+hidden states; bad recipes are refused naming the key and the allowed values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import quantkit  # noqa: E402
+from quantkit.errors import RecipeError  # noqa: E402
+from quantkit.frontends import llm_builder  # noqa: E402
+from quantkit.frontends.llm_builder import LLMSession, block_model, read_decoder_config  # noqa: E402
+from quantkit.layerwise import _Hook, quantize_llm_layerwise  # noqa: E402
+from quantkit.recipe import load_recipe  # noqa: E402
+from quantkit.recipe.plan import PrecisionPlan  # noqa: E402
+from tests.unit.test_llm_builder import VOCAB, make_llama, reference  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path_factory.getbasetemp() / "quantkit-cache"))
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, tuple[Path, Any]]:
+    out = {}
+    for tied in (True, False):
+        base = tmp_path_factory.mktemp(f"lw-{'tied' if tied else 'untied'}")
+        out[tied] = (base / "hf", make_llama(base / "hf", tied=tied, dtype=torch.bfloat16))
+    return out
+
+
+def _recipe(folder: Path, **default: Any) -> dict[str, Any]:
+    return {"version": 1, "model": {"source": str(folder)}, "calibration": {"layerwise": True},
+            "quantization": {"default": {"format": "int4", "group_size": 32, **default}},
+            "report": {"latency": {"enabled": False}}}  # fmt: skip
+
+
+def _windows(n: int, seq: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, (n, seq)).astype(np.int64)
+
+
+def _logits(path: Path, ids: np.ndarray) -> np.ndarray:
+    return LLMSession(path)(ids)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_streamed_rtn_equals_the_whole_graph_path(folders: dict[bool, tuple[Path, Any]], tied: bool,
+                                                  tmp_path: Path) -> None:
+    folder, _ = folders[tied]
+    rec = _recipe(folder, algorithm="rtn", algorithm_options={"clip": False})
+    lw = quantkit.quantize(recipe=rec, progress=False, evaluate=False)
+    rec["calibration"]["layerwise"] = False
+    cal = {"input_ids": _windows(2, 8, 0), "attention_mask": np.ones((2, 8), np.int64)}
+    whole = quantkit.quantize(recipe=rec, calibration_data=cal, progress=False, evaluate=False, measure_latency=False)
+    whole.save(tmp_path / "whole")
+    ids = _windows(1, 12, 5)
+    a, b = _logits(lw.path, ids), _logits(tmp_path / "whole" / "model.onnx", ids)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * float(np.abs(b).max()))
+    kernels = lw.report["census"]["quantized_kernels"]
+    assert kernels["MatMulNBits"] == 7 * 2 + 1  # 7 linears per block + lm_head
+    assert kernels.get("GatherBlockQuantized", 0) == (1 if tied else 0)  # a tied table is stored once
+    assert lw.report["calibration"]["tokens"] == 0  # RTN: no block was run
+
+
+def test_block_graph_reproduces_the_decoders_hidden_states(folders: dict[bool, tuple[Path, Any]]) -> None:
+    folder, model = folders[False]
+    cfg = read_decoder_config(folder)
+    ckpt = llm_builder._Checkpoint(folder)
+    ids = _windows(1, 9, 3)
+    with torch.no_grad():
+        hs = model(torch.from_numpy(ids), output_hidden_states=True).hidden_states
+    for i in range(cfg.num_hidden_layers):
+        w = dict(ckpt.read(llm_builder.block_tensor_names(cfg, i, ckpt.__contains__)))
+        proto = block_model(cfg, i, w, {}, [f"model.layers.{i}.mlp.down_proj"])
+        sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        empty = np.zeros((1, cfg.num_key_value_heads, 0, cfg.head_dim), np.float32)
+        out, tap = sess.run(None, {"hidden": hs[i].numpy(), "attention_mask": np.ones((1, 9), np.int64),
+                                   f"past_key_values.{i}.key": empty, f"past_key_values.{i}.value": empty})  # fmt: skip
+        want = hs[i + 1].numpy() if i + 1 < cfg.num_hidden_layers else None
+        if want is not None:  # the last hidden state of transformers is after the final norm
+            np.testing.assert_allclose(out, want, atol=2e-4 * float(np.abs(want).max()))
+        assert tap.shape == (1, 9, cfg.intermediate_size)
+
+
+def test_gptq_layerwise_resumes_after_an_interrupt(folders: dict[bool, tuple[Path, Any]], tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    folder, model = folders[True]
+    plan = PrecisionPlan.from_recipe(load_recipe(_recipe(folder, algorithm="gptq")))
+    win = _windows(3, 16, 1)
+    full = quantize_llm_layerwise(folder, tmp_path / "a" / "model.onnx", plan, win, work_dir=tmp_path / "w1",
+                                  progress=False)  # fmt: skip
+    assert full.resumed_blocks == 0 and not (tmp_path / "w1").exists()  # work folder removed on success
+    assert {r["algorithm"] for r in full.rows if r["layer"] != "lm_head"} == {"gptq"}
+    assert all(np.isfinite(r["output_sqnr_db"]) for r in full.rows if r["layer"] != "lm_head")
+
+    real_block = _Hook.block
+
+    def crash_on_block_1(self: _Hook, index: int, weights: dict[str, Any]) -> Any:
+        if index == 1:
+            raise KeyboardInterrupt
+        return real_block(self, index, weights)
+
+    monkeypatch.setattr(_Hook, "block", crash_on_block_1)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_llm_layerwise(folder, tmp_path / "b" / "model.onnx", plan, win, work_dir=tmp_path / "w2",
+                               progress=False)  # fmt: skip
+    assert (tmp_path / "w2" / "block_0.npz").is_file()
+    monkeypatch.setattr(_Hook, "block", real_block)
+    again = quantize_llm_layerwise(folder, tmp_path / "b" / "model.onnx", plan, win, work_dir=tmp_path / "w2",
+                                   progress=False)  # fmt: skip
+    assert again.resumed_blocks == 1
+    ids = _windows(1, 10, 9)
+    np.testing.assert_array_equal(_logits(full.path, ids), _logits(again.path, ids))
+    # on the data it was calibrated on, GPTQ block by block is closer to the float model than RTN
+    rtn_plan = PrecisionPlan.from_recipe(load_recipe(_recipe(folder, algorithm="rtn")))
+    rtn = quantize_llm_layerwise(folder, tmp_path / "r" / "model.onnx", rtn_plan, None, work_dir=tmp_path / "w3",
+                                 progress=False)  # fmt: skip
+    ref = reference(model, win)
+    err = {k: float(np.mean((np.concatenate([_logits(p, win[j:j + 1]) for j in range(len(win))]) - ref) ** 2))
+           for k, p in (("gptq", again.path), ("rtn", rtn.path))}  # fmt: skip
+    assert err["gptq"] < err["rtn"], err
+
+
+def test_awq_scales_fold_into_the_norms_and_the_model_runs(folders: dict[bool, tuple[Path, Any]],
+                                                           tmp_path: Path) -> None:
+    folder, model = folders[False]
+    plan = PrecisionPlan.from_recipe(load_recipe(_recipe(folder, algorithm="awq")))
+    res = quantize_llm_layerwise(folder, tmp_path / "m" / "model.onnx", plan, _windows(3, 16, 2),
+                                 work_dir=tmp_path / "w", progress=False)  # fmt: skip
+    import onnx
+
+    m = onnx.load(str(res.path), load_external_data=False)
+    muls = [n.name for n in m.graph.node if n.name.endswith("/input_scale")]
+    # q/k/v and gate/up fold 1/s into their RMSNorm; o_proj, down_proj and lm_head get an explicit Mul
+    assert all(("o_proj" in n) or ("down_proj" in n) or n.startswith("lm_head") for n in muls)
+    assert not any("q_proj" in n or "gate_proj" in n for n in muls)
+    ids = _windows(1, 10, 4)
+    assert float(np.corrcoef(_logits(res.path, ids).ravel(), reference(model, ids).ravel())[0, 1]) > 0.9
+
+
+def test_layerwise_recipe_errors(folders: dict[bool, tuple[Path, Any]]) -> None:
+    folder, _ = folders[True]
+    with pytest.raises(RecipeError, match="allowed: .*int4"):
+        quantkit.quantize(recipe={**_recipe(folder), "quantization": {"default": {"format": "int8"}}},
+                          progress=False)  # fmt: skip
+    rec = _recipe(folder)
+    rec["quantization"]["overrides"] = [{"layer": "model.layers.1.mlp.down_proj", "format": "int8_dynamic"}]
+    with pytest.raises(RecipeError, match="model.layers.1.mlp.down_proj.*int8_dynamic"):
+        quantkit.quantize(recipe=rec, progress=False)
+    with pytest.raises(quantkit.errors.ModelError, match="allowed: a folder path, smollm2-135m"):
+        quantkit.quantize(recipe={**_recipe(folder), "model": {"source": "efficientnet-lite0"}}, progress=False)
+    with pytest.raises(quantkit.errors.DataError, match="need calibration data"):
+        quantkit.quantize(recipe=_recipe(folder, algorithm="gptq"), progress=False)
