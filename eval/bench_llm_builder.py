@@ -252,6 +252,62 @@ print(json.dumps({"session_s": t1 - t0, "prefill32_s": t2 - t1, "decode_ms": 1e3
 )
 
 
+_CHILD_LAYERWISE = (
+    _HWM
+    + r"""
+import json, sys, time
+from pathlib import Path
+import numpy as np
+t0 = time.perf_counter()
+import torch, safetensors, onnx, onnxruntime  # noqa: F401 - imported first: "after import" is the baseline
+from quantkit.layerwise import quantize_llm_layerwise
+from quantkit.recipe import load_recipe
+from quantkit.recipe.plan import PrecisionPlan
+imported = hwm_kb()
+folder, out, algo, windows, group = sys.argv[1], Path(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
+rec = load_recipe({"version": 1, "quantization": {"default": {"format": "int4", "group_size": group, "algorithm": algo}}})
+vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+win = None if algo == "rtn" else np.random.default_rng(0).integers(0, vocab, tuple(windows)).astype(np.int64)
+t1 = time.perf_counter()
+res = quantize_llm_layerwise(folder, out, PrecisionPlan.from_recipe(rec), win, work_dir=out.parent / "work",
+                             progress=False)
+t2 = time.perf_counter()
+print(json.dumps({"build_s": t2 - t1, "import_s": t1 - t0, "import_rss_kb": imported, "peak_rss_kb": hwm_kb(),
+                  "layers_quantized": len(res.rows), "calibration_tokens": res.calibration_tokens}))
+"""
+)
+
+
+def bench_layerwise(work: Path, *, shape: str, layers: list[int], algorithm: str, windows: tuple[int, int],
+                    group: int, run_check: int, threads: int) -> list[dict[str, Any]]:
+    """Synthetic folders quantized to INT4 block by block (quantkit.layerwise): peak RSS, time, disk."""
+    rows = []
+    for n in layers:
+        cfg = dict(SHAPES[shape], num_hidden_layers=n)
+        hf, out = work / f"synthetic-{shape}-{n}", work / f"synthetic-{shape}-{n}-int4"
+        hf.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        _child(_CHILD_GEN + "\nprint('{}')", str(hf), json.dumps(cfg))
+        gen_s = time.perf_counter() - t0
+        out.mkdir(parents=True, exist_ok=True)
+        res = _child(_CHILD_LAYERWISE, str(hf), str(out / "model.onnx"), algorithm, json.dumps(list(windows)),
+                     str(group))  # fmt: skip
+        row = {"shape": shape, "layers": n, "algorithm": algorithm, "group": group,
+               "windows": list(windows) if algorithm != "rtn" else None, "input_GB": _du(hf) / 1e9,
+               "output_GB": _du(out) / 1e9, "gen_s": gen_s, **{k: v for k, v in res.items() if not k.endswith("_kb")},
+               "peak_rss_MB": res["peak_rss_kb"] / 1024, "import_rss_MB": res["import_rss_kb"] / 1024}  # fmt: skip
+        shutil.rmtree(hf)  # before the run check: the disk holds one model at a time
+        if n <= run_check:
+            try:
+                row["run"] = _child(_CHILD_RUN, str(out / "model.onnx"), str(threads))
+            except RuntimeError as e:
+                row["run"] = {"error": str(e)[-300:]}
+        shutil.rmtree(out)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def _du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -382,7 +438,11 @@ def render(smol: dict[str, Any] | None, synth: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["all", "smollm2", "synthetic"], default="all")
+    ap.add_argument("--part", choices=["all", "smollm2", "synthetic", "layerwise"], default="all")
+    ap.add_argument("--algorithm", default="rtn", help="--part layerwise: rtn | gptq | awq")
+    ap.add_argument("--windows", type=int, nargs=2, default=[8, 512], metavar=("N", "SEQ"),
+                    help="--part layerwise: calibration windows (random token ids) for gptq / awq")
+    ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.1b")
     ap.add_argument("--layers", type=int, nargs="+", default=[11, 22])
     ap.add_argument("--threads", type=int, default=2)
@@ -404,6 +464,14 @@ def main() -> None:
             smol = bench_smollm2(work, threads=args.threads, rounds=args.rounds, prompt_len=args.prompt_len,
                                  new_tokens=args.new_tokens)  # fmt: skip
             print(json.dumps(smol, indent=1), flush=True)
+        if args.part == "layerwise":
+            rows = bench_layerwise(work, shape=args.shape, layers=args.layers, algorithm=args.algorithm,
+                                   windows=tuple(args.windows), group=args.group_size, run_check=args.run_check,
+                                   threads=args.threads)  # fmt: skip
+            path = ROOT / "eval" / "results" / "llm_layerwise.json"
+            prev = json.loads(path.read_text()) if path.is_file() else []
+            path.write_text(json.dumps(prev + rows, indent=1))
+            return
         if args.part in ("all", "synthetic"):
             synth = bench_synthetic(work, shape=args.shape, layers=args.layers, run_check=args.run_check,
                                     threads=args.threads)  # fmt: skip

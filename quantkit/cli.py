@@ -46,6 +46,12 @@ def _build_parser() -> argparse.ArgumentParser:
     k.add_argument("model", help="the emitted model.onnx")
     k.add_argument("--data", default=None, help="inputs to run: an .npz file or a folder of them")
     k.add_argument("--samples", type=int, default=16, help="samples to compare (default 16)")
+    g = sub.add_parser("generate", help="greedy text generation with an emitted LLM decoder (KV cache)")
+    g.add_argument("--model", required=True, help="an output folder (model.onnx + tokenizer files) or its model.onnx")
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    g.add_argument("--tokenizer", default=None, help="folder with the tokenizer (default: the model's folder)")
+    g.add_argument("--threads", type=int, default=None, help="intra-op threads (default: ONNX Runtime's)")
     return p
 
 
@@ -156,6 +162,8 @@ def _main(args: argparse.Namespace) -> int:
             return _sweep(args)
         if args.command == "verify":
             return _verify(args)
+        if args.command == "generate":
+            return _generate(args)
         if args.command == "validate":
             from quantkit.recipe import load_recipe
 
@@ -266,6 +274,31 @@ def _verify(args: argparse.Namespace) -> int:
     for w in rep["warnings"]:
         print(f"WARNING: {w}")
     return 0 if rep["ok"] else 3
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """Prefill the prompt, then one token per step with the KV cache; print the text and the timings."""
+    from quantkit.errors import ModelError
+    from quantkit.frontends.llm_builder import generate
+
+    path = Path(args.model)
+    model = path / "model.onnx" if path.is_dir() else path
+    if not model.is_file():
+        raise ModelError(f"--model {args.model!r}: no model.onnx there (give an output folder or its model.onnx)")
+    tok = Path(args.tokenizer) if args.tokenizer else model.parent
+    if not any((tok / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ModelError(f"no tokenizer files in {str(tok)!r}: pass --tokenizer FOLDER")
+    if args.max_new_tokens < 1:
+        raise QuantkitError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    out = generate(model, tok, args.prompt, args.max_new_tokens, threads=args.threads, return_timings=True)
+    if not isinstance(out, tuple):  # pragma: no cover - return_timings=True returns a pair
+        raise QuantkitError("generate returned no timings")
+    text, t = out
+    print(args.prompt + text)
+    steps = t["decode_ms"]
+    per = f", decode {sorted(steps)[len(steps) // 2]:.1f} ms/token (median of {len(steps)})" if steps else ""
+    print(f"[{len(t['tokens'])} tokens; prefill {t['prefill_ms']:.1f} ms{per}]", file=sys.stderr)
+    return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:

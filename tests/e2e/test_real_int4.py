@@ -69,3 +69,39 @@ def test_int4_gptq_awq_rtn_on_real_smollm2_blocks(reduced_smollm2: Path, tmp_pat
     # mean NLL is compared: every algorithm within 5% of FP32.  GPTQ/AWQ vs RTN on the whole model
     # is measured in eval/bench_int4.py.
     assert all(p < 1.05 * fp32 for p in results.values()), (fp32, results)
+
+
+def test_layerwise_recipe_and_generate_on_real_smollm2_blocks(reduced_smollm2: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """calibration.layerwise through the CLI: the checkpoint streams block by block (AWQ + GPTQ calibrated on
+    each block's cached inputs), then `quantkit generate` runs the output with its KV cache."""
+    import json
+
+    import yaml
+
+    from quantkit.cli import main
+
+    rec = _recipe("awq")
+    rec["quantization"]["default"]["algorithm_options"] = {"gptq": True}
+    rec["calibration"]["layerwise"] = True
+    rec["model"] = {"source": str(reduced_smollm2)}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(rec))
+    assert main(["calibrate", "--recipe", str(path), "--output", str(tmp_path / "out"), "-q"]) == 0
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    k = rep["census"]["quantized_kernels"]
+    assert k.get("MatMulNBits") == 2 * 7 + 1 and k.get("GatherBlockQuantized") == 1, k
+    assert rep["calibration"] == {"mode": "layerwise", "tokens": 4 * 128, "resumed_blocks": 0}
+    assert {r["algorithm"] for r in rep["weight_only"] if r["layer"] != "lm_head"} == {"awq"}
+    sq = [r["output_sqnr_db"] for r in rep["weight_only"] if "output_sqnr_db" in r]
+    assert len(sq) == 14 and min(sq) > 15, sq
+    q = rep["quality"]
+    assert q["perplexity_quantized"]["nll"] < 1.05 * q["perplexity_fp32"]["nll"], q  # see the test above
+    assert (tmp_path / "out" / "genai_config.json").is_file() and (tmp_path / "out" / "tokenizer.json").is_file()
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path / "out"), "--prompt", "The capital of France is",
+                 "--max-new-tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("The capital of France is") and len(out.strip()) > len("The capital of France is")
+    assert "prefill" in err and "ms/token" in err
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
