@@ -265,7 +265,11 @@ from quantkit.recipe import load_recipe
 from quantkit.recipe.plan import PrecisionPlan
 imported = hwm_kb()
 folder, out, algo, windows, group = sys.argv[1], Path(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
-rec = load_recipe({"version": 1, "quantization": {"default": {"format": "int4", "group_size": group, "algorithm": algo}}})
+algo, _, opt = algo.partition(":")  # "rtn:noclip" = plain min-max RTN (no per-group clipping search)
+default = {"format": "int4", "group_size": group, "algorithm": algo}
+if opt == "noclip":
+    default["algorithm_options"] = {"clip": False}
+rec = load_recipe({"version": 1, "quantization": {"default": default}})
 vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
 win = None if algo == "rtn" else np.random.default_rng(0).integers(0, vocab, tuple(windows)).astype(np.int64)
 t1 = time.perf_counter()
@@ -439,7 +443,8 @@ def render(smol: dict[str, Any] | None, synth: list[dict[str, Any]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=["all", "smollm2", "synthetic", "layerwise"], default="all")
-    ap.add_argument("--algorithm", default="rtn", help="--part layerwise: rtn | gptq | awq")
+    ap.add_argument("--algorithm", default="rtn",
+                    help="--part layerwise: rtn | rtn:noclip (plain min-max) | gptq | awq")
     ap.add_argument("--windows", type=int, nargs=2, default=[8, 512], metavar=("N", "SEQ"),
                     help="--part layerwise: calibration windows (random token ids) for gptq / awq")
     ap.add_argument("--group-size", type=int, default=128)

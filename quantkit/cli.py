@@ -38,6 +38,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _common_args(w, "recipe YAML file with a 'search' section", "out/<recipe name>-sweep")
     w.add_argument("--no-models", action="store_true", help="do not keep the emitted models of the points")
     w.add_argument("--no-cache", action="store_true", help="measure sensitivity and costs again")
+    w.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="evaluate the points as Ray tasks on this cluster ('local': a new local one; needs ray)")
     v = sub.add_parser("validate", help="validate a recipe and print it resolved")
     v.add_argument("recipe")
     k = sub.add_parser(
@@ -314,7 +316,7 @@ def _sweep(args: argparse.Namespace) -> int:
     def fill(stage: Path) -> None:  # everything is written into a staging folder, then moved as one set
         holder["stage"] = stage
         holder["res"] = sweep(recipe=rec, output=stage, progress=not args.quiet, use_cache=not args.no_cache,
-                              save_models=not args.no_models)
+                              save_models=not args.no_models, ray_address=args.ray)
 
     write_outputs(out, fill, overwrite=args.overwrite)
     res = holder["res"]

@@ -125,8 +125,27 @@ def _latency_feed(ds: Any, rec: Any) -> dict[str, np.ndarray]:
     raise DataError("the dataset yielded no batch for the latency feed")
 
 
+def _ray_session(address: str) -> Any:
+    """``ray`` connected to ``address`` (``auto``, ``local`` for a new local cluster, or ``ray://host:port``)."""
+    try:
+        import ray
+    except ImportError:
+        raise QuantkitError("--ray needs Ray: pip install 'ray>=2' (or run the sweep without --ray)") from None
+    if not ray.is_initialized():
+        ray.init(address=None if address == "local" else address, log_to_driver=False,
+                 include_dashboard=False, ignore_reinit_error=True)  # fmt: skip
+    return ray
+
+
+def _model_ref(path: Path) -> bytes | str:
+    """What a Ray task gets for an emitted model: its bytes when it is one file (any node can run it), else its
+    path (external data: the output folder must be on storage every node sees)."""
+    files = [f for f in path.parent.iterdir() if f.is_file()]
+    return path.read_bytes() if files == [path] else str(path)
+
+
 def _quality(
-    path: str, float_bytes: bytes, ev: Any, rec: Any, is_lm: bool, metric: str = "kl"
+    path: str | bytes, float_bytes: bytes, ev: Any, rec: Any, is_lm: bool, metric: str = "kl"
 ) -> dict[str, Any]:
     """Measured quality of one emitted model (ONNX Runtime, evaluation data).
 
@@ -423,8 +442,12 @@ def sweep(
     progress: bool = True,
     use_cache: bool = True,
     save_models: bool = True,
+    ray_address: str | None = None,
 ) -> SweepResult:
-    """Run the recipe's mixed-precision search and evaluate the chosen points (module doc)."""
+    """Run the recipe's mixed-precision search and evaluate the chosen points (module doc).
+
+    ``ray_address``: evaluate the points' quality (perplexity / fidelity against FP32) as Ray tasks on that
+    cluster (``"local"`` starts one on this machine); emitting and latency stay in this process."""
     from quantkit.pipeline import save_model
     from quantkit.search.solver import pareto_front, pareto_mask, solve, spearman
 
@@ -511,6 +534,11 @@ def sweep(
         fp32_path = Path(tmp_dir.name) / "fp32.onnx"
         save_model(float_model, fp32_path, "auto")
         fp32_quality = _quality(str(fp32_path), float_bytes, ev, rec, is_lm) if is_lm else {"damage": 0.0}
+        ray = _ray_session(ray_address) if ray_address else None
+        pending: dict[str, Any] = {}
+        if ray is not None:
+            remote_quality = ray.remote(_quality)
+            float_ref, ev_ref = ray.put(float_bytes), ray.put(ev)
         for i, p in enumerate(
             tqdm(points, desc="emit + evaluate points", unit="point", disable=not progress)
         ):
@@ -521,7 +549,16 @@ def sweep(
             p.model_path = str(path) if save_models else None
             paths[p.id] = path
             p.measured["size_bytes"] = sum(f.stat().st_size for f in path.parent.iterdir() if f.is_file())
-            p.measured.update(_quality(str(path), float_bytes, ev, rec, is_lm, ctx.damage_metric))
+            if ray is not None:  # a task per point; results gathered below
+                pending[p.id] = remote_quality.remote(_model_ref(path), float_ref, ev_ref, rec, is_lm,
+                                                      ctx.damage_metric)  # fmt: skip
+            else:
+                p.measured.update(_quality(str(path), float_bytes, ev, rec, is_lm, ctx.damage_metric))
+        if pending and ray is not None:
+            done = dict(zip(pending, ray.get(list(pending.values())), strict=True))
+            for p in points:
+                p.measured.update(done[p.id])
+            timings["ray_tasks"] = float(len(done))
         # latency: all points and FP32, interleaved on one feed
         from quantkit.evaluate.latency import compare_latency, make_session
 

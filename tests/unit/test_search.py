@@ -468,3 +468,39 @@ def test_tied_lm_head_is_a_searchable_unit(tmp_path: Path, monkeypatch: pytest.M
     k = census(ir.to_proto(m), quantizable=["lm_head"]).quantized_kernels
     assert k.get("MatMulNBits") == 1 and k.get("GatherBlockQuantized") == 1, k
     assert "embed.weight" not in {v.name for v in m.graph.initializers.values()}  # no float copy left
+
+
+def test_sweep_points_evaluated_as_ray_tasks_match_the_local_run(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sweep(ray_address=...)`` (CLI ``--ray``): each point's quality is a Ray task; same figures as locally."""
+    ray = pytest.importorskip("ray")
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    rec = _recipe(points=2, frontier_points=4)
+    kw = {"evaluation_data": lm_feeds(4, seed=5), "progress": False, "save_models": False}
+    local = sweep(ir.from_proto(tiny_lm()), lm_feeds(6), rec, output=tmp_path / "a", **kw)
+    try:
+        remote = sweep(ir.from_proto(tiny_lm()), lm_feeds(6), rec, output=tmp_path / "b", ray_address="local", **kw)
+    finally:
+        ray.shutdown()
+    assert [p.id for p in remote.points] == [p.id for p in local.points]
+    for a, b in zip(local.points, remote.points, strict=True):
+        assert a.measured["damage"] == pytest.approx(b.measured["damage"], rel=1e-9)
+    assert remote.report["timings"]["ray_tasks"] == len(remote.points)
+
+
+def test_sweep_ray_without_ray_installed_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from quantkit.errors import QuantkitError
+    from quantkit.search.sweep import _ray_session
+
+    real_import = builtins.__import__
+
+    def no_ray(name: str, *a: Any, **k: Any) -> Any:
+        if name == "ray":
+            raise ImportError("No module named 'ray'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    with pytest.raises(QuantkitError, match="pip install 'ray"):
+        _ray_session("local")
