@@ -110,6 +110,9 @@ def worker(method: str, out: Path, block: int) -> None:
         from quantkit.recipe import load_recipe
 
         d = yaml.safe_load(RECIPE.read_text())
+        layerwise = algo.endswith("_lw")  # calibration.layerwise: block by block while the checkpoint streams
+        algo = algo.removesuffix("_lw")
+        d["calibration"]["layerwise"] = layerwise
         awq_opts = {"awq_gptq": {"gptq": True}, "awq_signround": {"signround": True},
                     "awq_gptq_signround": {"gptq": True, "signround": True}}
         d["quantization"]["default"]["algorithm"] = "awq" if algo in awq_opts else algo
@@ -118,8 +121,11 @@ def worker(method: str, out: Path, block: int) -> None:
         d["quantization"]["default"]["group_size"] = block
         res = quantize(recipe=load_recipe(d), progress=False, evaluate=False, measure_latency=False)
         res.save(out / _slug(method), report=True)
-        (out / _slug(method) / "model.onnx").rename(target)
-        info = {"layers": len(res.report["layers"])}
+        info = {"layers": len(res.report["layers"]), "layerwise": layerwise}
+        if (out / _slug(method) / "model.onnx.data").is_file():  # external data stays beside its graph
+            info["path"] = str(out / _slug(method) / "model.onnx")
+        else:
+            (out / _slug(method) / "model.onnx").rename(target)
     else:
         from onnxruntime.quantization import matmul_nbits_quantizer as mnq
 
@@ -307,42 +313,10 @@ class _EmptyPast:
             yield b
 
 
-def _decode_kv_ms(path: Path, prompt: int = 128, new: int = 64, rounds: int = 3) -> float:
-    """Median per-token decode step (ms) of a KV-cache graph: ``new`` greedy tokens after a ``prompt``-token prefill."""
-    import numpy as np
+def _has_past(path: Path) -> bool:
+    import onnx
 
-    from quantkit.evaluate.latency import make_session
-
-    sess = make_session(str(path))
-    ins = {i.name: i for i in sess.get_inputs()}
-    outs = [o.name for o in sess.get_outputs()]
-    past_names = [n for n in ins if n.startswith("past_key_values.")]
-    present = {n: "present." + n[len("past_key_values."):] for n in past_names}
-    rng = np.random.default_rng(0)
-    steps: list[float] = []
-    for _ in range(rounds):
-        ids = rng.integers(100, 1000, (1, prompt), dtype=np.int64)
-        feed: dict[str, Any] = {"input_ids": ids, "attention_mask": np.ones((1, prompt), np.int64)}
-        if "position_ids" in ins:
-            feed["position_ids"] = np.arange(prompt, dtype=np.int64)[None]
-        for n in past_names:
-            shape = ins[n].shape
-            feed[n] = np.zeros((1, shape[1], 0, shape[3]), np.float16 if "float16" in ins[n].type else np.float32)
-        res = dict(zip(outs, sess.run(outs, feed), strict=True))
-        total = prompt
-        for _ in range(new):
-            tok = int(res["logits"][0, -1].argmax())
-            total += 1
-            feed = {"input_ids": np.array([[tok]], np.int64), "attention_mask": np.ones((1, total), np.int64)}
-            if "position_ids" in ins:
-                feed["position_ids"] = np.array([[total - 1]], np.int64)
-            for n in past_names:
-                feed[n] = res[present[n]]
-            t = time.perf_counter()
-            out = sess.run(outs, feed)
-            steps.append((time.perf_counter() - t) * 1e3)
-            res = dict(zip(outs, out, strict=True))
-    return float(np.median(steps))
+    return any(i.name.startswith("past_key_values.") for i in onnx.load(str(path), load_external_data=False).graph.input)
 
 
 def _size(p: Path) -> int:
@@ -385,7 +359,8 @@ def main() -> None:
     from quantkit.report.build import environment
 
     methods = ["fp32", *args.methods.split(",")]
-    allowed = {"quantkit": ("rtn", "gptq", "awq", "awq_gptq", "signround", "awq_signround", "awq_gptq_signround"),
+    qk = ("rtn", "gptq", "awq", "awq_gptq", "signround", "awq_signround", "awq_gptq_signround")
+    allowed = {"quantkit": qk + tuple(a + "_lw" for a in qk),  # _lw: calibration.layerwise
                "ort": ("rtn_sym", "rtn_asym", "hqq")}
     allowed |= {"autoround": (f"g{args.block}",), "genai": GENAI_ALGOS}  # peers, in eval/.venv-peers
     for m in methods[1:]:
@@ -443,7 +418,7 @@ def main() -> None:
                 results[m] = json.loads((tmp / f"{_slug(m)}.json").read_text())
                 if kind == "autoround":  # time and RSS of auto-round itself; the lowering is extra
                     results[m] = {**peer, "lower_s": results[m]["wall_s"], "lowered_layers": results[m]["lowered_layers"]}
-                paths[m] = tmp / f"{_slug(m)}.onnx"
+                paths[m] = Path(results[m].get("path") or tmp / f"{_slug(m)}.onnx")
             results[m].setdefault("size_mb", _size(paths[m]) / 2**20)
             results[m]["ppl"] = perplexity(str(paths[m]), _EmptyPast(ev, paths[m]) if m in kv else ev)["ppl"]
             if m != "fp32":
@@ -454,11 +429,16 @@ def main() -> None:
         dec = measure_decode({m: str(p) for m, p in paths.items() if m not in kv}, warmup=5, repeat=40)
         if kv:  # one token with an empty past: the same work as the others' one-token forward
             dec |= measure_decode({m: str(paths[m]) for m in kv}, past_len=0, warmup=5, repeat=40)
+        # per-token decode with the KV cache, every graph that has one, in lockstep (same machine noise)
+        from quantkit.evaluate.decode import measure_generation
+
+        with_kv = {m: str(p) for m, p in paths.items() if _has_past(p)}
+        gen = measure_generation(with_kv, prompt_len=128, new_tokens=64, rounds=3) if with_kv else {}
         for m in methods:
             results[m]["prefill_ms"] = pre[m].median_ms
             results[m]["decode_ms"] = dec[m].median_ms
             results[m]["decode_label"] = dec[m].label
-            results[m]["decode_kv_ms"] = _decode_kv_ms(paths[m]) if m in kv else None
+            results[m]["decode_kv_ms"] = gen[m]["median_ms"] if m in gen else None
     env = environment()
     print("\nenvironment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     print(f"perplexity on {args.eval} x 512-token windows of {args.text} (evaluation split); block {args.block}, 4-bit; "

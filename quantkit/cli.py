@@ -235,6 +235,10 @@ def _calibrate(args: argparse.Namespace) -> int:
             f"perplexity: FP32 {q['perplexity_fp32']['ppl']:.3f}, quantized {q['perplexity_quantized']['ppl']:.3f} "
             f"({100 * q['perplexity_increase']:+.1f}%)"
         )
+    for label, row in (q.get("perplexity_extra") or {}).items():
+        if "increase" in row:
+            print(f"perplexity [{label}]: FP32 {row['fp32']['ppl']:.3f}, quantized {row['quantized']['ppl']:.3f} "
+                  f"({100 * row['increase']:+.1f}%)")
     print(
         f"size: {rep['size']['fp32_bytes'] / 2**20:.1f} MiB -> {rep['size']['quantized_bytes'] / 2**20:.1f} MiB "
         f"({rep['size']['ratio']:.3f})"

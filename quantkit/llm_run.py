@@ -28,6 +28,7 @@ from quantkit.data import InputInfo, as_dataset, make_dataset
 from quantkit.errors import DataError, ModelError, QuantkitError, RecipeError
 from quantkit.frontends.cache import cache_dir
 from quantkit.layerwise import LAYERWISE_FORMATS, quantize_llm_layerwise
+from quantkit.pipeline import extra_perplexities
 from quantkit.progress import stage
 from quantkit.recipe import RecipeModel
 from quantkit.recipe.plan import PrecisionPlan
@@ -224,6 +225,10 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
                     bar.refresh()
 
                 quality[key] = perplexity(str(p), ev, progress=tick)
+        models = {k: str(p) for k, p in (("fp32", fp32_path), ("quantized", q_path)) if p is not None}
+        extra = extra_perplexities(rec, tokenizer, inputs, models, progress)
+        if extra:
+            quality["perplexity_extra"] = extra
         if "perplexity_fp32" in quality:
             quality["perplexity_increase"] = quality["perplexity_quantized"]["ppl"] / quality["perplexity_fp32"]["ppl"] - 1
         timings["evaluate_s"] = time.perf_counter() - t

@@ -85,6 +85,36 @@ def eval_dataset(recipe: RecipeModel, loaded: LoadedModel, evaluation_data: Any,
 
 
 
+def extra_perplexities(recipe: RecipeModel, tokenizer: Any, inputs: list[Any], models: dict[str, Any],
+                       progress: bool = True) -> dict[str, dict[str, Any]]:
+    """Perplexity of each model (``name -> ONNX bytes or path``) on every ``evaluation.extra`` text.
+
+    Returns ``{label: {name: {"ppl", "nll", "tokens", ...}, "increase": quantized / fp32 - 1}}`` with ``label`` the
+    text's source (``austen:sensesensibility``, ``pydoc``, a file path): held-out text of other domains than the
+    main evaluation, to see whether the calibration overfit its own domain."""
+    from tqdm.auto import tqdm
+
+    from quantkit.evaluate.perplexity import perplexity
+
+    out: dict[str, dict[str, Any]] = {}
+    for spec in recipe.evaluation.extra:
+        d = spec.model_dump()
+        ds = make_dataset(d, inputs=inputs, tokenizer=tokenizer, split="evaluation")
+        label = str(d.get("source") or d.get("path") or d.get("kind"))
+        row: dict[str, Any] = {}
+        for name, m in models.items():
+            with tqdm(total=len(ds), desc=f"perplexity {name} ({label})", unit="window", disable=not progress) as bar:
+                def tick(done: int, total: int, bar: Any = bar) -> None:
+                    bar.n = done
+                    bar.refresh()
+
+                row[name] = perplexity(m, ds, progress=tick)
+        if "fp32" in row and "quantized" in row:
+            row["increase"] = row["quantized"]["ppl"] / row["fp32"]["ppl"] - 1.0
+        out[label] = row
+    return out
+
+
 def calibrate_ranges(
     float_model: ir.Model,
     float_proto: onnx.ModelProto,

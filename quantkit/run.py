@@ -34,6 +34,7 @@ from quantkit.lowering.verify import Census, census
 from quantkit.pipeline import (
     eval_dataset,
     evaluate_fidelity,
+    extra_perplexities,
     layer_sqnr,
     measure_pair_latency,
     save_model,
@@ -153,7 +154,7 @@ def _is_lm(rec: RecipeModel, proto: onnx.ModelProto) -> bool:
             and any(i.name == "input_ids" for i in proto.graph.input))
 
 
-def _quality(job: Job, lowered: Lowered, qproto: onnx.ModelProto, ev: Dataset, progress: bool
+def _quality(job: Job, lowered: Lowered, qproto: onnx.ModelProto, ev: Dataset, progress: bool, tokenizer: Any = None
              ) -> tuple[dict[str, Any], dict[str, float]]:
     """Perplexity (causal LM) or fidelity per output, and the static layers' output SQNR."""
     rec = job.recipe
@@ -171,6 +172,10 @@ def _quality(job: Job, lowered: Lowered, qproto: onnx.ModelProto, ev: Dataset, p
                     bar.refresh()
 
                 quality[key] = perplexity(blob, ev, progress=tick)
+        extra = extra_perplexities(rec, tokenizer, model_inputs(job.float_model),
+                                   {"fp32": job.float_bytes, "quantized": qbytes}, progress)
+        if extra:
+            quality["perplexity_extra"] = extra
         return quality, {}
     fid = evaluate_fidelity(job.float_bytes, qbytes, ev, batch_size=rec.evaluation.batch_size,
                             metric=rec.evaluation.metric, progress=progress)
@@ -214,7 +219,7 @@ def run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, ca
     per_layer: dict[str, float] = {}
     if ev is not None:
         t = time.perf_counter()
-        quality, per_layer = _quality(job, lowered, qproto, ev, progress)
+        quality, per_layer = _quality(job, lowered, qproto, ev, progress, loaded.tokenizer)
         timings["evaluate_s"] = time.perf_counter() - t
     latency: dict[str, Any] = {}
     if rec.report.latency.enabled if measure_latency is None else measure_latency:

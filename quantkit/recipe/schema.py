@@ -211,6 +211,10 @@ class QuantizationSection(_Strict):
 
 class EvaluationSection(_Strict):
     data: DataSection | None = None
+    extra: list[DataSection] = Field(
+        default_factory=list, max_length=8,
+        description="causal LMs: more held-out texts (other domains); perplexity on each, FP32 vs quantized",
+    )
     metric: Metric = "auto"
     perplexity: bool = Field(True, description="causal LMs: perplexity on the evaluation windows")
     batch_size: int = Field(8, ge=1, le=4096)

@@ -488,6 +488,16 @@ def _quality_lines(rep: Mapping[str, Any]) -> list[str]:
         lines += ["## Perplexity (held-out windows)", "", "| model | perplexity | tokens |", "|---|---|---|",
                   f"| FP32 | {pf['ppl']:.3f} | {pf['tokens']} |", f"| quantized | {pq['ppl']:.3f} | {pq['tokens']} |",
                   "", f"Increase: {100 * q['perplexity_increase']:.2f}%", ""]
+    extra = q.get("perplexity_extra") or {}
+    if extra:
+        lines += ["Other held-out texts (`evaluation.extra`: domains the main evaluation does not cover):", "",
+                  "| text | FP32 | quantized | increase | tokens |", "|---|---|---|---|---|"]
+        for label, row in extra.items():
+            f, qq = row.get("fp32"), row.get("quantized") or {}
+            lines.append(f"| {label} | {f['ppl']:.3f} | {qq.get('ppl', float('nan')):.3f} | "
+                         f"{100 * row['increase']:.2f}% | {qq.get('tokens', '-')} |" if f else
+                         f"| {label} | - | {qq.get('ppl', float('nan')):.3f} | - | {qq.get('tokens', '-')} |")
+        lines.append("")
     return lines
 
 

@@ -164,3 +164,26 @@ def test_layerwise_recipe_errors(folders: dict[bool, tuple[Path, Any]]) -> None:
         quantkit.quantize(recipe={**_recipe(folder), "model": {"source": "efficientnet-lite0"}}, progress=False)
     with pytest.raises(quantkit.errors.DataError, match="need calibration data"):
         quantkit.quantize(recipe=_recipe(folder, algorithm="gptq"), progress=False)
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_evaluation_extra_texts_get_their_own_perplexity(folders: dict[bool, tuple[Path, Any]], tmp_path: Path,
+                                                         layerwise: bool) -> None:
+    folder, _ = folders[True]
+    paths = []
+    for k, seed in (("main", 11), ("other", 12)):
+        ids = _windows(3, 16, seed)
+        np.savez(tmp_path / f"{k}.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+        paths.append(str(tmp_path / f"{k}.npz"))
+    rec = _recipe(folder, algorithm="rtn")
+    rec["calibration"] = {"layerwise": layerwise, "data": {"kind": "npz", "path": paths[0]}}
+    rec["evaluation"] = {"data": {"kind": "npz", "path": paths[0]}, "extra": [{"kind": "npz", "path": paths[1]}]}
+    rep = quantkit.quantize(recipe=rec, progress=False, measure_latency=False).report
+    extra = rep["quality"]["perplexity_extra"]
+    (row,) = extra.values()
+    assert row["fp32"]["tokens"] == row["quantized"]["tokens"] == 3 * 15
+    assert row["increase"] == pytest.approx(row["quantized"]["ppl"] / row["fp32"]["ppl"] - 1)
+    assert row["fp32"]["ppl"] != pytest.approx(rep["quality"]["perplexity_fp32"]["ppl"])  # another text
+    from quantkit.report.build import render_markdown
+
+    assert "Other held-out texts" in render_markdown(rep)
