@@ -95,20 +95,44 @@ def _pack(res: WOQResult, accuracy_level: int) -> PackedLinear:
     return PackedLinear(B, scales, zp, res.bits, bs, K, N, res.input_scale, accuracy_level)
 
 
+# float32 bytes of W per column slice (RTN's temporaries are ~12x a slice; GPTQ factors the Hessian once per
+# slice, so its slices are larger)
+_COLUMN_WISE = {"rtn": 16 << 20, "gptq": 256 << 20}
+_SLICE_BYTES = 64 << 20
+
+
+def _concat(parts: list[WOQResult]) -> WOQResult:
+    """Column slices of one layer's result, side by side."""
+    return WOQResult(np.concatenate([p.codes for p in parts], axis=1),
+                     np.concatenate([p.scales for p in parts], axis=1),
+                     np.concatenate([p.zero_points for p in parts], axis=1), parts[0].bits, parts[0].group_size,
+                     parts[0].symmetric, None)  # fmt: skip
+
+
 def _layer_row(name: str, lp: LayerPlan, algo: str, w: np.ndarray, res: WOQResult, stats: LayerStats | None,
                block: int, seconds: float) -> dict[str, Any]:
-    w_hat = res.effective_weight()
+    """The report row of one layer; the errors are summed over column slices (bounded temporaries)."""
+    K, N = res.shape
+    H = stats.hessian() if stats is not None and stats.count else None
+    err2 = ref2 = num = den = 0.0
+    step = max(256, _SLICE_BYTES // (8 * K))
+    for j in range(0, N, step):
+        part = WOQResult(res.codes[:, j : j + step], res.scales[:, j : j + step], res.zero_points[:, j : j + step],
+                         res.bits, res.group_size, res.symmetric, res.input_scale)  # fmt: skip
+        w64 = w[:, j : j + step].astype(np.float64)
+        d = w64 - part.effective_weight().astype(np.float64)
+        err2 += float(np.sum(d * d))
+        ref2 += float(np.sum(w64 * w64))
+        if H is not None:
+            num += float(np.sum((H @ w64) * w64))  # tr(Wᵀ H W) = E‖xW‖²
+            den += float(np.sum((H @ d) * d))  # E‖x(W - Ŵ)‖²
     row: dict[str, Any] = {
         "layer": name, "format": lp.format, "algorithm": algo, "bits": res.bits, "group_size": res.group_size,
-        "symmetric": res.symmetric, "K": res.shape[0], "N": res.shape[1], "block": block,
-        "weight_rel_error": float(np.linalg.norm(w - w_hat) / max(float(np.linalg.norm(w)), 1e-30)),
+        "symmetric": res.symmetric, "K": K, "N": N, "block": block,
+        "weight_rel_error": float(np.sqrt(err2) / max(np.sqrt(ref2), 1e-30)),
         "awq_scaled": res.input_scale is not None, "seconds": round(seconds, 3),
     }  # fmt: skip
-    if stats is not None and stats.count:
-        H = stats.hessian()
-        d = (w - w_hat).astype(np.float64)
-        w64 = w.astype(np.float64)
-        num, den = float(np.sum((H @ w64) * w64)), float(np.sum((H @ d) * d))
+    if H is not None:
         row["output_sqnr_db"] = float("inf") if den <= 0 else float(10 * np.log10(max(num, 1e-300) / den))
     return row
 
@@ -171,8 +195,16 @@ class _Hook(BuildHook):
             algo = "rtn"
         t0 = time.perf_counter()
         opts = dict(lp.algorithm_options) if algo == lp.algorithm else {}
-        res = get_weight_algorithm(algo)(w, bits=bits, group_size=lp.group_size, symmetric=lp.weight_symmetric,
-                                         stats=stats, **opts)  # fmt: skip
+        fn = get_weight_algorithm(algo)
+        K, N = w.shape
+        # RTN and GPTQ treat every output column on its own (GPTQ: given the shared Hessian), so a wide
+        # layer (an lm_head: 49152 or 128256 columns) is quantized in column slices: same result, a slice's
+        # temporaries instead of the whole layer's
+        step = N if algo not in _COLUMN_WISE else max(256, _COLUMN_WISE[algo] // (4 * K))
+        parts = [fn(np.ascontiguousarray(w[:, j : j + step]), bits=bits, group_size=lp.group_size,
+                    symmetric=lp.weight_symmetric, stats=stats, **opts) for j in range(0, N, step)]  # fmt: skip
+        res = parts[0] if len(parts) == 1 else _concat(parts)
+        del parts
         self.result_rows.append(_layer_row(name, lp, algo, w, res, stats, block, time.perf_counter() - t0))
         return _pack(res, self.accuracy_level)
 
