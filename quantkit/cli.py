@@ -219,7 +219,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             f"latency: FP32 {lat['fp32']['median_ms']:.2f} ms, quantized {lat['quantized']['median_ms']:.2f} ms "
             f"({lat['speedup']:.2f}x)"
         )
-    for key in ("prefill", "decode"):
+    for key in ("prefill", "prefill_long", "decode"):
         if key in lat:
             r = lat[key]
             print(

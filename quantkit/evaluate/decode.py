@@ -384,6 +384,10 @@ def llm_latency(
             "fp32_mean_ms": gf["mean_ms"], "quantized_mean_ms": gq["mean_ms"],
         }  # fmt: skip
         steps: tuple[tuple[str, dict[str, StepLatency]], ...] = (("prefill", prefill),)
+        long = getattr(settings, "long_prefill", None)
+        if long and long > seq_len and long <= _context_length(fp32):  # a long prompt: fewer, slower runs
+            steps += (("prefill_long", measure_prefill(models, seq_len=int(long), batch=batch, threads=threads,
+                                                       warmup=1, repeat=max(3, repeat // 4))),)  # fmt: skip
     else:
         steps = (
             ("prefill", prefill),
@@ -402,4 +406,16 @@ def llm_latency(
             "speedup": f.median_ms / q.median_ms,
             "kv_cache": f.kv_cache,
         }
-    return {k: rows[k] for k in ("prefill", "decode")}
+    return {k: rows[k] for k in ("prefill", "prefill_long", "decode") if k in rows}
+
+
+def _context_length(model: ModelSource) -> int:
+    """The longest sequence a built decoder's rotary cache covers (``cos_cache`` rows), else a large number."""
+    import onnx
+
+    src = _source(model)
+    proto = onnx.load_model_from_string(src) if isinstance(src, bytes) else onnx.load(str(src), load_external_data=False)
+    for init in proto.graph.initializer:
+        if init.name == "cos_cache" and init.dims:
+            return int(init.dims[0])
+    return 1 << 30

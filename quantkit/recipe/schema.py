@@ -227,6 +227,9 @@ class LatencySection(_Strict):
     warmup: int = Field(5, ge=0)
     repeat: int = Field(30, ge=1)
     threads: int | None = Field(None, ge=1)
+    long_prefill: int | None = Field(
+        1024, ge=1, description="causal LMs with a KV cache: also time a prefill this long (None: skip)"
+    )
 
 
 class ExportSection(_Strict):

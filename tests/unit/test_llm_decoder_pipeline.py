@@ -209,7 +209,12 @@ def test_decode_latency_with_the_kv_cache(tiny: tuple[Path, Any]) -> None:
         batch_size, seq_len, warmup, repeat, threads = 1, 8, 1, 10, 1
 
     rows = llm_latency(blob, blob, Settings())
-    assert list(rows) == ["prefill", "decode"]
+    assert list(rows) == ["prefill", "decode"]  # no long_prefill asked
+    Settings.long_prefill = 1024  # type: ignore[attr-defined]
+    assert "prefill_long" not in llm_latency(blob, blob, Settings())  # beyond the 64-position context
+    Settings.long_prefill = 48  # type: ignore[attr-defined]
+    long = llm_latency(blob, blob, Settings())["prefill_long"]
+    assert long["tokens"] == 48 and long["kv_cache"] and long["fp32_ms"] > rows["prefill"]["fp32_ms"] * 0.5
     for row in rows.values():
         assert {"label", "tokens", "fp32_ms", "quantized_ms", "fp32_p90_ms", "quantized_p90_ms", "speedup"} <= set(row)
         assert row["kv_cache"] is True and row["fp32_ms"] > 0 and row["speedup"] > 0
