@@ -282,17 +282,22 @@ print(json.dumps({"build_s": t2 - t1, "import_s": t1 - t0, "import_rss_kb": impo
 )
 
 
+def _synthetic(work: Path, shape: str, n: int, suffix: str) -> tuple[Path, Path, float]:
+    """A random bf16 LLaMA folder of ``shape`` with ``n`` layers (made in a child process): folder, out, seconds."""
+    cfg = dict(SHAPES[shape], num_hidden_layers=n)
+    hf, out = work / f"synthetic-{shape}-{n}", work / f"synthetic-{shape}-{n}-{suffix}"
+    hf.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    _child(_CHILD_GEN + "\nprint('{}')", str(hf), json.dumps(cfg))
+    return hf, out, time.perf_counter() - t0
+
+
 def bench_layerwise(work: Path, *, shape: str, layers: list[int], algorithm: str, windows: tuple[int, int],
                     group: int, run_check: int, threads: int) -> list[dict[str, Any]]:
     """Synthetic folders quantized to INT4 block by block (quantkit.layerwise): peak RSS, time, disk."""
     rows = []
     for n in layers:
-        cfg = dict(SHAPES[shape], num_hidden_layers=n)
-        hf, out = work / f"synthetic-{shape}-{n}", work / f"synthetic-{shape}-{n}-int4"
-        hf.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        _child(_CHILD_GEN + "\nprint('{}')", str(hf), json.dumps(cfg))
-        gen_s = time.perf_counter() - t0
+        hf, out, gen_s = _synthetic(work, shape, n, "int4")
         out.mkdir(parents=True, exist_ok=True)
         res = _child(_CHILD_LAYERWISE, str(hf), str(out / "model.onnx"), algorithm, json.dumps(list(windows)),
                      str(group))  # fmt: skip
@@ -301,15 +306,20 @@ def bench_layerwise(work: Path, *, shape: str, layers: list[int], algorithm: str
                "output_GB": _du(out) / 1e9, "gen_s": gen_s, **{k: v for k, v in res.items() if not k.endswith("_kb")},
                "peak_rss_MB": res["peak_rss_kb"] / 1024, "import_rss_MB": res["import_rss_kb"] / 1024}  # fmt: skip
         shutil.rmtree(hf)  # before the run check: the disk holds one model at a time
-        if n <= run_check:
-            try:
-                row["run"] = _child(_CHILD_RUN, str(out / "model.onnx"), str(threads))
-            except RuntimeError as e:
-                row["run"] = {"error": str(e)[-300:]}
-        shutil.rmtree(out)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows.append(_run_check(row, out, n <= run_check, threads))
     return rows
+
+
+def _run_check(row: dict[str, Any], out: Path, run: bool, threads: int) -> dict[str, Any]:
+    """Load and run the built model in ORT (a child process) when ``run``; remove it; print and return the row."""
+    if run:
+        try:
+            row["run"] = _child(_CHILD_RUN, str(out / "model.onnx"), str(threads))
+        except RuntimeError as e:
+            row["run"] = {"error": str(e)[-300:]}
+    shutil.rmtree(out)
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def _du(path: Path) -> int:
@@ -332,11 +342,7 @@ def bench_synthetic(
     rows = []
     for n in layers:
         cfg = dict(SHAPES[shape], num_hidden_layers=n)
-        hf, out = work / f"synthetic-{shape}-{n}", work / f"synthetic-{shape}-{n}-onnx"
-        hf.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        _child(_CHILD_GEN + "\nprint('{}')", str(hf), json.dumps(cfg))
-        gen_s = time.perf_counter() - t0
+        hf, out, gen_s = _synthetic(work, shape, n, "onnx")
         res = _child(_CHILD_BUILD, str(hf), str(out / "model.onnx"))
         H, inter, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
         kvd = cfg["num_key_value_heads"] * H // cfg["num_attention_heads"]
@@ -348,15 +354,8 @@ def bench_synthetic(
             "import_rss_MB": res["import_rss_kb"] / 1024, "block_fp32_MB": block / 2**20,
             "embedding_fp32_MB": 4 * V * H / 2**20,
         }  # fmt: skip
-        if n <= run_check:
-            try:
-                row["run"] = _child(_CHILD_RUN, str(out / "model.onnx"), str(threads))
-            except RuntimeError as e:
-                row["run"] = {"error": str(e)[-300:]}
-        rows.append(row)
         shutil.rmtree(hf)
-        shutil.rmtree(out)
-        print(json.dumps(row), flush=True)
+        rows.append(_run_check(row, out, n <= run_check, threads))
     return rows
 
 

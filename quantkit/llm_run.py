@@ -91,15 +91,17 @@ def resolve_llm_folder(source: Any) -> Path:
     )
 
 
+def _dataset(given: Any, spec: Any, inputs: list[InputInfo], tokenizer: Any, split: str) -> Any:
+    """Data passed through the API, else the recipe's section (``spec``), bound to ``inputs``."""
+    if given is not None:
+        return as_dataset(given, inputs, tokenizer=tokenizer)
+    return make_dataset(spec.model_dump(), inputs=inputs, tokenizer=tokenizer, split=split)
+
+
 def _windows(rec: RecipeModel, calibration_data: Any, tokenizer: Any) -> np.ndarray | None:
     if calibration_data is None and rec.calibration.data is None:
         return None
-    if calibration_data is not None:
-        ds = as_dataset(calibration_data, _LM_INPUTS, tokenizer=tokenizer)
-    else:
-        assert rec.calibration.data is not None  # noqa: S101 - checked above
-        ds = make_dataset(rec.calibration.data.model_dump(), inputs=_LM_INPUTS, tokenizer=tokenizer,
-                          split="calibration")  # fmt: skip
+    ds = _dataset(calibration_data, rec.calibration.data, _LM_INPUTS, tokenizer, "calibration")
     rows = [np.asarray(b["input_ids"], np.int64) for b in ds.batches(1)]
     if not rows:
         raise DataError("the calibration dataset is empty")
@@ -208,12 +210,7 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
         inputs = _LM_INPUTS + [InputInfo(f"past_key_values.{i}.{kv}", np.dtype(np.float32),
                                          (None, cfg.num_key_value_heads, None, cfg.head_dim))
                                for i in range(cfg.num_hidden_layers) for kv in ("key", "value")]  # fmt: skip
-        if evaluation_data is not None:
-            ev = as_dataset(evaluation_data, inputs, tokenizer=tokenizer)
-        else:
-            assert rec.evaluation.data is not None  # noqa: S101 - checked above
-            ev = make_dataset(rec.evaluation.data.model_dump(), inputs=inputs, tokenizer=tokenizer,
-                              split="evaluation")  # fmt: skip
+        ev = _dataset(evaluation_data, rec.evaluation.data, inputs, tokenizer, "evaluation")
         ev_count = len(ev)
         t = time.perf_counter()
         for key, p in (("perplexity_fp32", fp32_path), ("perplexity_quantized", q_path)):
