@@ -506,6 +506,41 @@ def _fold_norm(gamma: Any, qs: list[PackedLinear | None]) -> tuple[Any, list[Pac
     return folded, [dataclasses.replace(q, input_scale=None) for q in qs if q is not None]
 
 
+def _fusable(qs: list[PackedLinear | None]) -> list[PackedLinear] | None:
+    """The layers reading one input (q/k/v, gate/up) as one ``MatMulNBits`` when all are quantized alike.
+
+    Concatenating along N is exact (every output column has its own scales / zero points); the decode step
+    then runs one kernel instead of three (or two): onnxruntime-genai's builder does the same."""
+    if any(q is None for q in qs):
+        return None
+    ps = [q for q in qs if q is not None]
+    same = {(q.bits, q.block_size, q.K, q.accuracy_level, q.B.shape[1:]) for q in ps}
+    if len(same) != 1 or any(q.input_scale is not None for q in ps):
+        return None
+    return ps
+
+
+def _fused_linear(g: _GraphBuilder, x: str, prefix: str, qs: list[PackedLinear], biases: list[Any]) -> str:
+    """One ``MatMulNBits`` named ``prefix`` computing ``[x W_0 | x W_1 | ...]`` (+ the biases, concatenated)."""
+    bits = qs[0].bits
+    zps = None
+    if any(q.zero_points is not None for q in qs):  # a symmetric member gets its (packed) mid-grid zero points
+        mid = 0x88 if bits == 4 else 0x80
+        width = next(q.zero_points for q in qs if q.zero_points is not None).shape[1]
+        zps = np.concatenate([q.zero_points if q.zero_points is not None else np.full((q.N, width), mid, np.uint8)
+                              for q in qs])  # fmt: skip
+    fused = PackedLinear(np.concatenate([q.B for q in qs]), np.concatenate([q.scales for q in qs]), zps, bits,
+                         qs[0].block_size, qs[0].K, sum(q.N for q in qs), None, qs[0].accuracy_level)  # fmt: skip
+    out = _matmul_nbits(g, x, prefix, fused)
+    g.uses_ms = True
+    if any(b is not None for b in biases):
+        bias = np.concatenate([_float32_rows(b, 0, q.N) if b is not None else np.zeros(q.N, np.float32)
+                               for b, q in zip(biases, qs, strict=True)])  # fmt: skip
+        out = g.node("Add", [out, g.external(f"{prefix}.bias", bias)], [f"{prefix}/bias_add/output_0"],
+                     f"{prefix}/bias_add")[0]  # fmt: skip
+    return out
+
+
 def _mask_inputs(g: _GraphBuilder) -> tuple[str, str]:
     """``attention_mask`` -> seqlens_k (int32 ``[B]``, last valid index) and total_sequence_length (int32 scalar)."""
     base = "/model/attn_mask_reformat"
@@ -551,11 +586,18 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
     else:
         h, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [residual, pending, ln],
                                    [f"{name}/output_0", "", "", f"{name}/output_3"], name, _MS, epsilon=eps)  # fmt: skip
-    qkv = []
     for k in ("q_proj", "k_proj", "v_proj"):
         taps[f"{p}.self_attn.{k}"] = h
-        qkv.append(_linear(g, h, f"{p}.self_attn.{k}", w.pop(f"{p}.self_attn.{k}.weight"),
-                           w.pop(f"{p}.self_attn.{k}.bias", None), q[f"self_attn.{k}"]))  # fmt: skip
+    fused = _fusable([q[s] for s in attn_in])
+    if fused:  # one MatMulNBits for q/k/v; GroupQueryAttention takes the packed [q | k | v] as its query
+        packed_qkv = _fused_linear(g, h, f"{p}.self_attn.qkv_proj", fused,
+                                   [w.pop(f"{p}.{s}.bias", None) for s in attn_in])  # fmt: skip
+        for s in attn_in:
+            w.pop(f"{p}.{s}.weight")
+        qkv = [packed_qkv, "", ""]
+    else:
+        qkv = [_linear(g, h, f"{p}.{s}", w.pop(f"{p}.{s}.weight"), w.pop(f"{p}.{s}.bias", None), q[s])
+               for s in attn_in]  # fmt: skip
     name = f"{p}.self_attn.GroupQueryAttention"
     attn = g.node(
         "GroupQueryAttention",
@@ -573,10 +615,19 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
     h, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [residual, o, ln],
                                [f"{name}/output_0", "", "", f"{name}/output_3"], name, _MS, epsilon=eps)  # fmt: skip
     taps[f"{p}.mlp.gate_proj"] = taps[f"{p}.mlp.up_proj"] = h
-    gate = _linear(g, h, f"{p}.mlp.gate_proj", w.pop(f"{p}.mlp.gate_proj.weight"),
-                   w.pop(f"{p}.mlp.gate_proj.bias", None), q["mlp.gate_proj"])  # fmt: skip
-    up = _linear(g, h, f"{p}.mlp.up_proj", w.pop(f"{p}.mlp.up_proj.weight"),
-                 w.pop(f"{p}.mlp.up_proj.bias", None), q["mlp.up_proj"])  # fmt: skip
+    fused = _fusable([q[s] for s in mlp_in])
+    if fused:  # one MatMulNBits for gate and up, then Split
+        gu = _fused_linear(g, h, f"{p}.mlp.gate_up_proj", fused, [w.pop(f"{p}.{s}.bias", None) for s in mlp_in])
+        for s in mlp_in:
+            w.pop(f"{p}.{s}.weight")
+        gate, up = g.node("Split", [gu, g.const([fused[0].N, fused[1].N])],
+                          [f"{p}.mlp.gate_proj/output_0", f"{p}.mlp.up_proj/output_0"], f"{p}.mlp.gate_up_split",
+                          axis=-1)  # fmt: skip
+    else:
+        gate = _linear(g, h, f"{p}.mlp.gate_proj", w.pop(f"{p}.mlp.gate_proj.weight"),
+                       w.pop(f"{p}.mlp.gate_proj.bias", None), q["mlp.gate_proj"])  # fmt: skip
+        up = _linear(g, h, f"{p}.mlp.up_proj", w.pop(f"{p}.mlp.up_proj.weight"),
+                     w.pop(f"{p}.mlp.up_proj.bias", None), q["mlp.up_proj"])  # fmt: skip
     a = f"{p}.mlp.act_fn"
     sig = g.node("Sigmoid", [gate], [f"{a}/Sigmoid/output_0"], f"{a}/Sigmoid")[0]
     silu = g.node("Mul", [gate, sig], [f"{a}/output_0"], f"{a}/Mul")[0]
