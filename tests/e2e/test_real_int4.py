@@ -90,7 +90,7 @@ def test_layerwise_recipe_and_generate_on_real_smollm2_blocks(reduced_smollm2: P
     assert main(["calibrate", "--recipe", str(path), "--output", str(tmp_path / "out"), "-q"]) == 0
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     k = rep["census"]["quantized_kernels"]
-    assert k.get("MatMulNBits") == 2 * 4 + 1 and k.get("GatherBlockQuantized") == 1, k  # q/k/v and gate/up fused
+    assert k.get("MatMulNBits") == 2 * 5 + 1 and k.get("GatherBlockQuantized") == 1, k  # q/k/v fused
     assert rep["calibration"] == {"mode": "layerwise", "tokens": 4 * 128, "resumed_blocks": 0}
     assert {r["algorithm"] for r in rep["weight_only"] if r["layer"] != "lm_head"} == {"awq"}
     sq = [r["output_sqnr_db"] for r in rep["weight_only"] if "output_sqnr_db" in r]

@@ -70,8 +70,8 @@ def test_streamed_rtn_equals_the_whole_graph_path(folders: dict[bool, tuple[Path
     a, b = _logits(lw.path, ids), _logits(tmp_path / "whole" / "model.onnx", ids)
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * float(np.abs(b).max()))
     kernels = lw.report["census"]["quantized_kernels"]
-    # per block: q/k/v as one MatMulNBits (GroupQueryAttention reads the packed output), gate/up as one, o, down
-    assert kernels["MatMulNBits"] == 4 * 2 + 1  # + lm_head
+    # per block: q/k/v as one MatMulNBits (GroupQueryAttention reads the packed output), o, gate, up, down
+    assert kernels["MatMulNBits"] == 5 * 2 + 1  # + lm_head
     assert kernels.get("GatherBlockQuantized", 0) == (1 if tied else 0)  # a tied table is stored once
     assert lw.report["calibration"]["tokens"] == 0  # RTN: no block was run
 
@@ -136,7 +136,7 @@ def test_gptq_layerwise_resumes_after_an_interrupt(folders: dict[bool, tuple[Pat
 
 
 def test_awq_scales_fold_into_the_norms_and_the_model_runs(folders: dict[bool, tuple[Path, Any]],
-                                                           tmp_path: Path) -> None:
+                                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder, model = folders[False]
     plan = PrecisionPlan.from_recipe(load_recipe(_recipe(folder, algorithm="awq")))
     res = quantize_llm_layerwise(folder, tmp_path / "m" / "model.onnx", plan, _windows(3, 16, 2),
@@ -145,11 +145,18 @@ def test_awq_scales_fold_into_the_norms_and_the_model_runs(folders: dict[bool, t
 
     m = onnx.load(str(res.path), load_external_data=False)
     muls = [n.name for n in m.graph.node if n.name.endswith("/input_scale")]
-    # q/k/v and gate/up fold 1/s into their RMSNorm; o_proj, down_proj and lm_head get an explicit Mul
-    assert all(("o_proj" in n) or ("down_proj" in n) or n.startswith("lm_head") for n in muls)
-    assert not any("q_proj" in n or "gate_proj" in n for n in muls)
+    # q/k/v and gate/up fold 1/s into their RMSNorm, down_proj's into up_proj's column scales; o_proj and lm_head
+    # get an explicit Mul
+    assert all(("o_proj" in n) or n.startswith("lm_head") for n in muls) and len(muls) == 2 + 1, muls
+    assert not any("q_proj" in n or "gate_proj" in n or "down_proj" in n for n in muls)
     ids = _windows(1, 10, 4)
     assert float(np.corrcoef(_logits(res.path, ids).ravel(), reference(model, ids).ravel())[0, 1]) > 0.9
+    # the fold is exact: the same codes with an explicit Mul(x, 1/s) before down_proj give the same logits
+    monkeypatch.setattr(llm_builder, "_fold_into_up", lambda up, down, bias: (up, down, bias))
+    unfolded = quantize_llm_layerwise(folder, tmp_path / "u" / "model.onnx", plan, _windows(3, 16, 2),
+                                      work_dir=tmp_path / "w2", progress=False)  # fmt: skip
+    a, b = _logits(res.path, ids), _logits(unfolded.path, ids)
+    np.testing.assert_allclose(a, b, atol=1e-4 * float(np.abs(b).max()))
 
 
 def test_layerwise_recipe_errors(folders: dict[bool, tuple[Path, Any]]) -> None:
