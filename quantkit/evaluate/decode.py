@@ -156,7 +156,7 @@ def _measure(
     label_kv: str,
     label_full: str,
 ) -> dict[str, StepLatency]:
-    sessions = {k: make_session(_source(m), threads=threads) for k, m in _as_mapping(models).items()}
+    sessions = {k: make_session(_source(m), threads=threads, arena=False) for k, m in _as_mapping(models).items()}
     # Sessions with the same inputs share a feed and are timed interleaved.
     groups: dict[tuple[str, ...], dict[str, Any]] = {}
     for k, s in sessions.items():

@@ -80,7 +80,7 @@ def _session(model: Any, threads: int | None) -> Any:
             )
         source = ir.to_proto(model).SerializeToString()
     try:
-        return make_session(source, threads=threads)
+        return make_session(source, threads=threads, arena=False)
     except Exception as e:
         raise ModelError(f"ONNX Runtime cannot load the model: {type(e).__name__}: {e}") from e
 
