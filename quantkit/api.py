@@ -58,6 +58,10 @@ def quantize(
     (``quantization.overrides``) is one precision plan, executed by one pipeline; with
     ``search.target`` the search chooses the plan.
 
+    With ``calibration.layerwise: true`` (LLaMA-family LLMs built block by block, :mod:`quantkit.layerwise`) the
+    result is a :class:`quantkit.llm_run.LayerwiseQuantizeResult`: the model is on disk (``.path``), with the same
+    ``.report`` and ``.save(folder)``; ``calibration_data`` may then be omitted when every layer is RTN.
+
     ``use_cache=False`` ignores the statistics cache (``calibration.cache`` in the recipe too).
     ``evaluate=False`` skips the fidelity evaluation; ``measure_latency`` overrides the
     recipe's ``report.latency.enabled``.
