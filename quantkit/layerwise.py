@@ -55,6 +55,7 @@ from quantkit.frontends.llm_builder import (
 )
 from quantkit.lowering.nbits import matmul_nbits_arrays
 from quantkit.recipe.plan import LayerPlan, PrecisionPlan
+from quantkit.weight_only import STATS_ALGORITHMS
 
 log = logging.getLogger("quantkit")
 
@@ -62,7 +63,6 @@ __all__ = ["LAYERWISE_FORMATS", "LayerwiseResult", "quantize_llm_layerwise"]
 
 LAYERWISE_FORMATS = {"int4": 4, "int8_weight": 8, "fp32": None}
 """Formats the layer-wise builder writes (bits; ``None`` = kept in float)."""
-STATS_ALGORITHMS = ("gptq", "awq", "signround")
 # graph order of a block's linears, grouped by the tensor they read
 _GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
            ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))  # fmt: skip

@@ -392,7 +392,6 @@ class _GraphBuilder:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[TensorProto] = []
         self._consts: dict[tuple[str, bytes], str] = {}
-        self.uses_ms = False
 
     def node(
         self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs: Any
@@ -443,7 +442,6 @@ def _linear(g: _GraphBuilder, x: str, prefix: str, w: Any, bias: Any | None,
         out = g.node("MatMul", [x, wname], [f"{prefix}/output_0"], prefix)[0]
     else:
         out = _matmul_nbits(g, _scaled_input(g, x, prefix, q), prefix, q)
-        g.uses_ms = True
     if bias is not None:
         bname = g.external(f"{prefix}.bias", bias)
         out = g.node("Add", [out, bname], [f"{prefix}/bias_add/output_0"], f"{prefix}/bias_add")[0]
@@ -532,7 +530,6 @@ def _fused_linear(g: _GraphBuilder, x: str, prefix: str, qs: list[PackedLinear],
     fused = PackedLinear(np.concatenate([q.B for q in qs]), np.concatenate([q.scales for q in qs]), zps, bits,
                          qs[0].block_size, qs[0].K, sum(q.N for q in qs), None, qs[0].accuracy_level)  # fmt: skip
     out = _matmul_nbits(g, x, prefix, fused)
-    g.uses_ms = True
     if any(b is not None for b in biases):
         bias = np.concatenate([_float32_rows(b, 0, q.N) if b is not None else np.zeros(q.N, np.float32)
                                for b, q in zip(biases, qs, strict=True)])  # fmt: skip
@@ -737,7 +734,6 @@ def _build(
     if q_emb is not None and tied:
         residual, packed_table = _gather_quantized(g, q_emb, "input_ids", "/model/embed_tokens/output_0",
                                                    "model.embed_tokens")  # fmt: skip
-        g.uses_ms = True
     else:
         table = g.external("model.embed_tokens.weight", emb)
         residual = g.node("Gather", [table, "input_ids"], ["/model/embed_tokens/output_0"],
