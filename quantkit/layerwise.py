@@ -27,6 +27,7 @@ whose algorithm needs no statistics (RTN) need no calibration data at all: then 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -149,6 +150,10 @@ class _Hook(BuildHook):
         self.plans = {f"model.layers.{i}.{s}": self._layer_plan(f"model.layers.{i}.{s}")
                       for i in range(cfg.num_hidden_layers) for s in linear_shapes(cfg)}  # fmt: skip
         self.plans["lm_head"] = self._layer_plan("lm_head")
+        # the input embedding of a tied model whose head is rounded from statistics (stored apart): a Gather,
+        # so rounded to the nearest level (its own plan entry, format / group as the recipe says)
+        emb = self._layer_plan("model.embed_tokens")
+        self.plans["model.embed_tokens"] = dataclasses.replace(emb, algorithm="rtn", algorithm_options=())
         self.needs_stats = windows is not None and any(
             LAYERWISE_FORMATS[lp.format] is not None and lp.algorithm in STATS_ALGORITHMS
             for lp in self.plans.values())  # fmt: skip
@@ -276,12 +281,17 @@ class _Hook(BuildHook):
         os.replace(self.work / f"hidden_{index + 1}.npy.tmp", self.work / f"hidden_{index + 1}.npy")
 
     # -- the BuildHook ----------------------------------------------------------------------------------
+    def untie_head(self) -> bool:
+        lp = self.plans["lm_head"]
+        return self.needs_stats and LAYERWISE_FORMATS[lp.format] is not None and lp.algorithm in STATS_ALGORITHMS
+
     def embedding(self, table: Any, tied: bool) -> PackedLinear | None:
         q = None
         if tied:
             E = _f32(table)
-            q = self._quantize("lm_head", np.ascontiguousarray(E.T), None, -1)
-            if q is not None and self.plans["lm_head"].algorithm in STATS_ALGORITHMS:
+            q = self._quantize("model.embed_tokens" if self.untie_head() else "lm_head", np.ascontiguousarray(E.T),
+                               None, -1)  # fmt: skip
+            if q is not None and self.plans["lm_head"].algorithm in STATS_ALGORITHMS and not self.untie_head():
                 self.notes["lm_head"] = (f"{self.plans['lm_head'].algorithm} -> rtn: a tied embedding / lm_head is "
                                          "quantized before any block runs")  # fmt: skip
             del E

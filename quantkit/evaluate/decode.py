@@ -39,6 +39,7 @@ __all__ = [
     "StepLatency",
     "decoder_with_cache",
     "has_kv_cache",
+    "keeps_last",
     "llm_latency",
     "measure_decode",
     "measure_generation",
@@ -131,6 +132,14 @@ def _feed(
     return feed
 
 
+_KEEP = "logits_to_keep"
+
+
+def keeps_last(session: Any) -> bool:
+    """True if the graph can return the last positions' logits only (built decoders' ``logits_to_keep``)."""
+    return any(i.name == _KEEP for i in session.get_overridable_initializers())
+
+
 def _as_mapping(models: ModelSource | Mapping[str, ModelSource]) -> dict[str, ModelSource]:
     if isinstance(models, Mapping):
         if not models:
@@ -155,21 +164,25 @@ def _measure(
     rounds: int,
     label_kv: str,
     label_full: str,
+    last_logits: bool = False,
 ) -> dict[str, StepLatency]:
     sessions = {k: make_session(_source(m), threads=threads, arena=False) for k, m in _as_mapping(models).items()}
     # Sessions with the same inputs share a feed and are timed interleaved.
-    groups: dict[tuple[str, ...], dict[str, Any]] = {}
+    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     for k, s in sessions.items():
-        groups.setdefault(tuple(i.name for i in s.get_inputs()), {})[k] = s
+        keep = last_logits and keeps_last(s)
+        groups.setdefault((keep, *(i.name for i in s.get_inputs())), {})[k] = s
     out: dict[str, StepLatency] = {}
-    for group in groups.values():
+    for key, group in groups.items():
         first = next(iter(group.values()))
         kv = has_kv_cache(first)
         feed = _feed(first, new_tokens=new_tokens, past_len=past_len, batch=batch)
+        if key[0]:
+            feed[_KEEP] = np.ones(1, np.int64)
         lat = compare_latency(group, feed, warmup=warmup, repeat=repeat, threads=threads or 0, rounds=rounds)
         for k, v in lat.items():
             out[k] = StepLatency(
-                label=label_kv if kv else label_full,
+                label=(label_kv if kv else label_full) + (", last-position logits" if key[0] else ""),
                 kv_cache=kv,
                 tokens=new_tokens * batch,
                 median_ms=v.median_ms,
@@ -228,8 +241,12 @@ def measure_prefill(
     warmup: int = 3,
     repeat: int = 30,
     rounds: int = 3,
+    last_logits: bool = True,
 ) -> dict[str, StepLatency]:
-    """Latency of a prefill of ``batch x seq_len`` tokens (KV graphs: with an empty past)."""
+    """Latency of a prefill of ``batch x seq_len`` tokens (KV graphs: with an empty past).
+
+    ``last_logits``: graphs that can (built decoders' ``logits_to_keep``) return the last position's logits
+    only, as a generation loop asks for its prompt (the label then says so); the others return all of them."""
     return _measure(
         models,
         new_tokens=seq_len,
@@ -241,6 +258,7 @@ def measure_prefill(
         rounds=rounds,
         label_kv=f"prefill 1x{seq_len} (KV cache, empty past)",
         label_full=f"prefill 1x{seq_len} (full sequence)",
+        last_logits=last_logits,
     )
 
 
@@ -254,6 +272,58 @@ def _past_names(session: Any) -> tuple[list[str], list[str]]:
     return past, present
 
 
+def _uses_gqa(source: bytes | str) -> bool:
+    """Whether the graph's attention is ``GroupQueryAttention`` (its KV cache can live in one shared buffer)."""
+    import onnx
+
+    proto = onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(source, load_external_data=False)
+    return any(n.op_type == "GroupQueryAttention" for n in proto.graph.node)
+
+
+class _ConcatRunner:
+    """Feeds the cache as arrays and keeps ``present.*`` (any KV-cache graph; the cache is copied every step)."""
+
+    def __init__(self, session: Any, feed0: dict[str, np.ndarray]) -> None:
+        self.s = session
+        self.past, self.present = _past_names(session)
+        wanted = {i.name for i in session.get_inputs()}
+        self.feed0 = {n: v for n, v in feed0.items() if n in wanted}
+        self.keep = keeps_last(session)
+
+    def prompt(self) -> np.ndarray:
+        feed = dict(self.feed0)
+        if self.keep:  # the prompt's last logits only, as a generation loop asks
+            feed[_KEEP] = np.ones(1, np.int64)
+        outs = self.s.run(["logits", *self.present], feed)
+        self.mask = self.feed0["attention_mask"]
+        self.state = dict(zip(self.past, outs[1:], strict=True))
+        return outs[0]
+
+    def step(self, ids: np.ndarray) -> np.ndarray:
+        mask = np.concatenate([self.mask, np.ones_like(ids)], axis=1)
+        outs = self.s.run(["logits", *self.present], {"input_ids": ids, "attention_mask": mask, **self.state})
+        self.mask, self.state = mask, dict(zip(self.past, outs[1:], strict=True))
+        return outs[0]
+
+
+class _SharedRunner:
+    """GroupQueryAttention graphs: the cache in one buffer per layer, past = present (``io_binding``)."""
+
+    def __init__(self, session: Any, feed0: dict[str, np.ndarray], max_length: int) -> None:
+        from quantkit.frontends.llm_builder import LLMSession
+
+        _past_names(session)
+        self.llm = LLMSession("", session=session, max_length=max_length)
+        self.ids = feed0["input_ids"]
+
+    def prompt(self) -> np.ndarray:
+        self.llm.reset(self.ids.shape[0])
+        return self.llm(self.ids, logits_to_keep=1)
+
+    def step(self, ids: np.ndarray) -> np.ndarray:
+        return self.llm(ids)
+
+
 def measure_generation(
     models: ModelSource | Mapping[str, ModelSource],
     *,
@@ -263,62 +333,60 @@ def measure_generation(
     rounds: int = 3,
     warmup_tokens: int = 4,
     seed: int = 0,
+    shared_cache: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Per-token decode latency with the KV cache: ``new_tokens`` one-token steps after a ``prompt_len`` prompt.
 
     Each round, every model prefills the same random prompt (empty past), then all models take one decode step
-    each in turn (lockstep, so they see the same machine noise), feeding each step's ``present.*`` back as
-    ``past_key_values.*`` and the step's greedy token as the next input.  A first, untimed round of
-    ``warmup_tokens`` steps warms the sessions.
+    each in turn (lockstep, so they see the same machine noise), the step's greedy token being the next input.
+    A first, untimed round of ``warmup_tokens`` steps warms the sessions.  How the cache is kept is what a
+    generation runtime does: for ``GroupQueryAttention`` graphs (built decoders, onnxruntime-genai's) with
+    ``shared_cache``, one buffer of ``prompt_len + new_tokens`` positions per layer bound as both past and
+    present (:class:`quantkit.frontends.llm_builder.LLMSession`); for other KV graphs, each step's
+    ``present.*`` is fed back as ``past_key_values.*``.  Prompts ask for the last position's logits only when
+    the graph can (``logits_to_keep``).
 
     Returns:
-        ``{name: {"median_ms", "mean_ms", "p90_ms", "min_ms", "steps", "new_tokens", "prompt_ms", "tokens_per_s"}}``:
-        per decode step over all rounds (``prompt_ms``: median prefill of the prompt in the same loop;
-        ``new_tokens`` is smaller than asked when the model's context ends first).
+        ``{name: {"median_ms", "mean_ms", "p90_ms", "min_ms", "steps", "new_tokens", "prompt_ms", "tokens_per_s",
+        "shared_cache"}}``: per decode step over all rounds (``prompt_ms``: median prefill of the prompt in the
+        same loop; ``new_tokens`` is smaller than asked when the model's context ends first).
 
     Raises:
         ModelError: a model has no KV cache (``past_key_values.*`` inputs and ``present.*`` outputs).
     """
     import time
 
-    sessions = {k: make_session(_source(m), threads=threads) for k, m in _as_mapping(models).items()}
-    names: dict[str, tuple[list[str], list[str]]] = {}
+    sources = {k: _source(m) for k, m in _as_mapping(models).items()}
+    sessions = {k: make_session(src, threads=threads) for k, src in sources.items()}
     for k, s in sessions.items():
         if not has_kv_cache(s):
             raise ModelError(f"measure_generation: model {k!r} has no KV cache (past_key_values.* inputs)")
-        names[k] = _past_names(s)
     first = next(iter(sessions.values()))
     feed0 = _feed(first, new_tokens=prompt_len, past_len=0, seed=seed)
     vocab_hi = int(feed0["input_ids"].max()) + 1
+    runners: dict[str, _ConcatRunner | _SharedRunner] = {
+        k: _SharedRunner(s, feed0, prompt_len + new_tokens) if shared_cache and _uses_gqa(sources[k])
+        else _ConcatRunner(s, feed0) for k, s in sessions.items()}  # fmt: skip
     steps: dict[str, list[float]] = {k: [] for k in sessions}
     prompts: dict[str, list[float]] = {k: [] for k in sessions}
     for rnd in range(rounds + 1):
         timed = rnd > 0
         n_steps = new_tokens if timed else min(warmup_tokens, new_tokens)
-        state: dict[str, dict[str, np.ndarray]] = {}
-        for k, s in sessions.items():
-            past, present = names[k]
-            feed = {n: v for n, v in feed0.items() if n in {i.name for i in s.get_inputs()}}
+        logits: dict[str, np.ndarray] = {}
+        for k, r in runners.items():
             t0 = time.perf_counter()
-            outs = s.run(["logits", *present], feed)
+            logits[k] = r.prompt()
             if timed:
                 prompts[k].append((time.perf_counter() - t0) * 1e3)
-            state[k] = {"mask": feed0["attention_mask"], "logits": outs[0],
-                        **dict(zip(past, outs[1:], strict=True))}
         for t in range(n_steps):
             row: dict[str, float] = {}
             try:
-                for k, s in sessions.items():
-                    past, present = names[k]
-                    st = state[k]
-                    tok = int(np.argmax(st["logits"][0, -1])) % vocab_hi
-                    ids = np.full((st["mask"].shape[0], 1), tok, np.int64)
-                    mask = np.concatenate([st["mask"], np.ones_like(ids)], axis=1)
-                    feed = {"input_ids": ids, "attention_mask": mask, **{n: st[n] for n in past}}
+                for k, r in runners.items():
+                    tok = int(np.argmax(logits[k][0, -1])) % vocab_hi
+                    ids = np.full((logits[k].shape[0], 1), tok, np.int64)
                     t0 = time.perf_counter()
-                    outs = s.run(["logits", *present], feed)
+                    logits[k] = r.step(ids)
                     row[k] = (time.perf_counter() - t0) * 1e3
-                    state[k] = {"mask": mask, "logits": outs[0], **dict(zip(past, outs[1:], strict=True))}
             except Exception:  # the model's context (rotary cache) ends before prompt_len + new_tokens
                 if t == 0:
                     raise
@@ -333,7 +401,7 @@ def measure_generation(
         med = float(np.median(a))
         out[k] = {"median_ms": med, "mean_ms": float(a.mean()), "p90_ms": float(np.percentile(a, 90)),
                   "min_ms": float(a.min()), "steps": int(a.size), "new_tokens": new_tokens, "prompt_ms": float(np.median(prompts[k])),
-                  "tokens_per_s": 1e3 / med}  # fmt: skip
+                  "tokens_per_s": 1e3 / med, "shared_cache": isinstance(runners[k], _SharedRunner)}  # fmt: skip
     return out
 
 
@@ -357,7 +425,7 @@ def llm_latency(
         ``{"prefill": row, "decode": row}`` with ``row = {"label", "tokens", "fp32_ms",
         "quantized_ms", "fp32_p90_ms", "quantized_p90_ms", "speedup"}``
         (``speedup = fp32_ms / quantized_ms``, medians).  For KV-cache graphs the decode row is
-        :func:`measure_generation` (64 tokens after a ``seq_len`` prompt, present -> past, per-token
+        :func:`measure_generation` (64 tokens after a ``seq_len`` prompt, the cache kept as a generation runtime keeps it, per-token
         median) and adds ``kv_cache: True``, ``prompt_len``, ``new_tokens``, ``steps``, ``fp32_mean_ms``,
         ``quantized_mean_ms``; full-sequence graphs keep the one-token forward (``kv_cache: False``).
     """
@@ -377,7 +445,8 @@ def llm_latency(
         gf, gq = gen["fp32"], gen["quantized"]
         new_tokens = int(gf["new_tokens"])
         rows["decode"] = {
-            "label": f"decode with KV cache: {new_tokens} tokens after a {seq_len}-token prompt (present -> past)",
+            "label": f"decode with KV cache: {new_tokens} tokens after a {seq_len}-token prompt "
+                     + ("(cache in one shared buffer)" if gq["shared_cache"] else "(present -> past)"),
             "tokens": 1, "fp32_ms": gf["median_ms"], "quantized_ms": gq["median_ms"],
             "fp32_p90_ms": gf["p90_ms"], "quantized_p90_ms": gq["p90_ms"], "speedup": gf["median_ms"] / gq["median_ms"],
             "kv_cache": True, "prompt_len": seq_len, "new_tokens": new_tokens, "steps": gf["steps"],

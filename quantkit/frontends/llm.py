@@ -44,6 +44,8 @@ import hashlib
 import importlib.metadata
 import io
 import json
+import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -426,6 +428,61 @@ def _smollm2_gguf() -> Path:
     return gguf
 
 
+_CHILD_ERROR = "quantkit-child-error: "
+
+
+def _convert_smollm2(gguf_path: str, out: str) -> None:
+    """Dequantize the GGUF into an FP32 HF folder ``out`` (config, tokenizer, model.safetensors)."""
+    gguf = Path(gguf_path)
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise ModelError(f"built-in 'smollm2-135m' needs torch, transformers, gguf and accelerate: {e}") from e
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # dequantization progress bar
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:
+        raise ModelError(f"cannot load {str(gguf)!r}: {type(e).__name__}: {e}") from e
+    # The weights are dequantized FP32 now; drop the GGUF quantizer so that
+    # save_pretrained accepts the model (it refuses "gguf-quantized" models).
+    hf.hf_quantizer = None  # type: ignore[assignment]
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    hf.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _child_main(gguf_path: str, out: str) -> None:
+    """Entry point of the conversion child process: errors go to stderr, marked, with exit status 3."""
+    try:
+        _convert_smollm2(gguf_path, out)
+    except ModelError as e:
+        print(_CHILD_ERROR + str(e), file=sys.stderr)
+        raise SystemExit(3) from None
+
+
+def _convert_in_child(gguf: Path, out: Path) -> None:
+    """:func:`_convert_smollm2` in a fresh Python process.
+
+    Loading the GGUF through transformers imports torch and leaves ~350 MB of its allocations in the process
+    for good; a layer-wise recipe on a cold cache then peaked that much higher than on a warm one.  A child
+    process returns all of it when it exits (and costs ~3 s to start).  Ctrl-C stops the child with the parent."""
+    import subprocess
+
+    pkg_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
+    code = "import sys; from quantkit.frontends.llm import _child_main; _child_main(sys.argv[1], sys.argv[2])"
+    proc = subprocess.run([sys.executable, "-c", code, str(gguf), str(out)], env=env, capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    if proc.returncode != 0:
+        marked = [ln[len(_CHILD_ERROR):] for ln in proc.stderr.splitlines() if ln.startswith(_CHILD_ERROR)]
+        detail = marked[-1] if marked else (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise ModelError(f"cannot convert {str(gguf)!r} (child process): {detail}")
+
+
 def smollm2_folder(*, refresh: bool = False) -> Path:
     """An FP32 safetensors Hugging Face folder of SmolLM2-135M-Instruct, cached.
 
@@ -451,28 +508,10 @@ def smollm2_folder(*, refresh: bool = False) -> Path:
         return dest
 
     def fill(tmp: Path) -> None:
-        try:
-            import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-        except ImportError as e:
-            raise ModelError(
-                f"built-in 'smollm2-135m' needs torch, transformers, gguf and accelerate: {e}"
-            ) from e
-        try:
-            with contextlib.redirect_stderr(io.StringIO()):  # dequantization progress bar
-                tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-                hf = AutoModelForCausalLM.from_pretrained(
-                    str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-                )
-        except Exception as e:
-            raise ModelError(f"cannot load {str(gguf)!r}: {type(e).__name__}: {e}") from e
-        # The weights are dequantized FP32 now; drop the GGUF quantizer so that
-        # save_pretrained accepts the model (it refuses "gguf-quantized" models).
-        hf.hf_quantizer = None  # type: ignore[assignment]
-        if hasattr(hf.config, "quantization_config"):
-            del hf.config.quantization_config
-        hf.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        if "torch" in sys.modules:  # torch is loaded already: converting here costs no extra memory
+            _convert_smollm2(str(gguf), str(tmp))
+        else:
+            _convert_in_child(gguf, tmp)
 
     return atomic_write_dir(dest, fill)
 
@@ -525,7 +564,7 @@ def causal_lm_with_cache_path(name: str = "smollm2-135m", *, refresh: bool = Fal
 # --------------------------------------------------------------------------- built decoder (GQA + KV cache)
 
 #: Bump to invalidate cached decoder builds after changing :mod:`quantkit.frontends.llm_builder`.
-DECODER_BUILD_VERSION = 1
+DECODER_BUILD_VERSION = 2  # 2: logits_to_keep
 #: Built-in causal LMs whose decoder :func:`quantkit.frontends.llm_builder.build_llm` can build: name -> HF folder.
 BUILT_DECODERS: dict[str, Callable[[], Path]] = {"smollm2-135m": smollm2_folder}
 

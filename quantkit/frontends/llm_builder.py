@@ -25,7 +25,8 @@ name                                   shape                                    
 ``input_ids``                          ``[batch_size, sequence_length]``          int64
 ``attention_mask``                     ``[batch_size, total_sequence_length]``    int64
 ``past_key_values.<i>.key|value``      ``[batch_size, kv_heads, past_sequence_length, head_dim]``  float32
-``logits``                             ``[batch_size, sequence_length, vocab]``   float32
+``logits_to_keep`` (optional)          ``[1]`` (default ``[0]``: every position)  int64
+``logits``                             ``[batch_size, logits_length, vocab]``     float32
 ``present.<i>.key|value``              ``[batch_size, kv_heads, total_sequence_length, head_dim]`` float32
 =====================================  =========================================  =======
 
@@ -65,6 +66,7 @@ from quantkit.errors import ModelError
 __all__ = [
     "BuildHook",
     "DecoderConfig",
+    "LOGITS_TO_KEEP",
     "PackedLinear",
     "block_model",
     "LLMSession",
@@ -376,8 +378,15 @@ class BuildHook:
         return {}
 
     def lm_head(self, weight: Any, norm_weight: Any) -> PackedLinear | None:
-        """An untied lm_head weight ``[V, H]`` (``norm_weight``: the final RMSNorm's, which precedes it)."""
+        """An untied lm_head weight ``[V, H]`` (``norm_weight``: the final RMSNorm's, which precedes it).
+        With :meth:`untie_head`, also a tied checkpoint's table, read again after the last block."""
         return None
+
+    def untie_head(self) -> bool:
+        """For a tied checkpoint: store the lm_head apart from the embedding.  :meth:`embedding`'s result then
+        serves the ``GatherBlockQuantized`` alone and :meth:`lm_head` is called after the last block with the
+        table (a head rounded from statistics of the final hidden states, which exist only then)."""
+        return False
 
     def finish(self) -> None:
         """Called once after the last tensor is written."""
@@ -696,6 +705,25 @@ def block_model(cfg: DecoderConfig, index: int, weights: dict[str, Any], packed:
     return _model(g, inputs, outputs, f"block_{index}")
 
 
+LOGITS_TO_KEEP = "logits_to_keep"
+"""Optional int64 ``[1]`` input of built decoders: logits only for the last ``k`` positions (default 0: all)."""
+
+
+def _keep_last(g: _GraphBuilder, hidden: str) -> str:
+    """The last ``logits_to_keep`` positions of ``hidden`` (``[B, S, H]``); all of them when it is 0.
+
+    ``logits_to_keep`` is a graph input with an initializer of the same name (value ``[0]``): ONNX Runtime
+    lists it among the overridable initializers, so callers that do not know it (onnxruntime-genai,
+    perplexity) get every position, and a generation loop feeds ``[1]`` at the prompt.  The lm_head then
+    projects one row instead of ``S``: at a 1024-token prompt of a 49k vocabulary that is 200 MB of logits
+    and a fifth of the prompt's multiply-adds not computed."""
+    g.inits.append(onnx.numpy_helper.from_array(np.zeros(1, np.int64), LOGITS_TO_KEEP))
+    neg = g.node("Neg", [LOGITS_TO_KEEP], ["/model/logits_to_keep/Neg/output_0"], "/model/logits_to_keep/Neg")[0]
+    big = g.const([np.iinfo(np.int64).max])
+    return g.node("Slice", [hidden, neg, big, g.const([1])], ["/model/logits_to_keep/output_0"],
+                  "/model/logits_to_keep/Slice")[0]  # fmt: skip
+
+
 def _gather_quantized(g: _GraphBuilder, q: PackedLinear, ids: str, out: str, name: str) -> tuple[str, str]:
     """``GatherBlockQuantized`` over a tied table stored once; returns ``(output, packed-bytes name)``."""
     V, H, bs, bits = q.N, q.K, q.block_size, q.bits
@@ -721,6 +749,7 @@ def _build(
     g = _GraphBuilder(cfg, data)
     H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
+    untie = tied and hook.untie_head()
     seqlens_k, total_len = _mask_inputs(g)
     cos, sin = rotary_caches(cfg)
     cos_name, sin_name = g.external("cos_cache", cos), g.external("sin_cache", sin)
@@ -756,16 +785,17 @@ def _build(
     else:
         hidden = g.node("SkipSimplifiedLayerNormalization", [io.residual, io.pending, fn], ["/model/norm/output_0"],
                         "model.norm", _MS, epsilon=cfg.rms_norm_eps)[0]  # fmt: skip
-    if tied and q_emb is not None:
+    hidden = _keep_last(g, hidden)
+    if tied and q_emb is not None and not untie:
         blocks = g.const([V, q_emb.B.shape[1], q_emb.B.shape[2]])
         view = g.node("Reshape", [packed_table, blocks], ["lm_head.weight_Q/blocks"], "lm_head.weight_view")[0]
         _matmul_nbits(g, hidden, "lm_head", q_emb, weight_name=view, out="logits")
-    elif tied:
+    elif tied and not untie:
         wt = g.node("Transpose", [table], ["lm_head.weight_transpose/output_0"], "lm_head.weight_transpose",
                     perm=[1, 0])[0]  # fmt: skip
         g.node("MatMul", [hidden, wt], ["logits"], "lm_head")
     else:
-        ((_, lm),) = list(ckpt.read(["lm_head.weight"]))
+        ((_, lm),) = list(ckpt.read(["model.embed_tokens.weight" if tied else "lm_head.weight"]))
         _check_shape("lm_head.weight", lm, (V, H))
         q_lm = hook.lm_head(lm, fw)
         if q_lm is None:
@@ -782,9 +812,10 @@ def _build(
             "attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]
         ),
     ]
-    outputs = [helper.make_tensor_value_info("logits", f32, ["batch_size", "sequence_length", V])]
+    outputs = [helper.make_tensor_value_info("logits", f32, ["batch_size", "logits_length", V])]
     past_in, present_out = _past_io(cfg, range(L))
-    model = _model(g, inputs + past_in, outputs + present_out)
+    keep = helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1])  # overridable: default 0 = all
+    model = _model(g, inputs + past_in + [keep], outputs + present_out)
     onnx.helper.set_model_props(model, {"source": str(folder), "model_type": cfg.model_type})
     return model
 
@@ -845,7 +876,9 @@ def _genai_config(cfg: DecoderConfig, folder: Path, filename: str) -> dict[str, 
             "no_repeat_ngram_size": 0,
             "num_beams": 1,
             "num_return_sequences": 1,
-            "past_present_share_buffer": False,
+            # GroupQueryAttention writes the new positions into the past buffer in place when genai binds one
+            # buffer as both past and present (checked: the same greedy tokens as with separate buffers)
+            "past_present_share_buffer": True,
             "repetition_penalty": 1.0,
             "temperature": 1.0,
             "top_k": 1,
@@ -917,37 +950,90 @@ def build_llm(
 
 
 class LLMSession:
-    """An ORT session over a built decoder that keeps the KV cache between calls (batch 1 or more)."""
+    """An ORT session over a built decoder that keeps the KV cache between calls (batch 1 or more).
 
-    def __init__(self, model_path: str | Path, *, threads: int | None = None) -> None:
+    Two ways to keep the cache:
+
+    * ``max_length=None``: each call feeds the cache as ``past_key_values.*`` arrays and keeps the returned
+      ``present.*`` (GroupQueryAttention copies the whole cache into new outputs every step);
+    * ``max_length=N``: one ``[batch, kv_heads, N, head_dim]`` buffer per layer and kind, bound through
+      ``io_binding`` as both past and present, so GroupQueryAttention writes the new positions in place (what
+      onnxruntime-genai does with ``past_present_share_buffer``); calls past ``N`` positions are refused.
+    """
+
+    def __init__(self, model_path: str | Path, *, threads: int | None = None, max_length: int | None = None,
+                 session: Any = None) -> None:
         import onnxruntime as ort
 
-        so = ort.SessionOptions()
-        if threads:
-            so.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+        if session is None:
+            so = ort.SessionOptions()
+            so.log_severity_level = 3  # not the "initializer logits_to_keep appears in graph inputs" notice
+            if threads:
+                so.intra_op_num_threads = threads
+            session = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+        self.session = session
         self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
+        if not self.past_names:
+            raise ModelError(f"{str(model_path)!r} has no past_key_values.* inputs: not a KV-cache decoder")
         shapes = {i.name: i.shape for i in self.session.get_inputs()}
         self.kv_heads, self.head_dim = shapes[self.past_names[0]][1], shapes[self.past_names[0]][3]
         self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
+        self.can_keep = any(i.name == LOGITS_TO_KEEP for i in self.session.get_overridable_initializers())
+        if max_length is not None and max_length < 1:
+            raise ModelError(f"max_length must be >= 1 (got {max_length})")
+        self.max_length = max_length
         self.reset()
 
     def reset(self, batch: int = 1) -> None:
-        empty = np.zeros((batch, self.kv_heads, 0, self.head_dim), np.float32)
-        self.past = {n: empty for n in self.past_names}
         self.mask = np.zeros((batch, 0), np.int64)
+        if self.max_length is None:
+            empty = np.zeros((batch, self.kv_heads, 0, self.head_dim), np.float32)
+            self.past = {n: empty for n in self.past_names}
+            return
+        import onnxruntime as ort
 
-    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
-        """Run ``input_ids [B, S]`` after the cached positions; return logits ``[B, S, V]``."""
+        shape = (batch, self.kv_heads, self.max_length, self.head_dim)
+        self.arrays = {n: np.zeros(shape, np.float32) for n in self.past_names}
+        # the OrtValues wrap the arrays' memory (no copy): writing into an array fills the bound buffer
+        self.buffers = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.arrays.items()}
+
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None, *,
+                 logits_to_keep: int = 0) -> np.ndarray:
+        """Run ``input_ids [B, S]`` after the cached positions; return logits ``[B, S, V]`` (``[B, k, V]``: the
+        last ``k = logits_to_keep`` positions only, when ``k > 0`` and the graph has that input)."""
         ids = np.asarray(input_ids, np.int64)
         if self.mask.shape[1] == 0 and self.mask.shape[0] != ids.shape[0]:
             self.reset(ids.shape[0])
         new = np.ones(ids.shape, np.int64) if attention_mask is None else np.asarray(attention_mask, np.int64)
+        if self.max_length is not None and self.mask.shape[1] + ids.shape[1] > self.max_length:
+            raise ModelError(f"the KV cache holds max_length={self.max_length} positions; "
+                             f"{self.mask.shape[1]} cached + {ids.shape[1]} new do not fit")  # fmt: skip
+        first = self.mask.shape[1] == 0
         self.mask = np.concatenate([self.mask, new], axis=1)
-        feed = {"input_ids": ids, "attention_mask": self.mask, **self.past}
-        outs = self.session.run(["logits", *self.present_names], feed)
-        self.past = dict(zip(self.past_names, outs[1:], strict=True))
-        return outs[0]
+        keep = np.asarray([logits_to_keep], np.int64) if logits_to_keep > 0 and self.can_keep else None
+        if self.max_length is None or first:  # the prompt of a shared cache too: io_binding cannot bind
+            past = self.past if self.max_length is None else {  # logits_to_keep (an overridable initializer)
+                n: np.zeros((ids.shape[0], self.kv_heads, 0, self.head_dim), np.float32) for n in self.past_names}
+            feed = {"input_ids": ids, "attention_mask": self.mask, **past}
+            if keep is not None:
+                feed[LOGITS_TO_KEEP] = keep
+            outs = self.session.run(["logits", *self.present_names], feed)
+            if self.max_length is None:
+                self.past = dict(zip(self.past_names, outs[1:], strict=True))
+            else:
+                for n, present in zip(self.past_names, outs[1:], strict=True):
+                    self.arrays[n][:, :, : present.shape[2]] = present
+            return outs[0]
+        io = self.session.io_binding()
+        io.bind_cpu_input("input_ids", np.ascontiguousarray(ids))
+        io.bind_cpu_input("attention_mask", self.mask)
+        for past, present in zip(self.past_names, self.present_names, strict=True):
+            io.bind_ortvalue_input(past, self.buffers[past])
+            io.bind_ortvalue_output(present, self.buffers[past])
+        io.bind_output("logits")
+        self.session.run_with_iobinding(io)
+        logits = io.get_outputs()[-1].numpy()  # outputs in binding order: logits last
+        return logits[:, -logits_to_keep:] if logits_to_keep > 0 and self.can_keep else logits
 
 
 def generate(
@@ -969,9 +1055,9 @@ def generate(
     tok = AutoTokenizer.from_pretrained(str(tokenizer_folder))
     ids = np.asarray([tok(prompt)["input_ids"]], np.int64)
     eos = tok.eos_token_id
-    sess = LLMSession(model_path, threads=threads)
+    sess = LLMSession(model_path, threads=threads, max_length=ids.shape[1] + max_new_tokens)
     t0 = time.perf_counter()
-    logits = sess(ids)
+    logits = sess(ids, logits_to_keep=1)
     timings: dict[str, Any] = {"prefill_ms": (time.perf_counter() - t0) * 1e3, "decode_ms": [], "tokens": []}
     out: list[int] = []
     for _ in range(max_new_tokens):

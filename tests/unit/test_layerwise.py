@@ -104,8 +104,11 @@ def test_gptq_layerwise_resumes_after_an_interrupt(folders: dict[bool, tuple[Pat
     full = quantize_llm_layerwise(folder, tmp_path / "a" / "model.onnx", plan, win, work_dir=tmp_path / "w1",
                                   progress=False)  # fmt: skip
     assert full.resumed_blocks == 0 and not (tmp_path / "w1").exists()  # work folder removed on success
-    assert {r["algorithm"] for r in full.rows if r["layer"] != "lm_head"} == {"gptq"}
-    assert all(np.isfinite(r["output_sqnr_db"]) for r in full.rows if r["layer"] != "lm_head")
+    # the tied head is rounded by GPTQ from the final hidden states and stored apart from the embedding (a
+    # Gather, rounded to the nearest level)
+    algos = {r["layer"]: r["algorithm"] for r in full.rows}
+    assert algos.pop("model.embed_tokens") == "rtn" and set(algos.values()) == {"gptq"} and "lm_head" in algos
+    assert all(np.isfinite(r["output_sqnr_db"]) for r in full.rows if r["layer"] != "model.embed_tokens")
 
     real_block = _Hook.block
 
@@ -133,6 +136,39 @@ def test_gptq_layerwise_resumes_after_an_interrupt(folders: dict[bool, tuple[Pat
     err = {k: float(np.mean((np.concatenate([_logits(p, win[j:j + 1]) for j in range(len(win))]) - ref) ** 2))
            for k, p in (("gptq", again.path), ("rtn", rtn.path))}  # fmt: skip
     assert err["gptq"] < err["rtn"], err
+
+
+def test_tied_head_from_statistics_is_stored_apart(folders: dict[bool, tuple[Path, Any]], tmp_path: Path) -> None:
+    """A tied model whose lm_head plan needs statistics: the embedding table (RTN, the embedding's own plan entry)
+    feeds GatherBlockQuantized alone; the head is its own GPTQ MatMulNBits, rounded after the last block; on the
+    calibration windows it is closer to the float model than the shared RTN table."""
+    import onnx
+
+    folder, model = folders[True]
+    win = _windows(3, 16, 6)
+    rec = _recipe(folder, algorithm="rtn", algorithm_options={"clip": False})
+    rec["quantization"]["overrides"] = [{"layer": "lm_head", "format": "int4", "group_size": 32, "algorithm": "gptq"},
+                                        {"layer": "model.embed_tokens", "format": "int8_weight"}]  # fmt: skip
+    apart = quantize_llm_layerwise(folder, tmp_path / "a" / "model.onnx", PrecisionPlan.from_recipe(load_recipe(rec)),
+                                   win, work_dir=tmp_path / "w1", progress=False)  # fmt: skip
+    rec["quantization"]["overrides"] = [{"layer": "lm_head", "format": "int4", "group_size": 32, "algorithm": "rtn",
+                                         "algorithm_options": {"clip": False}}]  # fmt: skip
+    shared = quantize_llm_layerwise(folder, tmp_path / "s" / "model.onnx", PrecisionPlan.from_recipe(load_recipe(rec)),
+                                    win, work_dir=tmp_path / "w2", progress=False)  # fmt: skip
+    m = onnx.load(str(apart.path), load_external_data=False)
+    nodes = {n.name: n for n in m.graph.node}
+    gather, head = nodes["model.embed_tokens"], nodes["lm_head"]
+    attrs = {a.name: a.i for a in gather.attribute}
+    assert gather.op_type == "GatherBlockQuantized" and attrs["bits"] == 8
+    assert head.op_type == "MatMulNBits" and head.input[1] != gather.input[0] and "lm_head.weight_view" not in nodes
+    rows = {r["layer"]: r for r in apart.rows}
+    assert rows["lm_head"]["algorithm"] == "gptq" and rows["model.embed_tokens"]["format"] == "int8_weight"
+    ref = reference(model, win)
+    err = {k: float(np.mean((np.concatenate([_logits(p, win[j:j + 1]) for j in range(len(win))]) - ref) ** 2))
+           for k, p in (("apart", apart.path), ("shared", shared.path))}  # fmt: skip
+    assert err["apart"] < err["shared"], err
+    ms = onnx.load(str(shared.path), load_external_data=False)
+    assert "lm_head.weight_view" in {n.name for n in ms.graph.node}  # an RTN head still shares the table
 
 
 def test_awq_scales_fold_into_the_norms_and_the_model_runs(folders: dict[bool, tuple[Path, Any]],

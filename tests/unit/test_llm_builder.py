@@ -54,13 +54,15 @@ def make_llama(
     return transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def run_cached(path: Path, ids: np.ndarray) -> np.ndarray:
-    """Logits of a prefill of PREFILL tokens then one token per step, with the KV cache."""
-    sess = LLMSession(path)
+def run_cached(path: Path, ids: np.ndarray, max_length: int | None = None) -> np.ndarray:
+    """Logits of a prefill of PREFILL tokens then one token per step, with the KV cache (``max_length``:
+    kept in one shared buffer per layer)."""
+    sess = LLMSession(path, max_length=max_length)
     parts = [sess(ids[:, :PREFILL])]
     for t in range(PREFILL, ids.shape[1]):
         parts.append(sess(ids[:, t : t + 1]))
-        assert sess.past[sess.past_names[0]].shape[2] == t + 1  # the past grows one position a step
+        if max_length is None:
+            assert sess.past[sess.past_names[0]].shape[2] == t + 1  # the past grows one position a step
     return np.concatenate(parts, axis=1)
 
 
@@ -89,10 +91,19 @@ def test_logits_match_transformers_with_kv_cache(built: dict[bool, tuple[Any, Pa
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
-def test_batch_of_two_equal_rows(built: dict[bool, tuple[Any, Path]]) -> None:
+@pytest.mark.parametrize("max_length", [None, PREFILL + DECODE, 40], ids=["concat", "shared-exact", "shared-long"])
+def test_batch_of_two_equal_rows(built: dict[bool, tuple[Any, Path]], max_length: int | None) -> None:
     model, path = built[True]
     ids = np.random.default_rng(2).integers(0, VOCAB, (2, PREFILL + DECODE), dtype=np.int64)
-    np.testing.assert_allclose(run_cached(path, ids), reference(model, ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(run_cached(path, ids, max_length), reference(model, ids), atol=1e-4, rtol=0)
+
+
+def test_shared_cache_refuses_overflow(built: dict[bool, tuple[Any, Path]]) -> None:
+    _, path = built[False]
+    sess = LLMSession(path, max_length=PREFILL)
+    sess(np.zeros((1, PREFILL), np.int64))
+    with pytest.raises(ModelError, match="max_length=7"):
+        sess(np.zeros((1, 1), np.int64))
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
@@ -159,6 +170,55 @@ def test_genai_config(built: dict[bool, tuple[Any, Path]]) -> None:
     assert dec["inputs"]["past_key_names"] == "past_key_values.%d.key"
     assert dec["outputs"]["present_value_names"] == "present.%d.value"
     assert cfg["model"]["context_length"] == 64 and cfg["model"]["eos_token_id"] == 2
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_logits_to_keep(built: dict[bool, tuple[Any, Path]], tied: bool) -> None:
+    """The overridable ``logits_to_keep`` input: default every position, k > 0 the last k, bit-identical."""
+    import onnxruntime as ort
+
+    _, path = built[tied]
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert "logits_to_keep" not in {i.name for i in sess.get_inputs()}  # callers that do not know it are unaffected
+    assert [i.name for i in sess.get_overridable_initializers()] == ["logits_to_keep"]
+    ids = np.random.default_rng(3).integers(0, VOCAB, (2, PREFILL), dtype=np.int64)
+    feed: dict[str, Any] = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    feed |= {i.name: np.zeros((2, 2, 0, 16), np.float32) for i in sess.get_inputs() if i.name.startswith("past")}
+    full = sess.run(["logits"], feed)[0]
+    assert full.shape == (2, PREFILL, VOCAB)
+    for k, rows in ((1, 1), (3, 3), (PREFILL + 5, PREFILL)):
+        got = sess.run(["logits"], feed | {"logits_to_keep": np.array([k], np.int64)})[0]
+        assert got.shape == (2, rows, VOCAB)
+        np.testing.assert_array_equal(got, full[:, -rows:])
+    s = LLMSession(path)
+    np.testing.assert_array_equal(s(ids[:1], logits_to_keep=1), full[:1, -1:])
+
+
+def test_kv_cache_in_one_shared_buffer(built: dict[bool, tuple[Any, Path]]) -> None:
+    """genai_config.json asks onnxruntime-genai for ``past_present_share_buffer``: one max-length buffer per
+    layer bound as both past and present, GroupQueryAttention writing the new positions in place."""
+    import onnxruntime as ort
+
+    model, path = built[True]
+    assert json.loads((path.parent / "genai_config.json").read_text())["search"]["past_present_share_buffer"]
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ids = np.random.default_rng(4).integers(0, VOCAB, (1, PREFILL + DECODE), dtype=np.int64)
+    max_len = PREFILL + DECODE + 4  # longer than needed, as genai allocates max_length
+    past = [i.name for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
+    bufs = {n: ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 2, max_len, 16), np.float32)) for n in past}
+    parts, start = [], 0
+    for stop in [PREFILL, *range(PREFILL + 1, PREFILL + DECODE + 1)]:
+        io = sess.io_binding()
+        io.bind_cpu_input("input_ids", np.ascontiguousarray(ids[:, start:stop]))
+        io.bind_cpu_input("attention_mask", np.ones((1, stop), np.int64))
+        for n in past:
+            io.bind_ortvalue_input(n, bufs[n])
+            io.bind_ortvalue_output(n.replace("past_key_values.", "present."), bufs[n])
+        io.bind_output("logits")
+        sess.run_with_iobinding(io)
+        parts.append(io.copy_outputs_to_cpu()[-1])  # outputs come in binding order: logits last
+        start = stop
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), reference(model, ids), atol=1e-4, rtol=0)
 
 
 def test_sharded_bf16_streamed_block_by_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -222,8 +222,11 @@ def test_decode_latency_with_the_kv_cache(tiny: tuple[Path, Any]) -> None:
     # 8 + 64 positions exceed the tiny model's 64-position rotary cache: decoding stops where the context ends
     assert dec["prompt_len"] == 8 and 32 <= dec["new_tokens"] <= 64 and dec["steps"] == dec["new_tokens"]
     assert dec["label"].startswith(f"decode with KV cache: {dec['new_tokens']} tokens after a 8-token prompt")
+    assert dec["label"].endswith("(cache in one shared buffer)")
     gen = measure_generation({"a": blob}, prompt_len=4, new_tokens=5, rounds=2)
-    assert gen["a"]["steps"] == 10 and gen["a"]["new_tokens"] == 5
+    assert gen["a"]["steps"] == 10 and gen["a"]["new_tokens"] == 5 and gen["a"]["shared_cache"]
+    gen = measure_generation({"a": blob}, prompt_len=4, new_tokens=5, rounds=1, shared_cache=False)
+    assert gen["a"]["steps"] == 5 and not gen["a"]["shared_cache"]
 
 
 def test_fidelity_compares_logits_not_the_cache() -> None:

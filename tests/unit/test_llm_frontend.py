@@ -195,6 +195,20 @@ def test_smollm2_missing_package_message(monkeypatch: pytest.MonkeyPatch) -> Non
         llm.smollm2_folder()
 
 
+def test_gguf_conversion_child_reports_errors(tmp_path: Path) -> None:
+    """The GGUF -> HF conversion runs in a child process (torch stays out of the caller); its ModelError comes
+    back with the child's message, and nothing is left in the output folder."""
+    from quantkit.frontends import llm
+
+    bogus = tmp_path / "nothing.gguf"
+    bogus.write_bytes(b"not a gguf file")
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ModelError, match=r"child process\): cannot load .*nothing\.gguf"):
+        llm._convert_in_child(bogus, out)
+    assert list(out.iterdir()) == []
+
+
 # --------------------------------------------------------------------------- Austen
 
 
