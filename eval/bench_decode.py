@@ -104,7 +104,8 @@ def main() -> None:
     pre_all = measure_prefill({"recipe": ours, "fp32": fp32}, seq_len=128, warmup=3, repeat=20,
                               threads=args.threads, last_logits=False)  # fmt: skip
     out["prefill_128"] = {
-        **{f"{k} ({v.label.split('(')[-1].rstrip(')')})": v.median_ms for k, v in pre_last.items()},
+        **{f"{k} ({'last-position' if 'last-position' in v.label else 'all'} logits)": v.median_ms
+           for k, v in pre_last.items()},
         **{f"{k} (all logits)": v.median_ms for k, v in pre_all.items()},
     }
     print(json.dumps(out["prefill_128"], indent=1))

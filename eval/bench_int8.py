@@ -239,9 +239,9 @@ def main() -> None:
         worker(args.worker, recipe_path, args.calib, args.out_dir)
         return
 
-    from quantkit.pipeline import evaluate_fidelity
     from quantkit.evaluate.latency import compare_latency, make_session
     from quantkit.lowering.verify import census
+    from quantkit.pipeline import evaluate_fidelity
     from quantkit.report.build import environment
 
     default_methods = ["ort_static_u8", "ort_static_s8"] if args.model == "efficientnet-lite0" else [
