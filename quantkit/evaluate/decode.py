@@ -272,12 +272,23 @@ def _past_names(session: Any) -> tuple[list[str], list[str]]:
     return past, present
 
 
-def _uses_gqa(source: bytes | str) -> bool:
-    """Whether the graph's attention is ``GroupQueryAttention`` (its KV cache can live in one shared buffer)."""
-    import onnx
+_GQA = b"GroupQueryAttention"
 
-    proto = onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(source, load_external_data=False)
-    return any(n.op_type == "GroupQueryAttention" for n in proto.graph.node)
+
+def _uses_gqa(source: bytes | str) -> bool:
+    """Whether the graph's attention is ``GroupQueryAttention`` (its KV cache can live in one shared buffer).
+
+    Looks for the op type's name in the serialized model instead of parsing it: a single-file model with its
+    weights inside would otherwise be parsed a second time, in memory, next to its session."""
+    if isinstance(source, bytes):
+        return _GQA in source
+    tail = b""
+    with open(source, "rb") as f:
+        while chunk := f.read(8 << 20):
+            if _GQA in tail + chunk[: len(_GQA)] or _GQA in chunk:
+                return True
+            tail = chunk[-len(_GQA) :]
+    return False
 
 
 class _ConcatRunner:

@@ -258,3 +258,15 @@ def test_int8_dynamic_smoothquant_on_the_built_decoder(tiny: tuple[Path, Any]) -
     float_rows = [r for r in check["layers"] if r.get("float_output")]
     assert len(float_rows) == 7 * LAYERS
     assert all(r["sqnr_db"] > 40 for r in float_rows), [(r["layer"], r["sqnr_db"], r["off"]) for r in float_rows]
+
+
+def test_gqa_detection_reads_the_file_in_chunks(tmp_path: Path) -> None:
+    """The shared-cache decision scans the serialized model for the op type (no second parse of the weights),
+    also when the name straddles two read chunks."""
+    from quantkit.evaluate.decode import _uses_gqa
+
+    f = tmp_path / "m.onnx"
+    f.write_bytes(b"x" * ((8 << 20) - 5) + b"GroupQueryAttention" + b"y" * 10)
+    assert _uses_gqa(str(f)) and _uses_gqa(b"..GroupQueryAttention..")
+    f.write_bytes(b"z" * (9 << 20))
+    assert not _uses_gqa(str(f)) and not _uses_gqa(b"Attention")
