@@ -70,7 +70,7 @@ def _override(rec_path: str, args: argparse.Namespace) -> dict[str, Any] | str:
     data = safe_load_yaml(path.read_text(encoding="utf-8"), str(path))
     if not isinstance(data, dict):
         raise QuantkitError(f"recipe {rec_path} must be a mapping at the top level")
-    data = _resolve_paths(data, path.resolve().parent)
+    data = _resolve_paths(data, path.resolve().parent, str(path))
     if args.model:
         data.setdefault("model", {})["source"] = args.model
     for key, val in (("calibration", args.calibration_data), ("evaluation", args.evaluation_data)):
@@ -193,14 +193,24 @@ def _main(args: argparse.Namespace) -> int:
     return EXIT_BUG
 
 
-def _calibrate(args: argparse.Namespace) -> int:
-    from quantkit.api import quantize
+def _load(args: argparse.Namespace) -> Any:
+    """The recipe with the command line's overrides; it remembers its file (an input never written over)."""
     from quantkit.recipe import load_recipe
-    from quantkit.report.output import check_output_dir
 
     rec = load_recipe(_override(args.recipe, args))
+    if rec._origin is None:
+        rec._origin = str(Path(args.recipe).resolve())
+    return rec
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from quantkit.api import quantize
+    from quantkit.recipe.load import recipe_inputs
+    from quantkit.report.output import check_output_dir
+
+    rec = _load(args)
     out = Path(args.output) if args.output else Path("out") / rec.name
-    check_output_dir(out, overwrite=args.overwrite)  # before any work, not after it
+    check_output_dir(out, overwrite=args.overwrite, inputs=recipe_inputs(rec))  # before any work, not after it
     result = quantize(
         recipe=rec,
         progress=not args.quiet,
@@ -263,6 +273,8 @@ def _verify(args: argparse.Namespace) -> int:
     """Exit 0 when this CPU's kernels compute the model's QDQ math (or no data was given), 3 when not."""
     from quantkit.pipeline import verify_model
 
+    if args.samples < 1:
+        raise QuantkitError(f"--samples {args.samples}: allowed: an integer >= 1 (the samples to compare)")
     rep = verify_model(args.model, args.data, samples=args.samples)
     tgt, cpu = rep["target"], rep["cpu"]
     print(f"model target: {tgt['isa']} ({tgt['cpu_class']}); this CPU: {cpu['model_name']}, class {cpu['cpu_class']}")
@@ -285,7 +297,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     """Prefill the prompt, then one token per step with the KV cache; print the text and the timings."""
     from quantkit.errors import ModelError
-    from quantkit.frontends.llm_builder import generate
+    from quantkit.frontends.llm_builder import ContextFullError, generate
 
     path = Path(args.model)
     model = path / "model.onnx" if path.is_dir() else path
@@ -296,7 +308,12 @@ def _generate(args: argparse.Namespace) -> int:
         raise ModelError(f"no tokenizer files in {str(tok)!r}: pass --tokenizer FOLDER")
     if args.max_new_tokens < 1:
         raise QuantkitError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    out = generate(model, tok, args.prompt, args.max_new_tokens, threads=args.threads, return_timings=True)
+    try:
+        out = generate(model, tok, args.prompt, args.max_new_tokens, threads=args.threads, return_timings=True)
+    except ContextFullError as exc:  # the text so far is printed, then why it stopped
+        print(args.prompt + exc.text)
+        print(f"quantkit: error: {exc}", file=sys.stderr)
+        return EXIT_USER
     if not isinstance(out, tuple):  # pragma: no cover - return_timings=True returns a pair
         raise QuantkitError("generate returned no timings")
     text, t = out
@@ -308,23 +325,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from quantkit.recipe import load_recipe
-    from quantkit.report.output import check_output_dir, write_outputs
     from quantkit.search.sweep import sweep
 
-    rec = load_recipe(_override(args.recipe, args))
+    rec = _load(args)
     out = Path(args.output) if args.output else Path("out") / f"{rec.name}-sweep"
-    check_output_dir(out, overwrite=args.overwrite)
-    holder: dict[str, Any] = {}
-
-    def fill(stage: Path) -> None:  # everything is written into a staging folder, then moved as one set
-        holder["stage"] = stage
-        holder["res"] = sweep(recipe=rec, output=stage, progress=not args.quiet, use_cache=not args.no_cache,
-                              save_models=not args.no_models, ray_address=args.ray)
-
-    write_outputs(out, fill, overwrite=args.overwrite)
-    res = holder["res"]
-    res.paths = {k: out / Path(p).relative_to(holder["stage"]) for k, p in res.paths.items()}
+    res = sweep(recipe=rec, output=out, overwrite=args.overwrite, progress=not args.quiet,
+                use_cache=not args.no_cache, save_models=not args.no_models, ray_address=args.ray)
     r = res.report
     key, label = r["quality_key"], r["quality_label"]
     fp = r["fp32"]

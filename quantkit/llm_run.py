@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,11 +28,12 @@ from quantkit.data import InputInfo, as_dataset, make_dataset
 from quantkit.errors import DataError, ModelError, QuantkitError, RecipeError
 from quantkit.frontends.cache import cache_dir
 from quantkit.layerwise import LAYERWISE_FORMATS, quantize_llm_layerwise
-from quantkit.pipeline import extra_perplexities
+from quantkit.pipeline import check_context, check_not_empty, extra_perplexities
 from quantkit.progress import stage
 from quantkit.recipe import RecipeModel
 from quantkit.recipe.plan import PrecisionPlan
 from quantkit.report.build import environment, write_report
+from quantkit.tempdirs import MARKER, clean_stale, owned_tempdir
 
 log = logging.getLogger("quantkit")
 
@@ -56,18 +57,30 @@ class LayerwiseQuantizeResult:
     def save(self, directory: str | os.PathLike[str], *, report: bool = True, overwrite: bool = False
              ) -> dict[str, Path]:
         """Move the built files and the report into ``directory`` as one set (see :meth:`QuantizeResult.save`)."""
-        from quantkit.report.output import write_outputs
+        from quantkit.recipe.load import recipe_inputs
+        from quantkit.report.output import check_output_dir, write_outputs
+        from quantkit.run import check_save_args
 
+        check_save_args(directory, report)
+        check_output_dir(directory, overwrite=overwrite)  # a bad folder or argument is refused before writing
         src = self.path.parent
 
         def fill(stage_dir: Path) -> None:
+            # hard links (same file system) or copies: the built files stay where they are until the set is
+            # in place, so a refused or interrupted save loses nothing and can be retried
             for f in sorted(src.iterdir()):
-                if f.is_file():
-                    shutil.move(str(f), stage_dir / f.name)
+                if f.is_file() and f.name != MARKER:  # the build folder's ownership marker stays behind
+                    try:
+                        os.link(f, stage_dir / f.name)
+                    except OSError:
+                        shutil.copy2(f, stage_dir / f.name)
             if report:
                 write_report(self.report, stage_dir, self.recipe.report.formats)
 
-        paths = write_outputs(directory, fill, overwrite=overwrite)
+        paths = write_outputs(directory, fill, overwrite=overwrite, inputs=recipe_inputs(self.recipe))
+        for f in sorted(src.iterdir()):
+            if f.is_file():
+                f.unlink()
         self.path = Path(directory) / "model.onnx"
         out = {"model": self.path}
         out.update({n: p for n, p in paths.items() if n.startswith("report.")})
@@ -112,15 +125,10 @@ def _windows(rec: RecipeModel, calibration_data: Any, tokenizer: Any) -> np.ndar
 
 
 def _fp32_bytes(folder: Path) -> int:
-    """What the checkpoint takes in FP32 (from the safetensors headers; no tensor is read)."""
-    from safetensors import safe_open
+    """What the checkpoint takes in FP32 (from the safetensors headers, checked; no tensor is read)."""
+    from quantkit.frontends.checkpoint import checkpoint_tensors
 
-    total = 0
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="numpy") as h:
-            for k in h.keys():  # noqa: SIM118
-                total += 4 * int(np.prod(h.get_slice(k).get_shape()))
-    return total
+    return sum(4 * math.prod(t.shape) for t in checkpoint_tensors(folder).values())
 
 
 def _available_ram() -> int:
@@ -164,9 +172,25 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
         folder = resolve_llm_folder(source)
     timings["load_s"] = time.perf_counter() - t
     from quantkit.frontends import _optional_tokenizer
+    from quantkit.frontends.llm_builder import check_decoder_folder
 
+    # config.json's sizes and the safetensors headers are checked against each other before any tokenization,
+    # allocation or calibration
+    cfg = check_decoder_folder(folder)
     tokenizer = _optional_tokenizer(folder)
     windows = _windows(rec, calibration_data, tokenizer)
+    if windows is not None and windows.shape[1] > cfg.context_length:
+        raise DataError(f"the calibration data: sequences of {windows.shape[1]} tokens do not fit the model's "
+                        f"context of {cfg.context_length} positions; allowed: seq_len <= {cfg.context_length}")
+    inputs = _LM_INPUTS + [InputInfo(f"past_key_values.{i}.{kv}", np.dtype(np.float32),
+                                     (None, cfg.num_key_value_heads, None, cfg.head_dim))
+                           for i in range(cfg.num_hidden_layers) for kv in ("key", "value")]  # fmt: skip
+    ev = None
+    if evaluate and rec.evaluation.perplexity and (evaluation_data is not None or rec.evaluation.data is not None):
+        ev = _dataset(evaluation_data, rec.evaluation.data, inputs, tokenizer, "evaluation")  # before the work
+        check_not_empty(ev, "evaluation_data (passed through the API)" if evaluation_data is not None
+                        else f"evaluation.data ({rec.evaluation.data})")  # fmt: skip
+        check_context(ev, cfg.context_length, "the evaluation data")
     spec = rec.calibration.data.model_dump() if calibration_data is None and rec.calibration.data else None
     if windows is not None:
         log.info("calibration set: %d windows x %d tokens (%s)", windows.shape[0], windows.shape[1],
@@ -174,7 +198,9 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
     plan = PrecisionPlan.from_recipe(rec)
     root = cache_dir()
     work = root / "layerwise" / hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
-    build_dir = Path(tempfile.mkdtemp(prefix="quantkit-layerwise-", dir=root))
+    # the build folder is marked as this process's: one left by a killed run is removed here, never a live one
+    clean_stale(root, "quantkit-layerwise-")
+    build_dir = owned_tempdir(root, "quantkit-layerwise-")
     t = time.perf_counter()
     try:
         res = quantize_llm_layerwise(folder, build_dir / "model.onnx", plan, windows, work_dir=work,
@@ -200,17 +226,11 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
             fp32_path = built_decoder_path(folder)
     quality: dict[str, Any] = {}
     ev_count = 0
-    if evaluate and rec.evaluation.perplexity and (evaluation_data is not None or rec.evaluation.data is not None):
+    if ev is not None:
         from tqdm.auto import tqdm
 
         from quantkit.evaluate.perplexity import perplexity
-        from quantkit.frontends.llm_builder import read_decoder_config
 
-        cfg = read_decoder_config(folder)
-        inputs = _LM_INPUTS + [InputInfo(f"past_key_values.{i}.{kv}", np.dtype(np.float32),
-                                         (None, cfg.num_key_value_heads, None, cfg.head_dim))
-                               for i in range(cfg.num_hidden_layers) for kv in ("key", "value")]  # fmt: skip
-        ev = _dataset(evaluation_data, rec.evaluation.data, inputs, tokenizer, "evaluation")
         ev_count = len(ev)
         t = time.perf_counter()
         for key, p in (("perplexity_fp32", fp32_path), ("perplexity_quantized", q_path)):

@@ -32,6 +32,8 @@ from quantkit.frontends import LoadedModel, load_model
 from quantkit.lowering.select import QuantPlan
 from quantkit.lowering.verify import Census, census
 from quantkit.pipeline import (
+    check_context,
+    decoder_context,
     eval_dataset,
     evaluate_fidelity,
     extra_perplexities,
@@ -49,7 +51,7 @@ from quantkit.scheme.target import resolve_target
 
 log = logging.getLogger("quantkit")
 
-__all__ = ["QuantizeResult", "load_inputs", "run_plan"]
+__all__ = ["QuantizeResult", "check_save_args", "load_inputs", "run_plan"]
 
 
 @dataclass
@@ -75,18 +77,31 @@ class QuantizeResult:
         staging folder and moved into ``directory`` as a set; quantkit's own earlier outputs there are
         replaced, a folder holding other files is refused unless ``overwrite``.
         """
-        from quantkit.report.output import write_outputs
+        from quantkit.recipe.load import recipe_inputs
+        from quantkit.report.output import check_output_dir, write_outputs
+
+        check_save_args(directory, report)
+        check_output_dir(directory, overwrite=overwrite)  # a bad folder or argument is refused before writing
 
         def fill(stage_dir: Path) -> None:
             save_model(self.model, stage_dir / "model.onnx", self.recipe.export.external_data)
             if report:
                 write_report(self.report, stage_dir, self.recipe.report.formats)
 
-        written = write_outputs(directory, fill, overwrite=overwrite)
+        written = write_outputs(directory, fill, overwrite=overwrite, inputs=recipe_inputs(self.recipe))
         out = Path(directory)
         paths = {"model": out / "model.onnx"}
         paths.update({n: p for n, p in written.items() if n.startswith("report.")})
         return paths
+
+
+def check_save_args(directory: Any, report: Any) -> None:
+    """``save()``'s arguments have the allowed types (a path; True / False), else a typed error naming what came."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise QuantkitError(f"save(): directory must be a path (str or os.PathLike), got {type(directory).__name__} "
+                            f"{directory!r}")  # fmt: skip
+    if not isinstance(report, bool):
+        raise QuantkitError(f"save(): report must be True or False, got {type(report).__name__} {report!r}")
 
 
 def load_inputs(model: Any, calibration_data: Any, rec: RecipeModel, *, example_inputs: Any = None,
@@ -119,6 +134,7 @@ def load_inputs(model: Any, calibration_data: Any, rec: RecipeModel, *, example_
                             "calibration.data")
     if len(cal) == 0:
         raise DataError("the calibration dataset is empty")
+    check_context(cal, decoder_context(float_model), "the calibration data")
     spec = rec.calibration.data.model_dump() if calibration_data is None and rec.calibration.data else None
     log.info("calibration set: %d samples (%s)", len(cal),
              ", ".join(f"{k}={v}" for k, v in spec.items()) if spec else "given through the API")
@@ -200,6 +216,10 @@ def run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, ca
              artifacts: Artifacts | None = None, search: dict[str, Any] | None = None) -> QuantizeResult:
     """Execute ``plan``, check the emitted model, evaluate it against FP32 and build the report."""
     rec = plan.recipe
+    # the evaluation set is built (and refused when empty) before the work, not after it
+    ev = eval_dataset(rec, loaded, evaluation_data, model_inputs(float_model)) if evaluate else None
+    if ev is not None:
+        check_context(ev, decoder_context(float_model), "the evaluation data")
     t = time.perf_counter()
     job, lowered = execute(float_model, plan, cal, progress=progress, use_cache=use_cache, artifacts=artifacts)
     qproto = checked_proto(lowered.model)
@@ -208,7 +228,6 @@ def run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, ca
     t = time.perf_counter()
     cen = census(qproto, quantizable=lowered.fused_layers())
     timings["verify_s"] = time.perf_counter() - t
-    ev = eval_dataset(rec, loaded, evaluation_data, model_inputs(float_model)) if evaluate else None
     kernels: dict[str, Any] = {}
     if lowered.static.layers or lowered.layers.get("dynamic"):
         t = time.perf_counter()

@@ -147,9 +147,11 @@ def load_recipe(recipe: str | os.PathLike[str] | Mapping[str, Any] | RecipeModel
             f"recipe {where}: version {data['version']!r} is not supported; allowed: {SCHEMA_VERSION}"
         )
     if base is not None:
-        data = _resolve_paths(data, base)
+        data = _resolve_paths(data, base, where)
     try:
         model = RecipeModel.model_validate(data)
+        if base is not None:
+            model._origin = str(Path(where).resolve())
     except ValidationError as exc:
         raise RecipeError(_format_errors(exc, where)) from None
     except RecursionError:
@@ -158,22 +160,102 @@ def load_recipe(recipe: str | os.PathLike[str] | Mapping[str, Any] | RecipeModel
     return model
 
 
-def _resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
-    """Make relative model/data paths relative to the recipe file when they exist there."""
-
-    def fix(p: Any) -> Any:
-        if isinstance(p, str) and not os.path.isabs(p) and (base / p).exists() and not Path(p).exists():
-            return str(base / p)
+def _resolve_one(p: Any, base: Path, key: str, where: str) -> Any:
+    """The one rule for every path in a recipe file: a relative path is looked up beside the recipe first,
+    then in the working directory; when both hold it and they are different files, that is an error."""
+    if not isinstance(p, str) or not p or os.path.isabs(p) or p.startswith("~"):
         return p
+    beside, here = base / p, Path(p)
+    if beside.exists():
+        if here.exists() and not _same(beside, here):
+            raise RecipeError(
+                f"recipe {where}: {key}: {p!r} is ambiguous: it exists beside the recipe ({beside}) and in the "
+                f"working directory ({here.absolute()}); write the path you mean (absolute, or relative to the "
+                "recipe's folder after removing the other)"
+            )
+        return str(beside)
+    return p
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _resolve_paths(data: dict[str, Any], base: Path, where: str = "") -> dict[str, Any]:
+    """Resolve relative paths in the recipe (model source, data paths, text sources) by :func:`_resolve_one`."""
+
+    def fix_data(d: Any, key: str) -> Any:
+        if not isinstance(d, dict):
+            return d
+        d = dict(d)
+        for k in ("path", "source"):
+            v = d.get(k)
+            if isinstance(v, list):
+                d[k] = [_resolve_one(x, base, f"{key}.{k}[{i}]", where) for i, x in enumerate(v)]
+            elif k in d:
+                d[k] = _resolve_one(v, base, f"{key}.{k}", where)
+        return d
 
     data = dict(data)
-    if isinstance(data.get("model"), dict):
-        data["model"] = {**data["model"], "source": fix(data["model"].get("source"))}
+    if isinstance(data.get("model"), dict) and "source" in data["model"]:
+        data["model"] = {**data["model"], "source": _resolve_one(data["model"]["source"], base, "model.source", where)}
     for section in ("calibration", "evaluation"):
         sec = data.get(section)
-        if isinstance(sec, dict) and isinstance(sec.get("data"), dict) and "path" in sec["data"]:
-            data[section] = {**sec, "data": {**sec["data"], "path": fix(sec["data"]["path"])}}
+        if not isinstance(sec, dict):
+            continue
+        sec = dict(sec)
+        if "data" in sec:
+            sec["data"] = fix_data(sec["data"], f"{section}.data")
+        if isinstance(sec.get("extra"), list):
+            sec["extra"] = [fix_data(d, f"{section}.extra[{i}]") for i, d in enumerate(sec["extra"])]
+        data[section] = sec
     return data
+
+
+def recipe_inputs(rec: RecipeModel) -> list[Path]:
+    """Files and folders a run of ``rec`` reads: the recipe file, the model (an ONNX file's external data
+    too) and the data paths.  The output folder may never hold one of them."""
+    found: list[Path] = []
+
+    def add(v: Any) -> None:
+        if isinstance(v, (str, os.PathLike)) and os.fspath(v) and os.path.lexists(os.fspath(v)):
+            found.append(Path(os.fspath(v)))
+
+    add(rec._origin)
+    if rec.model is not None:
+        src = Path(str(rec.model.source))
+        add(str(rec.model.source))
+        if src.is_file() and src.suffix == ".onnx":
+            found.extend(_external_data_files(src))
+    sections = [rec.calibration.data, rec.evaluation.data, *rec.evaluation.extra]
+    for d in sections:
+        if d is None:
+            continue
+        extra = d.model_extra or {}
+        for k in ("path", "source"):
+            v = extra.get(k)
+            for x in v if isinstance(v, list) else [v]:
+                add(x)
+    return found
+
+
+def _external_data_files(model: Path) -> list[Path]:
+    """The external-data files an ONNX file names (read without loading the weights)."""
+    try:
+        import onnx
+
+        proto = onnx.load(str(model), load_external_data=False)
+    except Exception:  # noqa: BLE001 - an unreadable model is reported by the loader, not here
+        return []
+    out: set[Path] = set()
+    for t in proto.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location" and e.value:
+                out.add(model.parent / e.value)
+    return sorted(out)
 
 
 def _check_registry_names(model: RecipeModel, where: str) -> None:
@@ -263,3 +345,31 @@ def _check_algorithm_options(model: RecipeModel, where: str) -> None:
         if unknown:
             raise RecipeError(f"recipe {where}: {key}.algorithm_options: unknown option(s) {unknown} for algorithm "
                               f"{name!r}; allowed: {allowed or 'none'}")
+        _check_option_ranges(key, name, options, where)
+    if model.search is not None:
+        for i, cand in enumerate(model.search.candidate_list()):
+            if cand.algorithm_options is not None:
+                _check_option_ranges(f"search.candidates[{i}]", cand.algorithm or d.algorithm,
+                                     dict(cand.algorithm_options), where)
+
+
+#: Weight-algorithm options that count iterations, grid points or rows, and their allowed range: a typo
+#: (``iters: 1000000000``) is refused when the recipe loads instead of running for days.
+ALGORITHM_COUNT_RANGES: dict[str, tuple[int, int]] = {
+    "iters": (0, 100_000),  # signround
+    "n_grid": (1, 10_000),  # awq
+    "max_rows": (1, 1 << 16),  # awq
+    "clip_rows": (1, 1 << 16),  # awq
+    "block_size": (1, 1 << 16),  # gptq
+}
+
+
+def _check_option_ranges(key: str, name: str, options: dict[str, Any], where: str) -> None:
+    for opt, value in options.items():
+        bounds = ALGORITHM_COUNT_RANGES.get(opt)
+        if bounds is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        lo, hi = bounds
+        if not lo <= value <= hi:
+            raise RecipeError(f"recipe {where}: {key}.algorithm_options.{opt} is {value} (algorithm {name!r}); "
+                              f"allowed: {lo} to {hi}")

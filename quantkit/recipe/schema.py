@@ -8,9 +8,10 @@ received and what is allowed.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -22,6 +23,22 @@ activation scales computed at run time (MatMulIntegerToFloat); fp16 / bf16: 16-b
 keep.  Any mix of them can live in one model (linear-layer formats apply to MatMul / Gemm layers)."""
 Calibrator = str  # validated against the calibrator registry when the plan is built
 Metric = Literal["auto", "classification", "embedding", "sqnr"]
+
+
+MAX_TOKENS = 131_072
+"""The longest token sequence any recipe setting may ask for (latency ``seq_len`` / ``long_prefill``,
+sensitivity ``seq_len``): 128k tokens, the longest LLM context in common use."""
+
+
+def _check_pattern(pattern: str) -> None:
+    """A user regex must compile (:func:`quantkit.recipe.patterns.compile_pattern`); ValueError otherwise."""
+    from quantkit.errors import RecipeError
+    from quantkit.recipe.patterns import compile_pattern
+
+    try:
+        compile_pattern(pattern, "")
+    except RecipeError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _power_of_two_group(v: int | None) -> int | None:
@@ -60,10 +77,25 @@ class ModelSection(_Strict):
 
 
 class DataSection(_Strict):
-    """A dataset description handed to :func:`quantkit.data.make_dataset` (``kind`` plus its options)."""
+    """A dataset description handed to :func:`quantkit.data.make_dataset` (``kind`` plus its options).
+
+    Its integer options are range-checked here, so ``quantkit validate`` refuses them: ``count`` 1 to
+    100000, ``seq_len`` 2 to 131072, ``seed`` / ``offset`` >= 0 (:data:`quantkit.data.factory.SPEC_INT_RANGES`).
+    """
 
     model_config = ConfigDict(extra="allow", frozen=True)
     kind: Literal["sample_photos", "images", "npz", "text"]
+
+    @model_validator(mode="after")
+    def _int_ranges(self) -> DataSection:
+        from quantkit.data.factory import check_spec_ints
+        from quantkit.errors import DataError
+
+        try:
+            check_spec_ints({"kind": self.kind, **(self.model_extra or {})})
+        except DataError as exc:
+            raise ValueError(str(exc)) from None
+        return self
 
 
 class CalibrationSection(_Strict):
@@ -86,7 +118,7 @@ class CalibrationSection(_Strict):
         description="weight-only sequential mode: dependency levels are grouped into at most this many passes",
     )
     max_rows: int = Field(
-        4096, ge=64, description="weight-only: activation rows kept per layer input for AWQ"
+        4096, ge=64, le=1 << 16, description="weight-only: activation rows kept per layer input for AWQ"
     )
     layerwise: bool = Field(
         False,
@@ -144,7 +176,8 @@ class LayerScheme(_Strict):
 
 
 class Override(_Strict):
-    """A per-layer override.  Exactly one of ``layer`` (exact node name) and ``pattern`` (regex)."""
+    """A per-layer override.  Exactly one of ``layer`` (exact node name), ``pattern`` (regex, searched in
+    node names and module paths with a time limit: :mod:`quantkit.recipe.patterns`) and ``op_type``."""
 
     layer: str | None = None
     pattern: str | None = None
@@ -171,14 +204,7 @@ class Override(_Strict):
                 f"an override needs exactly one of 'layer', 'pattern', 'op_type'; got {given or 'none'}"
             )
         if self.pattern is not None:
-            import re
-
-            try:
-                re.compile(self.pattern)
-            except re.error as exc:
-                raise ValueError(
-                    f"pattern {self.pattern!r} is not a valid regular expression: {exc}"
-                ) from None
+            _check_pattern(self.pattern)
         return self
 
 
@@ -221,14 +247,17 @@ class EvaluationSection(_Strict):
 
 
 class LatencySection(_Strict):
+    """Latency measurement; every count is bounded so that a typo cannot make a run time out for hours."""
+
     enabled: bool = True
-    batch_size: int = Field(1, ge=1)
-    seq_len: int | None = Field(None, ge=1)
-    warmup: int = Field(5, ge=0)
-    repeat: int = Field(30, ge=1)
-    threads: int | None = Field(None, ge=1)
+    batch_size: int = Field(1, ge=1, le=4096)
+    seq_len: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    warmup: int = Field(5, ge=0, le=10_000)
+    repeat: int = Field(30, ge=1, le=10_000)
+    threads: int | None = Field(None, ge=1, le=1024)
     long_prefill: int | None = Field(
-        1024, ge=1, description="causal LMs with a KV cache: also time a prefill this long (None: skip)"
+        1024, ge=1, le=MAX_TOKENS,
+        description="causal LMs with a KV cache: also time a prefill this long (None: skip)",
     )
 
 
@@ -316,7 +345,7 @@ class SensitivitySection(_Strict):
         2, ge=1, le=4096, description="calibration samples used to measure each layer's damage"
     )
     seq_len: int | None = Field(
-        256, ge=2, description="text models: tokens per sample (None: as in the data)"
+        256, ge=2, le=MAX_TOKENS, description="text models: tokens per sample (None: as in the data)"
     )
     metric: Literal["auto", "kl", "mse"] = Field(
         "auto",
@@ -352,12 +381,22 @@ class SearchSection(_Strict):
         "shared_input",
         description="layers reading one input (q/k/v, gate/up) share a format (one smoothing scale)",
     )
-    layers: str | None = Field(None, description="regex: only matching layers are searched (default: all)")
+    layers: str | None = Field(
+        None, description="regex: only matching layers are searched (default: all); matched with a time limit "
+        "(quantkit.recipe.patterns)",
+    )
     sensitivity: SensitivitySection = SensitivitySection()
     frontier_points: int = Field(
         24, ge=2, le=512, description="budgets tried when tracing the predicted front"
     )
-    time_limit_s: float = Field(10.0, gt=0, description="per integer-program solve")
+    time_limit_s: float = Field(10.0, gt=0, le=3600, description="per integer-program solve")
+
+    @field_validator("layers")
+    @classmethod
+    def _layers_regex(cls, v: str | None) -> str | None:
+        if v is not None:
+            _check_pattern(v)
+        return v
 
     @field_validator("candidates")
     @classmethod
@@ -419,7 +458,22 @@ class RecipeModel(_Strict):
     """The whole recipe file."""
 
     version: Literal[1]
-    name: str = "recipe"
+    name: str = Field(
+        "recipe",
+        description="the run's name; the default output folder is out/<name>, so it is a plain name: letters, "
+        "digits and _ . + - (no path separators, not starting with a dot)",
+    )
+    _origin: str | None = PrivateAttr(None)  # the recipe file it was loaded from (an input of the run)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}", v) or v in (".", ".."):
+            raise ValueError(
+                f"{v!r} is not a plain name; allowed: 1-128 letters, digits and _ . + - , not starting with a dot "
+                "or separator (it names the default output folder out/<name>)"
+            )
+        return v
     model: ModelSection | None = None  # may be omitted when the Python API is given the model
     calibration: CalibrationSection = CalibrationSection()
     quantization: QuantizationSection = QuantizationSection()

@@ -439,6 +439,7 @@ def sweep(
     evaluation_data: Any = None,
     example_inputs: Any = None,
     output: str | os.PathLike[str] = "sweep-out",
+    overwrite: bool = False,
     progress: bool = True,
     use_cache: bool = True,
     save_models: bool = True,
@@ -446,8 +447,58 @@ def sweep(
 ) -> SweepResult:
     """Run the recipe's mixed-precision search and evaluate the chosen points (module doc).
 
+    ``output`` follows the rules of every output folder (:mod:`quantkit.report.output`): checked before any
+    work, a folder holding files quantkit did not write is refused unless ``overwrite``, the run's inputs are
+    never written over, and the report, plots and models appear as one set (staged, then moved).
+
     ``ray_address``: evaluate the points' quality (perplexity / fidelity against FP32) as Ray tasks on that
     cluster (``"local"`` starts one on this machine); emitting and latency stay in this process."""
+    from quantkit.recipe import load_recipe
+    from quantkit.recipe.load import recipe_inputs
+    from quantkit.report.output import check_output_dir, write_outputs
+
+    for key, val in (("overwrite", overwrite), ("progress", progress), ("use_cache", use_cache),
+                     ("save_models", save_models)):
+        if not isinstance(val, bool):
+            raise RecipeError(f"sweep(): {key} must be True or False, got {val!r}")
+    rec = load_recipe(recipe) if recipe is not None else None
+    inputs = recipe_inputs(rec) if rec is not None else []
+    if isinstance(model, (str, os.PathLike)):
+        inputs.append(Path(model))
+    out = check_output_dir(output, overwrite=overwrite, inputs=inputs)  # before any work
+    holder: dict[str, Any] = {}
+
+    def fill(stage: Path) -> None:
+        holder["stage"] = stage
+        holder["res"] = _sweep_into(
+            model, calibration_data, rec if rec is not None else recipe, evaluation_data=evaluation_data,
+            example_inputs=example_inputs, out_dir=stage, progress=progress, use_cache=use_cache,
+            save_models=save_models, ray_address=ray_address)
+
+    write_outputs(out, fill, overwrite=overwrite, inputs=inputs)
+    res: SweepResult = holder["res"]
+    stage = holder["stage"]
+    res.paths = {k: out / Path(v).relative_to(stage) for k, v in res.paths.items()}
+    for pt in res.points:
+        if pt.model_path:
+            pt.model_path = str(out / Path(pt.model_path).relative_to(stage))
+    return res
+
+
+def _sweep_into(
+    model: Any,
+    calibration_data: Any,
+    recipe: Any,
+    *,
+    evaluation_data: Any,
+    example_inputs: Any,
+    out_dir: Path,
+    progress: bool,
+    use_cache: bool,
+    save_models: bool,
+    ray_address: str | None,
+) -> SweepResult:
+    """The sweep itself, writing into ``out_dir`` (a staging folder of :func:`sweep`)."""
     from quantkit.pipeline import save_model
     from quantkit.search.solver import pareto_front, pareto_mask, solve, spearman
 
@@ -479,8 +530,6 @@ def sweep(
     uniform_all, fp32_pred, predicted = ctx.uniform_all, ctx.fp32_pred, ctx.predicted
     lat = rec.report.latency
     cand_spec = [c.model_dump() for c in srch.candidate_list()]
-    out_dir = Path(output)
-    out_dir.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     metric = METRIC_KEY[srch.metric]
     front = pareto_front(problem, metric=metric, points=srch.frontier_points, time_limit=srch.time_limit_s)

@@ -25,55 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
-from quantkit.cli import main
 from quantkit.errors import RecipeError
 from quantkit.recipe import load_recipe
-from tests.conftest import image_batches, tiny_cnn
-
-
-@pytest.fixture
-def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A tiny model, calibration / evaluation data and a private cache in ``tmp_path``."""
-    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
-    onnx.save(tiny_cnn(), tmp_path / "model.onnx")
-    _npz(tmp_path / "cal.npz", np.concatenate([b["input"] for b in image_batches(4)]))
-    _npz(tmp_path / "ev.npz", np.concatenate([b["input"] for b in image_batches(2, seed=7)]))
-    return tmp_path
-
-
-def _npz(path: Path, x: np.ndarray) -> Path:
-    np.savez(path, input=x.astype(np.float32))
-    return path
-
-
-def _recipe(work: Path, *, cal: str = "cal.npz", formats: list[str] | None = None, **extra: Any) -> Path:
-    rec: dict[str, Any] = {
-        "version": 1, "name": "rel",
-        "model": {"source": str(work / "model.onnx")},
-        "calibration": {"data": {"kind": "npz", "path": str(work / cal)}, "batch_size": 4},
-        "evaluation": {"data": {"kind": "npz", "path": str(work / "ev.npz")}},
-        "report": {"formats": formats or ["json", "md", "html"], "latency": {"enabled": False},
-                   "kernel_check_samples": 2},
-    }
-    rec.update(extra)
-    path = work / "recipe.yaml"
-    path.write_text(yaml.safe_dump(rec))
-    return path
-
-
-def _files(folder: Path) -> set[str]:
-    return {str(p.relative_to(folder)) for p in folder.rglob("*")} if folder.exists() else set()
-
-
-OUTPUTS = {"model.onnx", "report.json", "report.md", "report.html", "quantkit-manifest.json"}
-
-
-def _run(args: list[str], capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture | None = None
-         ) -> tuple[int, str]:
-    rc = main(args)
-    out = capsys.readouterr()
-    text = out.out + out.err + (caplog.text if caplog is not None else "")
-    return rc, text
+from tests.conftest import image_batches
+from tests.reliability.conftest import OUTPUTS, _files, _npz, _recipe, _run
 
 
 # -- the statistics cache --------------------------------------------------------------------------
