@@ -26,7 +26,7 @@ import zlib
 from pathlib import Path
 
 from quantkit.errors import DataError
-from quantkit.frontends.cache import atomic_write_dir, cache_dir
+from quantkit.frontends.cache import atomic_write_dir, cache_dir, verified_entry
 
 __all__ = ["AUSTEN_BOOKS", "austen_folder", "austen_text", "book_key"]
 
@@ -112,7 +112,7 @@ def austen_folder() -> Path:
             unexpected layout.
     """
     folder = cache_dir() / "janeaustenr"
-    if all((folder / f"{k}.txt").is_file() for k in AUSTEN_BOOKS):
+    if verified_entry(folder, "Jane Austen texts") and all((folder / f"{k}.txt").is_file() for k in AUSTEN_BOOKS):
         return folder
     for tool in ("apt-get", "dpkg-deb"):
         if shutil.which(tool) is None:

@@ -31,6 +31,15 @@ __all__ = [
     "new_hasher",
 ]
 
+MAX_SAMPLES = 100_000
+"""The most samples a dataset may be asked for (``count`` of ``sample_photos`` and ``text``): more than any
+calibration or evaluation set needs, and few enough that a typo (``count: 1000000000``) is refused at once
+instead of running for hours."""
+
+MAX_SEQ_LEN = 131_072
+"""The longest token window a text dataset (``seq_len``) may ask for (128k tokens, the longest LLM context
+in common use); a larger value would allocate ``batch x seq_len`` token arrays for nothing."""
+
 
 @runtime_checkable
 class Dataset(Protocol):

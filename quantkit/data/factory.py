@@ -10,7 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from quantkit.data.base import ArrayDataset, Dataset, InputInfo, check_array, check_batch
+from quantkit.data.base import (
+    MAX_SAMPLES,
+    MAX_SEQ_LEN,
+    ArrayDataset,
+    Dataset,
+    InputInfo,
+    check_array,
+    check_batch,
+)
 from quantkit.data.images import ImageFolderDataset, get_preprocess
 from quantkit.data.iterable import IterableDataset
 from quantkit.data.kv import bind_kv_cache, split_past
@@ -19,7 +27,7 @@ from quantkit.data.photos import SPLITS, SamplePhotosDataset
 from quantkit.data.text import TextDataset
 from quantkit.errors import DataError
 
-__all__ = ["DATASET_KINDS", "as_dataset", "make_dataset"]
+__all__ = ["DATASET_KINDS", "SPEC_INT_RANGES", "as_dataset", "check_spec_ints", "make_dataset"]
 
 #: Allowed keys per ``kind`` (besides ``kind``); required ones first in the messages.
 DATASET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -28,6 +36,35 @@ DATASET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "npz": (("path",), ()),
     "text": (("source",), ("mode", "count", "seq_len", "seed", "offset")),
 }
+
+#: Integer keys of a dataset spec and their allowed range (inclusive).  Counts and lengths that drive loops
+#: and allocations are bounded, so that ``count: 1000000000`` is refused when the recipe loads instead of
+#: running for hours; ``limit`` (images) only ever keeps fewer of the files there are.
+SPEC_INT_RANGES: dict[str, tuple[int, int]] = {
+    "count": (1, MAX_SAMPLES),
+    "limit": (1, 2**63 - 1),
+    "seq_len": (2, MAX_SEQ_LEN),
+    "offset": (0, 2**63 - 1),
+    "seed": (0, 2**63 - 1),
+}
+
+
+def check_spec_ints(spec: Mapping[str, Any]) -> None:
+    """Check the integer keys of a dataset spec (:data:`SPEC_INT_RANGES`) that are present and not null.
+
+    Raises:
+        DataError: a value that is not an integer or is out of range, naming the key, the value and the
+            allowed range.
+    """
+    kind = spec.get("kind")
+    for key, (lo, hi) in SPEC_INT_RANGES.items():
+        value = spec.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise DataError(f"dataset {kind!r}: key {key!r} must be an integer, got {value!r}")
+        if not lo <= value <= hi:
+            raise DataError(f"dataset {kind!r}: key {key!r} is {value}; allowed: {lo} to {hi}")
 
 
 def _image_input(inputs: list[InputInfo], name: Any, preprocess: Any, kind: str) -> str:
@@ -104,6 +141,7 @@ def _make_dataset(spec: Mapping[str, Any], *, inputs: list[InputInfo], tokenizer
         raise DataError(
             f"dataset {kind!r}: missing required key(s) {missing}; allowed keys: {sorted(allowed)}"
         )
+    check_spec_ints(spec)
     if not inputs:
         raise DataError("the model has no inputs to feed")
 

@@ -12,6 +12,8 @@ Preprocessing, in order (torchvision's ``Resize`` + ``CenterCrop`` + ``Normalize
 from __future__ import annotations
 
 import os
+import re
+import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -30,6 +32,7 @@ __all__ = [
     "Preprocess",
     "get_preprocess",
     "list_images",
+    "load_image",
     "preprocess_image",
 ]
 
@@ -172,6 +175,36 @@ def list_images(folder: str | os.PathLike[str]) -> list[Path]:
     return files
 
 
+def _bomb_pixels(exc: Exception) -> str:
+    """The pixel count PIL names in a DecompressionBombError ("Image size (400000000 pixels) exceeds ...")."""
+    found = re.search(r"\((\d+) pixels\)", str(exc))
+    return f"{int(found.group(1))} pixels" if found else "too many pixels"
+
+
+def load_image(path: Path, pre: Preprocess) -> np.ndarray:
+    """Decode one image file and apply ``pre``.
+
+    Images larger than Pillow's decompression-bomb limit (``2 x PIL.Image.MAX_IMAGE_PIXELS``, about 179
+    million pixels by default; a Python user may raise ``PIL.Image.MAX_IMAGE_PIXELS``) are refused from
+    their header, before any pixel is decoded.
+
+    Raises:
+        DataError: naming the file: not an image, truncated or corrupt, or too many pixels (with its pixel
+            count and the limit).
+    """
+    try:
+        with Image.open(path) as img:
+            return preprocess_image(img, pre)
+    except Image.DecompressionBombError as e:
+        limit = 2 * Image.MAX_IMAGE_PIXELS if Image.MAX_IMAGE_PIXELS else None
+        raise DataError(
+            f"image {str(path)!r} has {_bomb_pixels(e)}; allowed: at most {limit} pixels (Pillow's "
+            "decompression-bomb limit, 2 x PIL.Image.MAX_IMAGE_PIXELS); shrink the image"
+        ) from None
+    except (OSError, ValueError, SyntaxError, EOFError, struct.error) as e:
+        raise DataError(f"cannot read image {str(path)!r} (not an image, truncated or corrupt): {e}") from e
+
+
 class ImageFolderDataset:
     """Preprocessed photos from a folder, decoded one batch at a time."""
 
@@ -210,11 +243,8 @@ class ImageFolderDataset:
             yield {self.input_name: np.stack(arrays)}
 
     def _load(self, path: Path) -> np.ndarray:
-        try:
-            with Image.open(path) as img:
-                return preprocess_image(img, self.preprocess)
-        except (OSError, ValueError) as e:
-            raise DataError(f"cannot read image {str(path)!r}: {e}") from e
+        """Decode and preprocess one file (see :func:`load_image`)."""
+        return load_image(path, self.preprocess)
 
     def __len__(self) -> int:
         return len(self.files)

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from quantkit.data.base import check_batch_size, new_hasher
+from quantkit.data.base import MAX_SAMPLES, check_batch_size, new_hasher
 from quantkit.data.images import Preprocess, get_preprocess, preprocess_image, to_rgb_uint8
 from quantkit.errors import DataError
 
@@ -136,8 +136,11 @@ def _crop(spec: CropSpec) -> np.ndarray:
 
 
 def _check_count(count: int) -> None:
+    """``count`` must be an integer from 1 to :data:`~quantkit.data.base.MAX_SAMPLES`."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise DataError(f"sample photo count must be a positive integer, got {count!r}")
+    if count > MAX_SAMPLES:
+        raise DataError(f"sample photo count is {count}; allowed: 1 to {MAX_SAMPLES}")
 
 
 class SamplePhotosDataset:

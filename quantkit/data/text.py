@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from quantkit.data.base import check_batch_size, hash_array, new_hasher
+from quantkit.data.base import MAX_SEQ_LEN, check_batch_size, hash_array, new_hasher
 from quantkit.errors import DataError
 
 __all__ = ["TEXT_INPUTS", "TEXT_MODES", "TextDataset", "load_text", "split_sentences"]
@@ -119,8 +119,8 @@ class TextDataset:
                 iterable of strings.
             tokenizer: a Hugging Face tokenizer (callable, ``pad_token_id``, ``model_input_names``).
             mode: ``"sentences"`` or ``"windows"``.
-            seq_len: tokens per sample.
-            count: number of samples (default: all available).
+            seq_len: tokens per sample (2 to :data:`~quantkit.data.base.MAX_SEQ_LEN`).
+            count: number of samples (default: all available; more than there are is an error).
             seed: sentence sampling seed.
             split: None (all), ``"calibration"`` or ``"evaluation"`` (disjoint).
             offset: windows mode only, windows of the split to skip.
@@ -137,6 +137,8 @@ class TextDataset:
         for key, value, low in (("seq_len", seq_len, 2), ("offset", offset, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise DataError(f"text {key} must be an integer >= {low}, got {value!r}")
+        if seq_len > MAX_SEQ_LEN:
+            raise DataError(f"text seq_len is {seq_len}; allowed: 2 to {MAX_SEQ_LEN}")
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
             raise DataError(f"text count must be a positive integer or None, got {count!r}")
         if offset and mode != "windows":

@@ -6,7 +6,8 @@ statistics pass per kind of statistic the plan's format handlers need, one lower
 
 * :meth:`PrecisionPlan.from_recipe`: the recipe's default and overrides, resolved per node.
   Resolution order (first hit wins): an override naming the node exactly (``layer``), then the first
-  override whose ``pattern`` regex matches the node name **or its module path** (``re.search``; the
+  override whose ``pattern`` regex matches the node name **or its module path** (``re.search`` semantics, run with a
+  time limit by :func:`quantkit.recipe.patterns.pattern_search`: a runaway match is a ``RecipeError``; the
   module path is the PyTorch module a node was exported from, e.g. ``encoder.layer.0.intermediate.dense``
   for the exporter's ``node_MatMul_119``), then the first override naming the node's ``op_type``, then
   the default.  Fields an override leaves unset are inherited from the default.
@@ -17,11 +18,11 @@ statistics pass per kind of statistic the plan's format handlers need, one lower
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from quantkit.recipe.patterns import pattern_search
 from quantkit.recipe.schema import (
     ActivationScheme,
     Candidate,
@@ -61,8 +62,11 @@ def _pick(recipe: RecipeModel, layer: str, op_type: str, module: str | None = No
     for ov in ovs:
         if ov.layer is not None and ov.layer == layer:
             return ov, f"layer:{ov.layer}"
-    for ov in ovs:
-        if ov.pattern is not None and (re.search(ov.pattern, layer) or (module and re.search(ov.pattern, module))):
+    for i, ov in enumerate(ovs):
+        if ov.pattern is None:
+            continue
+        where = f"quantization.overrides[{i}].pattern"
+        if pattern_search(ov.pattern, layer, where) or (module and pattern_search(ov.pattern, module, where)):
             return ov, f"pattern:{ov.pattern}"
     for ov in ovs:
         if ov.op_type is not None and ov.op_type == op_type:

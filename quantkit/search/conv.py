@@ -93,9 +93,9 @@ class ConvSpace:
                 f"quantization.default.format is {rec.quantization.default.format!r}: a search with an int8 "
                 "candidate takes its int8 scheme from the default; allowed: int8"
             )
-        import re
+        from quantkit.recipe.patterns import pattern_search
 
-        pattern = re.compile(rec.search.layers) if rec.search is not None and rec.search.layers else None
+        layers_re = rec.search.layers if rec.search is not None and rec.search.layers else None
         if any(c.format in LINEAR_ONLY for c in cands.values()):  # weight-only classifier: Gemm -> MatMul + Add
             from quantkit.prep.gemm_to_matmul import gemm_to_matmul
 
@@ -115,7 +115,7 @@ class ConvSpace:
             lp = plan.layers.get(name)
             if lp is None:
                 continue
-            if lp.rule != "default" or (pattern is not None and not pattern.search(name)):
+            if lp.rule != "default" or (layers_re is not None and not pattern_search(layers_re, name, "search.layers")):
                 pinned.append(name)
                 continue
             w = constant_array(node.inputs[1])

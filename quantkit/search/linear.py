@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +47,7 @@ from quantkit.formats.dynamic import DynamicArtifact, DynamicInt8
 from quantkit.formats.weight_only import WeightOnly
 from quantkit.lowering.select import constant_array, layer_plan, recipe_op_type
 from quantkit.ops import module_path
+from quantkit.recipe.patterns import pattern_search
 from quantkit.recipe.plan import LayerPlan, PrecisionPlan, overridden, with_candidate
 from quantkit.recipe.schema import Candidate, RecipeModel
 from quantkit.scheme.target import resolve_target
@@ -114,7 +114,7 @@ def find_linear_layers(model: ir.Model, rec: RecipeModel) -> tuple[dict[str, Lin
     no override names and that match ``search.layers`` (when set).  Pinned: those an override names."""
     from quantkit.weight_only import _tied_gather
 
-    pattern = re.compile(rec.search.layers) if rec.search is not None and rec.search.layers else None
+    layers_re = rec.search.layers if rec.search is not None and rec.search.layers else None
     out: dict[str, LinearLayer] = {}
     pinned: list[str] = []
     for node in model.graph:
@@ -137,7 +137,7 @@ def find_linear_layers(model: ir.Model, rec: RecipeModel) -> tuple[dict[str, Lin
         if overridden(rec, node.name, recipe_op_type(node), module_path(node)):
             pinned.append(node.name)
             continue
-        if pattern is not None and not pattern.search(node.name):
+        if layers_re is not None and not pattern_search(layers_re, node.name, "search.layers"):
             continue
         out[node.name] = LinearLayer(node.name, x.name or "", wname, K, N, tied=tied)
     return out, pinned
