@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from quantkit.checksum import array_digest
+
 log = logging.getLogger("quantkit")
 
 FORMAT_VERSION = 1
@@ -48,16 +50,7 @@ def cache_key(model_digest: str, data_fingerprint: str, settings: Mapping[str, A
 _DIGEST = "__sha256__"
 
 
-def _digest(flat: Mapping[str, np.ndarray]) -> str:
-    """sha256 over every array's name, dtype, shape and bytes, in name order."""
-    h = hashlib.sha256()
-    for k in sorted(flat):
-        a = np.ascontiguousarray(flat[k])
-        h.update(k.encode())
-        h.update(str(a.dtype).encode())
-        h.update(str(a.shape).encode())
-        h.update(a.tobytes())
-    return h.hexdigest()
+_digest = array_digest  # the checksum every quantkit cache uses (quantkit.checksum)
 
 
 class StatsCache:

@@ -35,7 +35,7 @@ from typing import Any
 import onnx_ir as ir
 
 from quantkit.errors import ModelError
-from quantkit.frontends.cache import atomic_write_dir, cache_dir
+from quantkit.frontends.cache import atomic_write_dir, cache_dir, verified_entry
 from quantkit.frontends.onnx_file import load_onnx
 from quantkit.registry import Registry
 
@@ -133,7 +133,7 @@ def load_builtin(name: str, *, refresh: bool = False) -> ir.Model:
     folder = builtin_cache_path(name)
     if refresh and folder.exists():
         shutil.rmtree(folder)
-    if not (folder / "model.onnx").is_file():
+    if not verified_entry(folder, f"export of the built-in {name!r}"):
 
         def fill(tmp: Path) -> None:
             model = spec.export()

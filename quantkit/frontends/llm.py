@@ -58,7 +58,7 @@ import onnx_ir.external_data
 import onnx_ir.passes
 
 from quantkit.errors import ModelError
-from quantkit.frontends.cache import atomic_write_dir, cache_dir
+from quantkit.frontends.cache import atomic_write_dir, cache_dir, verified_entry
 from quantkit.frontends.torch_module import DEFAULT_OPSET, _quiet_export
 
 if TYPE_CHECKING:
@@ -463,12 +463,26 @@ def _child_main(gguf_path: str, out: str) -> None:
         raise SystemExit(3) from None
 
 
+def _die_with_parent() -> None:
+    """In a child process (``preexec_fn``): be killed when the parent dies (Linux; a no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
 def _convert_in_child(gguf: Path, out: Path) -> None:
     """:func:`_convert_smollm2` in a fresh Python process.
 
     Loading the GGUF through transformers imports torch and leaves ~350 MB of its allocations in the process
     for good; a layer-wise recipe on a cold cache then peaked that much higher than on a warm one.  A child
-    process returns all of it when it exits (and costs ~3 s to start).  Ctrl-C stops the child with the parent."""
+    process returns all of it when it exits (and costs ~3 s to start).  Ctrl-C stops the child with the parent;
+    so does a SIGKILL of the parent (Linux: the child asks for ``PR_SET_PDEATHSIG``), so that no orphan keeps
+    writing into a temporary folder that the next run removes as stale."""
     import subprocess
 
     pkg_root = str(Path(__file__).resolve().parents[2])
@@ -476,7 +490,7 @@ def _convert_in_child(gguf: Path, out: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
     code = "import sys; from quantkit.frontends.llm import _child_main; _child_main(sys.argv[1], sys.argv[2])"
     proc = subprocess.run([sys.executable, "-c", code, str(gguf), str(out)], env=env, capture_output=True,
-                          text=True, check=False)  # fmt: skip
+                          text=True, check=False, preexec_fn=_die_with_parent)  # fmt: skip
     if proc.returncode != 0:
         marked = [ln[len(_CHILD_ERROR):] for ln in proc.stderr.splitlines() if ln.startswith(_CHILD_ERROR)]
         detail = marked[-1] if marked else (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
@@ -504,7 +518,7 @@ def smollm2_folder(*, refresh: bool = False) -> Path:
         import shutil
 
         shutil.rmtree(dest)
-    if (dest / "config.json").is_file() and (dest / "model.safetensors").is_file():
+    if verified_entry(dest, "converted checkpoint"):
         return dest
 
     def fill(tmp: Path) -> None:
@@ -548,7 +562,7 @@ def causal_lm_with_cache_path(name: str = "smollm2-135m", *, refresh: bool = Fal
         import shutil
 
         shutil.rmtree(folder)
-    if not (folder / "model.onnx").is_file():
+    if not verified_entry(folder, "exported KV-cache model"):
 
         def fill(tmp: Path) -> None:
             t0 = time.perf_counter()
@@ -601,7 +615,7 @@ def built_decoder_path(folder: str | Path, *, refresh: bool = False) -> Path:
         import shutil
 
         shutil.rmtree(dest)
-    if not (dest / "model.onnx").is_file():
+    if not verified_entry(dest, "FP32 decoder"):
 
         def fill(tmp: Path) -> None:
             t0 = time.perf_counter()

@@ -37,6 +37,8 @@ import numpy as np
 import onnxruntime as ort
 from tqdm.auto import tqdm
 
+from quantkit.checksum import dumps_checked, loads_checked
+
 log = logging.getLogger("quantkit")
 
 __all__ = ["CostTable", "measure_costs"]
@@ -99,7 +101,7 @@ def _save(path: Path, table: CostTable) -> None:
     from quantkit.report.build import atomic_write_text
 
     try:
-        atomic_write_text(path, json.dumps(table.to_json()))
+        atomic_write_text(path, dumps_checked(table.to_json()))
     except OSError as exc:
         log.warning("cannot write the cost cache %s (%s); carrying on without it", path, exc)
 
@@ -176,10 +178,10 @@ def measure_costs(
     path = cost_cache_path(cache_parts) if cache_parts is not None else None
     if path is not None and path.exists():
         try:
-            table = CostTable.from_json(json.loads(path.read_text()))
+            table = CostTable.from_json(loads_checked(path.read_text()))  # checksummed: an edit is a miss
             log.info("cost table reused from %s", path)
             return table
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             log.warning("cost cache %s unusable (%s); measuring again", path, exc)
     units = space.units
     layer_names = [n for u in units for n in u.layers]

@@ -41,6 +41,8 @@ import onnx
 import onnxruntime as ort
 from tqdm.auto import tqdm
 
+from quantkit.checksum import dumps_checked, loads_checked
+
 log = logging.getLogger("quantkit")
 
 __all__ = ["DamageTable", "measure_sensitivity", "probe_model"]
@@ -95,11 +97,12 @@ class _TableCache:
         self.table: DamageTable = {}
         if path is not None and path.exists():
             try:
-                raw = json.loads(path.read_text())
+                raw = loads_checked(path.read_text())  # checksummed: an edited table is a miss
                 self.table = {
                     (k.split("\t")[0], k.split("\t")[1]): float(v) for k, v in raw["damage"].items()
                 }
-            except (OSError, ValueError, KeyError, IndexError) as exc:
+            except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+                self.table = {}
                 log.warning("sensitivity cache %s unusable (%s); measuring again", path, exc)
 
     def save(self) -> None:
@@ -107,7 +110,7 @@ class _TableCache:
             return
         from quantkit.report.build import atomic_write_text
 
-        blob = json.dumps({"damage": {f"{u}\t{c}": v for (u, c), v in sorted(self.table.items())}})
+        blob = dumps_checked({"damage": {f"{u}\t{c}": v for (u, c), v in sorted(self.table.items())}})
         try:
             atomic_write_text(self.path, blob)
         except OSError as exc:

@@ -229,7 +229,13 @@ def test_austen_text_from_cache_and_missing_apt(tmp_path: Path, monkeypatch: pyt
     folder.mkdir()
     for key in AUSTEN_BOOKS:
         (folder / f"{key}.txt").write_text(f"text of {key}\n", encoding="utf-8")
+    from quantkit.checksum import write_checksums
+
+    write_checksums(folder)  # a cache entry as quantkit writes it (verified on read)
     assert austen_text("Emma") == "text of emma\n"
+    (folder / "emma.txt").write_text("edited\n", encoding="utf-8")  # no longer what was cached: a miss
+    with pytest.raises(DataError, match="apt-get"):
+        austen_text("emma")
 
 
 @pytest.mark.slow

@@ -108,6 +108,9 @@ def test_text_source_austen_and_pydoc(tiny: tuple[Any, ir.Model, Any], monkeypat
     (tmp_path / "janeaustenr").mkdir()
     for key in AUSTEN_BOOKS:
         (tmp_path / "janeaustenr" / f"{key}.txt").write_text(f"{key} " * 400, encoding="utf-8")
+    from quantkit.checksum import write_checksums
+
+    write_checksums(tmp_path / "janeaustenr")  # a cache entry as quantkit writes it (verified on read)
     inputs = model_inputs(model)
     ds = make_dataset(
         {"kind": "text", "source": "austen:emma", "mode": "windows", "seq_len": 100, "count": 3},
