@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, RecipeError
 from quantkit.evaluate.metrics import sqnr_db
 from quantkit.pipeline import save_model
 from quantkit.recipe import RecipeModel, load_recipe
@@ -67,6 +67,10 @@ def quantize(
     recipe's ``report.latency.enabled``.
     """
     t_start = time.perf_counter()
+    check_flags("quantize", progress=progress, evaluate=evaluate, use_cache=use_cache)
+    if measure_latency is not None and not isinstance(measure_latency, bool):
+        raise RecipeError(f"quantize(): measure_latency must be True, False or None, got "
+                          f"{type(measure_latency).__name__} {measure_latency!r}")  # fmt: skip
     rec = load_recipe(recipe if recipe is not None else {"version": 1, "name": "api"})
     if model is None and rec.model is None:
         raise QuantkitError("quantize() needs a model: pass one, or name it in the recipe's model.source")
@@ -89,6 +93,13 @@ def quantize(
     return run_plan(loaded, float_model, PrecisionPlan.from_recipe(rec), cal, evaluation_data=evaluation_data,
                     evaluate=evaluate, measure_latency=measure_latency, progress=progress, use_cache=use_cache,
                     timings=timings, t_start=t_start)
+
+
+def check_flags(func: str, **flags: Any) -> None:
+    """Refuse a non-bool value for an API switch (``use_cache="no"`` would be taken as true)."""
+    for key, val in flags.items():
+        if not isinstance(val, bool):
+            raise RecipeError(f"{func}(): {key} must be True or False, got {type(val).__name__} {val!r}")
 
 
 def _quantize_searched(

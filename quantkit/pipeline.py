@@ -24,7 +24,7 @@ import onnx_ir as ir
 from quantkit.calibrate import get_calibrator
 from quantkit.calibrate.collect import collect_statistics
 from quantkit.data import Dataset, as_dataset, make_dataset, model_inputs
-from quantkit.errors import DataError, QuantkitError
+from quantkit.errors import DataError, ModelError, QuantkitError
 from quantkit.evaluate.latency import compare_latency, make_session
 from quantkit.evaluate.metrics import FidelityAccumulator
 from quantkit.frontends import LoadedModel
@@ -34,6 +34,9 @@ from quantkit.recipe import RecipeModel
 __all__ = [
     "EXTERNAL_DATA_THRESHOLD",
     "calibrate_ranges",
+    "decoder_context",
+    "check_context",
+    "check_not_empty",
     "eval_dataset",
     "evaluate_fidelity",
     "layer_sqnr",
@@ -76,12 +79,54 @@ def model_bytes(model: ir.Model) -> bytes:
 
 
 def eval_dataset(recipe: RecipeModel, loaded: LoadedModel, evaluation_data: Any, inputs: list[Any]) -> Dataset | None:
+    """The evaluation set (``evaluation_data``, else the recipe's ``evaluation.data``), None when neither is given.
+
+    Raises:
+        DataError: the data was asked for but holds no sample (nothing to evaluate the model on).
+    """
     if evaluation_data is not None:
-        return as_dataset(evaluation_data, inputs, tokenizer=loaded.tokenizer)
+        try:
+            ds = as_dataset(evaluation_data, inputs, tokenizer=loaded.tokenizer)
+        except DataError as exc:
+            raise DataError(f"evaluation_data: {exc}") from exc
+        check_not_empty(ds, "evaluation_data (passed through the API)")
+        return ds
     if recipe.evaluation.data is not None:
-        return make_dataset(recipe.evaluation.data.model_dump(), inputs=inputs, tokenizer=loaded.tokenizer,
-                            split="evaluation")
+        spec = recipe.evaluation.data.model_dump()
+        ds = make_dataset(spec, inputs=inputs, tokenizer=loaded.tokenizer, split="evaluation")
+        check_not_empty(ds, "evaluation.data (" + ", ".join(f"{k}={v}" for k, v in spec.items() if v is not None) + ")")
+        return ds
     return None
+
+
+def decoder_context(model: ir.Model) -> int | None:
+    """The positions a built KV-cache decoder covers (its ``cos_cache`` rows), None for other graphs."""
+    cos = model.graph.initializers.get("cos_cache")
+    if cos is None or cos.shape is None or not cos.shape.dims or not isinstance(cos.shape[0], int):
+        return None
+    return int(cos.shape[0])
+
+
+def check_context(ds: Dataset, positions: int | None, what: str) -> None:
+    """Refuse token sequences longer than a decoder's context before any work (ONNX Runtime would fail in the
+    middle of calibration or evaluation)."""
+    if positions is None:
+        return
+    longest = 0
+    for feed in ds.batches(64):
+        ids = feed.get("input_ids")
+        if ids is not None and ids.ndim == 2:
+            longest = max(longest, int(ids.shape[1]))
+    if longest > positions:
+        raise DataError(f"{what}: sequences of {longest} tokens do not fit the model's context of {positions} "
+                        f"positions; allowed: seq_len <= {positions}")  # fmt: skip
+
+
+def check_not_empty(ds: Dataset, what: str) -> None:
+    """Refuse an evaluation set with no sample: the report would have no quality numbers and say nothing."""
+    if len(ds) == 0:
+        raise DataError(f"{what} holds no sample: there is nothing to evaluate the quantized model on; allowed: data "
+                        "with at least one sample, or no evaluation data at all")  # fmt: skip
 
 
 
@@ -228,6 +273,8 @@ def verify_model(model: str | os.PathLike[str] | onnx.ModelProto, data: Any = No
     from quantkit.report.build import kernel_warnings
     from quantkit.scheme.target import Target
 
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise QuantkitError(f"samples {samples!r}: allowed: an integer >= 1 (the samples to compare)")
     if isinstance(model, onnx.ModelProto):
         proto = model
     else:
@@ -238,6 +285,11 @@ def verify_model(model: str | os.PathLike[str] | onnx.ModelProto, data: Any = No
             proto = onnx.load(str(path))
         except Exception as exc:  # noqa: BLE001 - protobuf raises several types on a broken file
             raise QuantkitError(f"{path}: not a readable ONNX model ({exc})") from None
+    if not _has_quantized_ops(proto):
+        where = "the model" if isinstance(model, onnx.ModelProto) else repr(str(model))
+        raise ModelError(f"{where} has no quantized layer (no QuantizeLinear / DequantizeLinear, integer or n-bit "
+                         "kernel): there is nothing to verify; allowed: a model quantkit quantized (quantkit "
+                         "calibrate writes one)")  # fmt: skip
     meta = {p.key: p.value for p in proto.metadata_props}
     tgt = json.loads(meta["quantkit.target"]) if "quantkit.target" in meta else None
     target = Target(**tgt) if tgt else Target(device="cpu", isa="unknown", cpu_class="unknown")
@@ -249,6 +301,16 @@ def verify_model(model: str | os.PathLike[str] | onnx.ModelProto, data: Any = No
     out["ok"] = bool(out.get("check", {}).get("agree", True))
     return out
 
+
+
+_QUANTIZED_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger",
+                            "ConvInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "MatMulNBits",
+                            "GatherBlockQuantized", "QGemm"})  # fmt: skip
+
+
+def _has_quantized_ops(proto: onnx.ModelProto) -> bool:
+    nodes = [*proto.graph.node, *(n for f in proto.functions for n in f.node)]
+    return any(n.op_type in _QUANTIZED_OPS or n.op_type.startswith("QLinear") for n in nodes)
 
 
 def _first_feed(ds: Dataset, batch_size: int) -> dict[str, np.ndarray]:

@@ -36,6 +36,8 @@ class ChannelMean:
         if x.ndim == 0:
             return
         ax = self.axis % x.ndim
+        if x.shape[ax] == 0:  # no channel to average (an empty layer is refused before calibration)
+            return
         others = tuple(i for i in range(x.ndim) if i != ax)
         s = np.sum(x.astype(np.float64), axis=others)
         self.sum = s if self.sum is None else self.sum + s

@@ -33,12 +33,14 @@ from typing import TYPE_CHECKING, Any
 import onnx_ir as ir
 
 from quantkit.errors import ModelError
+from quantkit.frontends.checkpoint import check_config_values, checkpoint_tensors
 from quantkit.frontends.torch_module import DEFAULT_OPSET, from_torch
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HF_TASKS", "detect_task", "from_hf_folder", "load_hf_tokenizer", "sentence_transformers_config"]
+__all__ = ["HF_TASKS", "check_hf_folder", "detect_task", "from_hf_folder", "load_hf_tokenizer",
+           "sentence_transformers_config"]
 
 HF_TASKS = ("auto", "encoder", "causal-lm")
 _POOLING_ORDER = ("cls", "max", "mean", "mean_sqrt_len")
@@ -69,8 +71,13 @@ def _check_folder(path: str | os.PathLike[str]) -> Path:
 
 def detect_task(path: str | os.PathLike[str]) -> str:
     """``"causal-lm"`` if config.json's ``architectures`` name a ``*ForCausalLM``, else ``"encoder"``."""
-    config = _read_json(_check_folder(path) / "config.json")
+    where = _check_folder(path) / "config.json"
+    config = _read_json(where)
+    if not isinstance(config, dict):
+        raise ModelError(f"{str(where)!r}: config.json must hold a JSON object, got {type(config).__name__}")
     archs = config.get("architectures") or []
+    if not isinstance(archs, list):
+        archs = [archs]
     return "causal-lm" if any(str(a).endswith("ForCausalLM") for a in archs) else "encoder"
 
 
@@ -123,6 +130,16 @@ def sentence_transformers_config(path: str | os.PathLike[str]) -> tuple[tuple[st
             f"{str(pooling_dir)!r}: no pooling mode is enabled; expected one of {list(flags.values())}"
         )
     return modes, normalize
+
+
+def check_hf_folder(path: str | os.PathLike[str]) -> None:
+    """Refuse, before any tokenization or allocation, a folder whose ``config.json`` holds nonsensical sizes
+    (``num_attention_heads: 0``, a ``max_position_embeddings`` of 300 million, ...) or whose safetensors files
+    are malformed, point outside the folder (index ``weight_map``) or hold non-float weights
+    (:mod:`quantkit.frontends.checkpoint`)."""
+    folder = _check_folder(path)
+    check_config_values(_read_json(folder / "config.json"), str(folder / "config.json"))
+    checkpoint_tensors(folder)
 
 
 def load_hf_tokenizer(path: str | os.PathLike[str]) -> Any:
@@ -218,6 +235,7 @@ def from_hf_folder(
         raise ModelError(f"seq_len must be >= 2 so that the sequence dim stays dynamic, got {seq_len}")
     if task == "auto":
         task = detect_task(folder)
+    check_hf_folder(folder)
 
     import torch
     from transformers import AutoModel, AutoModelForCausalLM

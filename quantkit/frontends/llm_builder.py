@@ -62,15 +62,19 @@ import onnx
 from onnx import TensorProto, helper
 
 from quantkit.errors import ModelError
+from quantkit.frontends.checkpoint import TensorInfo, check_config_values, checkpoint_tensors
 
 __all__ = [
     "BuildHook",
+    "ContextFullError",
     "DecoderConfig",
     "LOGITS_TO_KEEP",
     "PackedLinear",
+    "ROTARY_CACHE_POSITIONS",
     "block_model",
     "LLMSession",
     "build_llm",
+    "check_decoder_folder",
     "generate",
     "read_decoder_config",
 ]
@@ -79,6 +83,9 @@ OPSET = 21
 _MS = "com.microsoft"
 _ALIGN = 4096  # external-data offsets page-aligned: ORT can memory-map them
 _SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "smollm", "smollm2")
+ROTARY_CACHE_POSITIONS = 1 << 17
+"""The most positions a built decoder's rotary (cos / sin) caches hold: its context is
+``min(max_position_embeddings, ROTARY_CACHE_POSITIONS)`` (131072, Llama 3.1's; 64 MiB of caches at head_dim 128)."""
 
 
 # --------------------------------------------------------------------------- config
@@ -112,6 +119,11 @@ class DecoderConfig:
         factor = float((self.rope_scaling or {}).get("partial_rotary_factor", 1.0))
         return int(self.head_dim * factor)
 
+    @property
+    def context_length(self) -> int:
+        """Positions a built decoder covers (its rotary caches' rows): see :data:`ROTARY_CACHE_POSITIONS`."""
+        return min(self.max_position_embeddings, ROTARY_CACHE_POSITIONS)
+
 
 def read_decoder_config(folder: str | Path) -> DecoderConfig:
     """Parse ``folder/config.json``; :class:`ModelError` on an architecture this builder cannot do."""
@@ -120,6 +132,7 @@ def read_decoder_config(folder: str | Path) -> DecoderConfig:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot read {str(path)!r}: {e}") from e
+    check_config_values(cfg, str(path))  # sizes in a sane range before anything is computed from them
     model_type = str(cfg.get("model_type", "")).lower()
     if model_type not in _SUPPORTED_TYPES:
         raise ModelError(
@@ -165,14 +178,54 @@ def read_decoder_config(folder: str | Path) -> DecoderConfig:
         raise ModelError(f"{str(path)!r}: missing or bad field: {e}") from e
     if heads % kv_heads:
         raise ModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    kind = (out.rope_scaling or {}).get("rope_type", (out.rope_scaling or {}).get("type", "default"))
-    if kind not in ("default", "linear", "llama3"):
-        raise ModelError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+    if not cfg.get("head_dim") and hidden % heads:
+        raise ModelError(f"{str(path)!r}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                         "and there is no head_dim; allowed: a multiple, or an explicit head_dim")  # fmt: skip
+    _check_numbers(out, str(path))
     return out
 
 
+def _positive(value: Any, *, zero: bool = False) -> bool:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return False
+    return not isinstance(value, bool) and math.isfinite(v) and (v >= 0 if zero else v > 0)
+
+
+def _check_numbers(cfg: DecoderConfig, where: str) -> None:
+    """Refuse float settings the rotary caches and norms cannot use (NaN, zero or negative)."""
+    if not _positive(cfg.rms_norm_eps, zero=True):
+        raise ModelError(f"{where}: rms_norm_eps {cfg.rms_norm_eps!r}; allowed: a finite number >= 0")
+    if not _positive(cfg.rope_theta):
+        raise ModelError(f"{where}: rope_theta {cfg.rope_theta!r}; allowed: a finite number > 0")
+    if cfg.sliding_window is not None and cfg.sliding_window < 1:
+        raise ModelError(f"{where}: sliding_window {cfg.sliding_window}; allowed: an integer >= 1 or null")
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise ModelError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+    keys = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings")}.get(kind, ())  # fmt: skip
+    for key in keys:
+        if not _positive(sc.get(key)):
+            raise ModelError(f"{where}: rope_scaling {kind} {key} {sc.get(key)!r}; allowed: a finite number > 0")
+    if kind == "llama3" and float(sc["high_freq_factor"]) == float(sc["low_freq_factor"]):
+        raise ModelError(f"{where}: rope_scaling llama3 high_freq_factor equals low_freq_factor "
+                         f"({sc['low_freq_factor']}); allowed: two different numbers")  # fmt: skip
+    factor = sc.get("partial_rotary_factor", 1.0)
+    if not _positive(factor) or float(factor) > 1:
+        raise ModelError(f"{where}: partial_rotary_factor {factor!r}; allowed: a number in (0, 1]")
+    if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
+        raise ModelError(f"{where}: head_dim {cfg.head_dim} gives a rotary dimension of {cfg.rotary_dim}; allowed: "
+                         "an even number >= 2")  # fmt: skip
+
+
 def rotary_caches(cfg: DecoderConfig, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``cos``, ``sin`` ``[length, rotary_dim / 2]`` float32, computed as transformers does (float32)."""
+    """``cos``, ``sin`` ``[length, rotary_dim / 2]`` float32, computed as transformers does (float32).
+
+    ``length`` defaults to :attr:`DecoderConfig.context_length` (never more than :data:`ROTARY_CACHE_POSITIONS`
+    rows, whatever ``max_position_embeddings`` says)."""
     dim = cfg.rotary_dim
     inv = 1.0 / (
         np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)
@@ -191,7 +244,7 @@ def rotary_caches(cfg: DecoderConfig, length: int | None = None) -> tuple[np.nda
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
         inv = np.where(medium, smoothed, scaled).astype(np.float32)
-    t = np.arange(length or cfg.max_position_embeddings, dtype=np.float32)
+    t = np.arange(length or cfg.context_length, dtype=np.float32)
     freqs = np.outer(t, inv).astype(np.float32)
     return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
 
@@ -203,20 +256,12 @@ class _Checkpoint:
     """Tensor name -> shard file of a safetensors checkpoint; reads tensors as float32, a few at a time."""
 
     def __init__(self, folder: Path) -> None:
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.where = {k: folder / v for k, v in weight_map.items()}
-        else:
-            files = sorted(folder.glob("*.safetensors"))
-            if not files:
-                raise ModelError(f"no *.safetensors in {str(folder)!r}")
-            from safetensors import safe_open
-
-            self.where = {}
-            for f in files:
-                with safe_open(str(f), framework="numpy") as h:
-                    self.where.update({k: f for k in h.keys()})  # noqa: SIM118
+        # the headers are checked (lengths, offsets inside the files, float dtypes) and the index's weight_map
+        # (plain file names inside the folder) before safetensors maps a file
+        self.tensors: dict[str, TensorInfo] = checkpoint_tensors(folder)
+        if not self.tensors:
+            raise ModelError(f"no *.safetensors in {str(folder)!r}")
+        self.where = {k: t.file for k, t in self.tensors.items()}
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
@@ -500,6 +545,46 @@ def block_tensor_names(cfg: DecoderConfig, index: int, has: Any) -> list[str]:
     return names
 
 
+def check_checkpoint(cfg: DecoderConfig, ckpt: _Checkpoint) -> None:
+    """Every tensor the build reads exists with the shape ``config.json`` implies - from the headers, before
+    anything is allocated from the config's sizes.
+
+    Raises:
+        ModelError: naming the first missing or mis-shaped tensor.
+    """
+    H, V = cfg.hidden_size, cfg.vocab_size
+    want: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not (cfg.tie_word_embeddings or "lm_head.weight" not in ckpt):
+        want["lm_head.weight"] = (V, H)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        want[f"{p}.input_layernorm.weight"] = want[f"{p}.post_attention_layernorm.weight"] = (H,)
+        for s, shape in linear_shapes(cfg).items():
+            want[f"{p}.{s}.weight"] = shape
+            if f"{p}.{s}.bias" in ckpt:
+                want[f"{p}.{s}.bias"] = shape[:1]
+    missing = [n for n in want if n not in ckpt]
+    if missing:
+        raise ModelError(f"the checkpoint lacks tensor(s) {missing[:4]} ({len(missing)} in all) that config.json "
+                         f"implies (num_hidden_layers {cfg.num_hidden_layers}, tie_word_embeddings "
+                         f"{cfg.tie_word_embeddings})")  # fmt: skip
+    for n, expected in want.items():
+        got = ckpt.tensors[n].shape
+        if got != expected:
+            raise ModelError(f"tensor {n!r} in {str(ckpt.tensors[n].file)!r} has shape {list(got)}, config.json "
+                             f"implies {list(expected)} (hidden_size {H}, vocab_size {V}, num_attention_heads "
+                             f"{cfg.num_attention_heads}, num_key_value_heads {cfg.num_key_value_heads}, head_dim "
+                             f"{cfg.head_dim}, intermediate_size {cfg.intermediate_size})")  # fmt: skip
+
+
+def check_decoder_folder(folder: str | Path) -> DecoderConfig:
+    """:func:`read_decoder_config` plus :func:`check_checkpoint`: the folder can be built, checked from the config
+    and the safetensors headers only (no tensor is read)."""
+    cfg = read_decoder_config(folder)
+    check_checkpoint(cfg, _Checkpoint(Path(folder)))
+    return cfg
+
+
 def _fold_norm(gamma: Any, qs: list[PackedLinear | None]) -> tuple[Any, list[PackedLinear | None]]:
     """Fold a shared AWQ input scale of the layers ``qs`` (all readers of the norm) into the norm weight."""
     scales = [q.input_scale for q in qs if q is not None]
@@ -672,7 +757,7 @@ def _model(g: _GraphBuilder, inputs: list[Any], outputs: list[Any], name: str = 
 
 
 def block_model(cfg: DecoderConfig, index: int, weights: dict[str, Any], packed: dict[str, PackedLinear],
-                taps: Iterable[str] = ()) -> onnx.ModelProto:
+                taps: Iterable[str] = (), positions: int | None = None) -> onnx.ModelProto:
     """Decoder block ``index`` alone, in memory, for layer-wise calibration.
 
     Inputs ``hidden`` (the residual stream entering the block, ``[batch, seq, H]``), ``attention_mask``
@@ -681,10 +766,12 @@ def block_model(cfg: DecoderConfig, index: int, weights: dict[str, Any], packed:
     layer reads, as ``<layer>/input``.  The nodes are the ones :func:`build_llm` writes (same fused
     ops, same ``MatMulNBits`` for the layers in ``packed``), so what is calibrated is what ships.
     ``weights`` is not consumed (the block's tensors by HF name, as :meth:`BuildHook.block` gets them).
+    ``positions``: the longest sequence the block graph will run (the rotary caches' rows; default the
+    decoder's :attr:`DecoderConfig.context_length`).
     """
     g = _GraphBuilder(cfg, _InMemoryData())
     seqlens_k, total_len = _mask_inputs(g)
-    cos, sin = rotary_caches(cfg)
+    cos, sin = rotary_caches(cfg, min(positions, cfg.context_length) if positions else None)
     cos_name, sin_name = g.external("cos_cache", cos), g.external("sin_cache", sin)
     io = _emit_block(g, index, dict(weights), _BlockIO("hidden", None, {}), packed, seqlens_k, total_len,
                      cos_name, sin_name)  # fmt: skip
@@ -836,7 +923,7 @@ def _genai_config(cfg: DecoderConfig, folder: Path, filename: str) -> dict[str, 
     pad = pick("pad_token_id")
     if pad is None:
         pad = eos[0] if isinstance(eos, list) else eos
-    ctx = cfg.max_position_embeddings
+    ctx = cfg.context_length  # the rotary caches' rows
     return {
         "model": {
             "bos_token_id": pick("bos_token_id"),
@@ -920,6 +1007,7 @@ def build_llm(
     folder, out = Path(folder), Path(out_path)
     cfg = read_decoder_config(folder)
     ckpt = _Checkpoint(folder)
+    check_checkpoint(cfg, ckpt)  # before the rotary caches or any weight is allocated
     out.parent.mkdir(parents=True, exist_ok=True)
     data_path = out.with_name(out.name + ".data")
     tmp_onnx = out.with_name(out.name + ".tmp")
@@ -1036,6 +1124,35 @@ class LLMSession:
         return logits[:, -logits_to_keep:] if logits_to_keep > 0 and self.can_keep else logits
 
 
+class ContextFullError(ModelError):
+    """:func:`generate` reached the end of the model's context before ``max_new_tokens``: ``text`` and
+    ``timings`` hold what was generated until then."""
+
+    def __init__(self, message: str, text: str, timings: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.text = text
+        self.timings = timings
+
+
+def decoder_positions(model_path: str | Path) -> int | None:
+    """The positions a built decoder covers (its ``cos_cache`` rows), None when the graph has no rotary cache."""
+    try:
+        proto = onnx.load(str(model_path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - ORT read the file already; without a readable cache the limit is unknown
+        return None
+    for init in proto.graph.initializer:
+        if init.name == "cos_cache" and init.dims:
+            return int(init.dims[0])
+    return None
+
+
+def _vocab_width(session: Any) -> int | None:
+    for o in session.get_outputs():
+        if o.name == "logits" and o.shape and isinstance(o.shape[-1], int):
+            return int(o.shape[-1])
+    return None
+
+
 def generate(
     model_path: str | Path,
     tokenizer_folder: str | Path,
@@ -1049,25 +1166,53 @@ def generate(
 
     Returns the generated text (prompt excluded); with ``return_timings`` also
     ``{"prefill_ms", "decode_ms": [...], "tokens": [...]}``.
+
+    Raises:
+        ModelError: the tokenizer's ids exceed the model's vocabulary (it is not the model's tokenizer), or the
+            prompt alone is longer than the model's context.
+        ContextFullError: the context filled up before ``max_new_tokens``; it carries the text generated so far.
     """
     from transformers import AutoTokenizer
 
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ModelError(f"max_new_tokens {max_new_tokens!r}; allowed: an integer >= 1")
     tok = AutoTokenizer.from_pretrained(str(tokenizer_folder))
     ids = np.asarray([tok(prompt)["input_ids"]], np.int64)
+    if ids.shape[1] == 0:
+        raise ModelError(f"the prompt {prompt!r} gives no tokens; allowed: a prompt of at least one token")
     eos = tok.eos_token_id
-    sess = LLMSession(model_path, threads=threads, max_length=ids.shape[1] + max_new_tokens)
+    limit = decoder_positions(model_path)
+    P = int(ids.shape[1])
+    if limit is not None and P > limit:
+        raise ModelError(f"the prompt has {P} tokens, more than the {limit} positions of the model's context; "
+                         f"allowed: a prompt of at most {limit} tokens")  # fmt: skip
+    cap = P + max_new_tokens if limit is None else min(P + max_new_tokens, limit)
+    sess = LLMSession(model_path, threads=threads, max_length=cap)
+    vocab = _vocab_width(sess.session)
+    if vocab is not None and (len(tok) > vocab or int(ids.max()) >= vocab):
+        raise ModelError(f"the tokenizer in {str(tokenizer_folder)!r} has {len(tok)} tokens (the prompt's largest id "
+                         f"is {int(ids.max())}), but the model's vocabulary has {vocab} (ids 0 .. {vocab - 1}): they "
+                         "do not belong together; allowed: the model's own tokenizer")  # fmt: skip
     t0 = time.perf_counter()
     logits = sess(ids, logits_to_keep=1)
     timings: dict[str, Any] = {"prefill_ms": (time.perf_counter() - t0) * 1e3, "decode_ms": [], "tokens": []}
     out: list[int] = []
+    full = False
     for _ in range(max_new_tokens):
         nxt = int(np.argmax(logits[0, -1]))
         out.append(nxt)
         if (eos is not None and nxt == eos) or len(out) == max_new_tokens:
+            break
+        if sess.mask.shape[1] >= cap:  # the next token would need a position past the context
+            full = True
             break
         t0 = time.perf_counter()
         logits = sess(np.asarray([[nxt]], np.int64))
         timings["decode_ms"].append((time.perf_counter() - t0) * 1e3)
     timings["tokens"] = out
     text = str(tok.decode(out, skip_special_tokens=True))
+    if full:
+        raise ContextFullError(
+            f"stopped after {len(out)} of {max_new_tokens} new tokens: the model's context holds {limit} positions "
+            f"and the prompt took {P}; allowed: at most {cap - P + 1} new tokens for this prompt", text, timings)
     return (text, timings) if return_timings else text

@@ -22,7 +22,8 @@ Rule
    names made unique, and a last shape inference so every value a calibrator
    might observe has a type and, where inferable, a shape.
 
-The opset imports are left as they are. Every transform preserves the model's
+The opset imports are left as they are, except that a model older than opset 13 (:data:`MIN_OPSET`) is
+first converted with ``onnx.version_converter`` (:func:`upgrade_opset`). Every transform preserves the model's
 function: ``f_prepared(x) == f(x)`` up to float rounding (BN folding reorders
 a multiply and an add).
 
@@ -34,6 +35,7 @@ rule applications for ``fold_batchnorm``, renamed nodes for ``name_nodes``, and
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,7 +50,14 @@ from quantkit.prep.fold_pad import fold_pad_rules
 from quantkit.prep.global_pool import global_pool_rules
 from quantkit.prep.name_nodes import NameNodesPass
 
-__all__ = ["PrepResult", "prepare"]
+__all__ = ["MIN_OPSET", "PrepResult", "check_weights", "prepare", "upgrade_opset"]
+
+log = logging.getLogger("quantkit")
+
+MIN_OPSET = 13
+"""The oldest default-domain opset quantkit works in (per-axis QuantizeLinear / DequantizeLinear, Squeeze / Split
+with input axes): an older model is converted with ``onnx.version_converter`` before any work, so that no
+operator keeps attributes its emitted opset no longer has (Clip's ``min`` / ``max`` in opset < 11)."""
 
 
 @dataclass
@@ -117,6 +126,56 @@ def check_runnable(model: ir.Model) -> None:
         )
 
 
+def upgrade_opset(model: ir.Model) -> ir.Model:
+    """``model`` itself when its default-domain opset is :data:`MIN_OPSET` or newer, else a converted copy.
+
+    Raises:
+        ModelError: ``onnx.version_converter`` cannot convert it (naming the opset and what is allowed).
+    """
+    version = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
+    if version is None or version >= MIN_OPSET:
+        return model
+    import onnx
+    from onnx import version_converter
+
+    try:
+        proto = version_converter.convert_version(ir.to_proto(model), MIN_OPSET)
+        proto.ir_version = max(proto.ir_version, 7)  # opset 13 needs IR version 7
+        onnx.checker.check_model(proto)
+        converted = ir.from_proto(proto)
+    except Exception as exc:  # noqa: BLE001 - the converter raises RuntimeError / ValidationError / ...
+        raise ModelError(
+            f"the model's default-domain opset is {version}; quantkit needs {MIN_OPSET} or newer, and "
+            f"onnx.version_converter cannot convert it ({type(exc).__name__}: {str(exc).strip()[:300]}); allowed: a "
+            f"model exported with opset >= {MIN_OPSET}"
+        ) from None
+    log.info("the model's opset %d was converted to opset %d (onnx.version_converter) before any work", version,
+             MIN_OPSET)
+    return converted
+
+
+_WEIGHTED = {"Conv": 1, "ConvTranspose": 1, "MatMul": 1, "Gemm": 1}
+
+
+def check_weights(model: ir.Model) -> None:
+    """Refuse a layer whose weight is an empty tensor (a dimension of size 0), naming the node and the shape:
+    no scale, range or bias correction can be computed from it."""
+    for node in model.graph.all_nodes():
+        pos = _WEIGHTED.get(node.op_type)
+        if pos is None or node.domain not in ("", "ai.onnx") or len(node.inputs) <= pos:
+            continue
+        w = node.inputs[pos]
+        if w is None or w.const_value is None or w.shape is None:
+            continue
+        dims = [d for d in w.shape if isinstance(d, int)]
+        if 0 in dims:
+            raise ModelError(
+                f"node {node.name or '(unnamed)'!r} ({node.op_type}) has the empty weight {w.name!r} of shape "
+                f"{list(w.shape)}; quantkit cannot quantize a layer with no weights; allowed: weights with every "
+                "dimension >= 1 (remove the empty layer from the model)"
+            )
+
+
 def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
     """Prepare ``model`` (modified in place) for quantization and return it with per-transform counts.
 
@@ -132,6 +191,7 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
     if not isinstance(model, ir.Model):
         raise ModelError(f"prepare() expects an onnx_ir.Model, got {type(model).__name__}")
     check_runnable(model)
+    model = upgrade_opset(model)  # a copy when converted
     applied: dict[str, int] = {}
     namer = NameNodesPass()
     _run("name_nodes", namer, model)
@@ -182,4 +242,5 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
     applied["name_nodes"] = renamed + namer.renamed
     _run("name_values", common_passes.NameFixPass(), model)
     _shape_inference("shape_inference", model)
+    check_weights(model)
     return PrepResult(model=model, applied=applied)
