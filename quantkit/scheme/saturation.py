@@ -213,6 +213,26 @@ def im2col_nhwc(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int]
     return cols.reshape(n * oh * ow, kh * kw * c), oh, ow
 
 
+def im2col_rows_nhwc(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int],
+                     pads: tuple[int, int, int, int], dilations: tuple[int, int], pad_value: float,
+                     rows: np.ndarray) -> np.ndarray:
+    """The rows ``rows`` (flat indices into ``N*OH*OW``) of :func:`im2col_nhwc`, built without the others:
+    ``[len(rows), KH*KW*C]`` (channels fastest).  Equal to ``im2col_nhwc(...)[0][rows]``."""
+    n, c, h, w = x.shape
+    kh, kw = kernel
+    xp = np.full((n, c, h + pads[0] + pads[2], w + pads[1] + pads[3]), pad_value, x.dtype)
+    xp[:, :, pads[0] : pads[0] + h, pads[1] : pads[1] + w] = x
+    oh = (xp.shape[2] - dilations[0] * (kh - 1) - 1) // strides[0] + 1
+    ow = (xp.shape[3] - dilations[1] * (kw - 1) - 1) // strides[1] + 1
+    b, rem = np.divmod(np.asarray(rows, np.int64), oh * ow)
+    r, q = np.divmod(rem, ow)
+    hi = r[:, None] * strides[0] + np.arange(kh)[None, :] * dilations[0]  # [R, KH]
+    wi = q[:, None] * strides[1] + np.arange(kw)[None, :] * dilations[1]  # [R, KW]
+    xt = xp.transpose(0, 2, 3, 1)  # NHWC view
+    cols = xt[b[:, None, None], hi[:, :, None], wi[:, None, :]]  # [R, KH, KW, C]
+    return cols.reshape(len(rows), kh * kw * c)
+
+
 def saturating_conv_reference(
     x_codes: np.ndarray, w_codes: np.ndarray, *, group: int = 1, strides: tuple[int, int] = (1, 1),
     pads: tuple[int, int, int, int] = (0, 0, 0, 0), dilations: tuple[int, int] = (1, 1), x_zero_point: int = 0,

@@ -157,3 +157,20 @@ def test_pair_safe_weight_with_hessian_beats_the_data_free_rounding_on_correlate
     assert err < 0.8 * err_c
     # with H = I pair-constrained GPTQ is exactly the constrained rounding
     np.testing.assert_array_equal(pair_gptq(w, s, np.eye(K)), constrained_round(w / s, -127, 127))
+
+
+@settings(max_examples=40, deadline=None)
+@given(kh=st.integers(1, 5), stride=st.integers(1, 3), dil=st.integers(1, 2), pad=st.integers(0, 2),
+       seed=st.integers(0, 2**16))
+def test_sampled_im2col_rows_equal_the_full_im2col(kh: int, stride: int, dil: int, pad: int, seed: int) -> None:
+    """The Hessian builds only the sampled patches: they must be exactly those rows of the full im2col."""
+    from quantkit.scheme.saturation import im2col_nhwc, im2col_rows_nhwc
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 3, 12, 9)).astype(np.float32)
+    args = ((kh, max(1, kh - 1)), (stride, 1), (pad, 0, pad, 1), (dil, 1), 0.0)
+    full, _, _ = im2col_nhwc(x, *args)
+    if full.shape[0] == 0:
+        return
+    rows = rng.choice(full.shape[0], min(11, full.shape[0]), replace=False)
+    np.testing.assert_array_equal(im2col_rows_nhwc(x, *args, rows), full[rows])
