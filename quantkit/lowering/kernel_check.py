@@ -321,9 +321,10 @@ def emulate_saturation(model: onnx.ModelProto, env: dict[str, np.ndarray], layer
     return out
 
 
-def _layer_model(model: onnx.ModelProto, target: str, codes: set[str], ref: dict[str, np.ndarray]) -> bytes | None:
-    """The part of ``model`` that computes quantized tensor ``target`` from other quantized tensors
-    (``codes``), as a model whose inputs are those tensors; None if it computes nothing."""
+def _layer_nodes(model: onnx.ModelProto, target: str, codes: set[str], ref: dict[str, np.ndarray]
+                 ) -> tuple[list[onnx.NodeProto], list[str]] | None:
+    """The nodes of ``model`` that compute quantized tensor ``target`` from other quantized tensors
+    (``codes``) and those input tensors, in graph order; None if they compute nothing."""
     producer = {o: n for n in model.graph.node for o in n.output}
     inits = {t.name for t in model.graph.initializer}
     graph_inputs = {i.name for i in model.graph.input}
@@ -351,6 +352,16 @@ def _layer_model(model: onnx.ModelProto, target: str, codes: set[str], ref: dict
         return None
     order = {id(n): i for i, n in enumerate(model.graph.node)}
     keep.sort(key=lambda n: order[id(n)])
+    return keep, inputs
+
+
+def _layer_model(model: onnx.ModelProto, target: str, codes: set[str], ref: dict[str, np.ndarray]) -> bytes | None:
+    """The part of ``model`` that computes quantized tensor ``target`` from other quantized tensors
+    (``codes``), as a model whose inputs are those tensors; None if it computes nothing."""
+    part = _layer_nodes(model, target, codes, ref)
+    if part is None:
+        return None
+    keep, inputs = part
     used = {i for n in keep for i in n.input}
     g = onnx.helper.make_graph(
         keep, "layer",
@@ -361,6 +372,51 @@ def _layer_model(model: onnx.ModelProto, target: str, codes: set[str], ref: dict
     )
     m = onnx.helper.make_model(g, opset_imports=list(model.opset_import), ir_version=model.ir_version)
     return m.SerializeToString()
+
+
+def _isolation_model(model: onnx.ModelProto, targets: list[str], codes: set[str], ref: dict[str, np.ndarray]
+                     ) -> tuple[bytes, dict[str, tuple[str, dict[str, str]]]] | None:
+    """Every layer of :func:`_layer_model` side by side in one model (one session instead of one per layer).
+
+    Copy ``k`` renames each of its tensors ``x`` (not the initializers, which the copies share) to
+    ``x::k`` and its nodes alike, so the copies share nothing computed and ONNX Runtime fuses each exactly
+    as it fuses that layer alone.  Returns the model and ``target -> (output name, {input name: tensor})``;
+    None when there is nothing to check or a node carries a subgraph (then layers run one by one)."""
+    inits = {t.name for t in model.graph.initializer}
+    nodes: list[onnx.NodeProto] = []
+    ins: list[onnx.ValueInfoProto] = []
+    outs: list[onnx.ValueInfoProto] = []
+    mapping: dict[str, tuple[str, dict[str, str]]] = {}
+    used: set[str] = set()
+    for k, t in enumerate(targets):
+        part = _layer_nodes(model, t, codes, ref)
+        if part is None:
+            continue
+        keep, inputs = part
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in keep for a in n.attribute):
+            return None
+
+        def rn(x: str, k: int = k) -> str:
+            return x if (x == "" or x in inits) else f"{x}::{k}"
+
+        for n in keep:
+            c = onnx.NodeProto()
+            c.CopyFrom(n)
+            c.name = f"{n.name or n.output[0]}::{k}"
+            c.input[:] = [rn(i) for i in n.input]
+            c.output[:] = [rn(o) for o in n.output]
+            used.update(i for i in n.input if i in inits)
+            nodes.append(c)
+        for i in inputs:
+            ins.append(onnx.helper.make_tensor_value_info(rn(i), onnx.helper.np_dtype_to_tensor_dtype(ref[i].dtype),
+                                                          None))
+        outs.append(onnx.helper.make_empty_tensor_value_info(rn(t)))
+        mapping[t] = (rn(t), {rn(i): i for i in inputs})
+    if not mapping:
+        return None
+    g = onnx.helper.make_graph(nodes, "layers", ins, outs, [t for t in model.graph.initializer if t.name in used])
+    m = onnx.helper.make_model(g, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    return m.SerializeToString(), mapping
 
 
 def kernel_vs_reference(
@@ -428,7 +484,17 @@ def kernel_vs_reference(
                                                    emulate)
         if res.samples < layer_samples:
             env = {**{k: np.asarray(v) for k, v in feed.items()}, **direct_env, **b}
-            for t in t_names:
+            if "::all" not in layer_sessions:  # every layer alone, side by side in one session
+                built = _isolation_model(model, t_names, set(t_names), env)
+                layer_sessions["::all"] = None if built is None else (make_session(built[0], level="all"), built[1])
+            combined = layer_sessions["::all"]
+            if combined is not None:
+                sess, mapping = combined
+                got = sess.run([v[0] for v in mapping.values()],
+                               {name: env[src] for v in mapping.values() for name, src in v[1].items()})
+                for t, y in zip(mapping, got, strict=True):
+                    iso[t].add(y, b[t], zps.get(t))
+            for t in t_names if combined is None else ():
                 if t not in layer_sessions:
                     lm = _layer_model(model, t, set(t_names), env)
                     layer_sessions[t] = None if lm is None else make_session(lm, level="all")
