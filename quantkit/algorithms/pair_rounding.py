@@ -131,8 +131,14 @@ def pair_safe_weight(
         best_err = _objective(codes[0][:, cols].astype(np.float64) * new_s[0, cols] - wc, H)
         searched = new_s[0, cols].copy()
         prep = _prepared(H, 0.01)
-        for s_a in [(s0[0, cols].astype(np.float64) * a).astype(np.float32) for a in GPTQ_ALPHAS] + [searched]:
-            q_g = pair_gptq(wc, s_a, qmin=qmin, qmax=qmax, prepared=prep)
+        scales = [(s0[0, cols].astype(np.float64) * a).astype(np.float32) for a in GPTQ_ALPHAS] + [searched]
+        # GPTQ's inverse-Hessian factor depends on H alone and columns are rounded independently, so every
+        # candidate scale runs in one pass: the columns side by side, once per scale
+        nc = len(cols)
+        q_all = pair_gptq(np.tile(wc, (1, len(scales))), np.concatenate(scales), qmin=qmin, qmax=qmax,
+                          prepared=prep)
+        for j, s_a in enumerate(scales):
+            q_g = q_all[:, j * nc : (j + 1) * nc]
             err_g = _objective(q_g.astype(np.float64) * s_a - wc, H)
             take = err_g < best_err
             best_err = np.where(take, err_g, best_err)
