@@ -18,6 +18,7 @@ import onnxruntime as ort
 from quantkit.lowering.verify import Census
 from quantkit.ops import FUSED_KERNELS, PASSTHROUGH
 from quantkit.recipe import RecipeModel
+from quantkit.report.verdict import error_growth, layer_predecessors, verdict_warnings
 
 
 def environment() -> dict[str, Any]:
@@ -148,6 +149,8 @@ def build_report(
         quality["perplexity_increase"] = pq["ppl"] / pf["ppl"] - 1.0
     leftovers = classify_leftovers(census)
     warnings = _warnings(static_rows, unfused, woq, leftovers, latency, kernels or {}, zero_range)
+    growth = _growth(float_proto, per_layer_sqnr, kernels or {})
+    warnings += verdict_warnings(quality.get("fidelity", {}), growth["sqnr"], kernels or {}, growth["drift"])
     counts: dict[str, int] = {}
     for f in formats.values():
         counts[f] = counts.get(f, 0) + 1
@@ -184,8 +187,22 @@ def build_report(
         "notes": dict(lowered.notes),
         "search": _json_safe(search) if search is not None else None,
         "kernels": _json_safe(kernels or {}),
+        "error_growth": _json_safe({k: v[:8] for k, v in growth.items()}),
         "warnings": warnings,
     }
+
+
+def _growth(float_proto: onnx.ModelProto, per_layer_sqnr: Mapping[str, float], kernels: Mapping[str, Any]
+            ) -> dict[str, list[dict[str, Any]]]:
+    """Where the error grows along the chain (:mod:`quantkit.report.verdict`): against FP32, and between
+    the fused kernels and the QDQ math."""
+    drift: dict[str, float] = {}
+    for r in (kernels.get("check") or {}).get("layers") or []:
+        d = r.get("drift_db")
+        if isinstance(d, (int, float)):
+            drift[str(r["layer"])] = min(float(d), drift.get(str(r["layer"]), float("inf")))
+    preds = layer_predecessors(float_proto, set(per_layer_sqnr) | set(drift))
+    return {"sqnr": error_growth(per_layer_sqnr, preds), "drift": error_growth(drift, preds)}
 
 
 def _warnings(static_rows: list[dict[str, Any]], unfused: list[dict[str, Any]], woq: list[dict[str, Any]],
