@@ -293,6 +293,10 @@ def summary_lines(rep: Mapping[str, Any]) -> list[str]:
                    f"{', '.join(c for c, v in port.items() if v.get('exact')) or 'none'}"
                    + (f"; this CPU's kernels {'agree with' if chk.get('agree') else '**DISAGREE** with'} the QDQ math"
                       if chk else ""))
+    t = {k: v for k, v in (rep.get("timings") or {}).items() if isinstance(v, (int, float)) and k.endswith("_s")}
+    if "total_s" in t:
+        parts = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in t.items() if k != "total_s" and v >= 0.05)
+        out.append(f"- time: {t['total_s']:.1f} s ({parts})")
     out.append(f"- warnings: {len(rep.get('warnings') or [])}")
     return [*out, ""]
 
