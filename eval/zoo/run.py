@@ -1,7 +1,7 @@
 """The conformance zoo: every model through quantkit's default recipe path and ONNX Runtime's
 ``quantize_static``, side by side, in one run.
 
-For each model (``eval/zoo/build.py``: ONNX file + ``.npz`` calibration / evaluation crops):
+For each model (``eval/zoo/zoo_models.py``: ONNX file + ``.npz`` calibration / evaluation crops):
 
 * **quantkit** as a user runs it: ``quantkit calibrate --recipe r.yaml`` with a minimal recipe (the model,
   the calibration ``.npz``, the evaluation ``.npz``; every other key at its default), in its own process:
@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 
-from build import ALL, CI_SUBSET, ENCODERS, build, cache_root  # noqa: E402
+from zoo_models import ALL, CI_SUBSET, ENCODERS, build, cache_root  # noqa: E402
 
 GEMM_OPS = {"Conv", "MatMul", "Gemm", "FusedConv", "FusedGemm", "FusedMatMul", "NhwcFusedConv"}
 

@@ -15,7 +15,7 @@ registers those ops (``torchvision._meta_registrations``) stubbed out.  See ``do
 
 Usage::
 
-    python eval/zoo/build.py --models mobilenet_v3_small,resnet18 [--size 224]
+    python eval/zoo/zoo_models.py --models mobilenet_v3_small,resnet18 [--size 224]
 
 prints one line per model with the ONNX path and the ``.npz`` paths (cached; rebuilt when missing).
 """

@@ -1,0 +1,53 @@
+"""The zoo's CI subset: standard architectures a user brings as an ONNX file + ``.npz`` data, through the
+default recipe path, side by side with ONNX Runtime's ``quantize_static`` on the same data (eval/zoo/).
+
+Asserted here (speed lives in the benchmark, eval/zoo/run.py, never in a unit test): exit 0; no stray
+QuantizeLinear/DequantizeLinear inside ONNX Runtime's optimized graph; output SQNR against FP32 at least
+ORT's best setting (default or ``reduce_range``) minus a 0.5 dB allowance for the 32-sample evaluation
+set's noise; this CPU's fused kernels agree with the QDQ math layer by layer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ZOO = Path(__file__).resolve().parents[2] / "eval" / "zoo"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def zoo() -> object:
+    sys.path.insert(0, str(ZOO))
+    spec = importlib.util.spec_from_file_location("zoo_run", ZOO / "run.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def _torchvision_available(zoo: object) -> bool:
+    try:
+        sys.modules["zoo_models"].torchvision_models()
+        return True
+    except Exception:  # noqa: BLE001 - no registry access: the torchvision models are skipped, se_cnn still runs
+        return False
+
+
+@pytest.mark.parametrize("name", ["se_cnn", "mobilenet_v3_small", "squeezenet1_1"])
+def test_zoo_model_through_the_default_recipe(zoo: object, tmp_path: Path, name: str) -> None:
+    if name != "se_cnn" and not _torchvision_available(zoo):
+        pytest.skip("torchvision 0.28.0 could not be installed into the zoo cache (no package registry?)")
+    row = zoo.run_model(name, tmp_path, repeat=3)  # type: ignore[attr-defined]
+    q = row["methods"]["quantkit"]
+    assert q["rc"] == 0, q["log_tail"]
+    assert q["census"]["stray"] == 0, q["census"]["stray_nodes"]
+    assert q["census"]["float_gemm"] == 0, q["census"]
+    ort = row["methods"][row["ort_best"]]
+    assert q["sqnr_db"] >= ort["sqnr_db"] - 0.5, (q["sqnr_db"], ort["sqnr_db"])
+    rep = json.loads((tmp_path / name / "quantkit" / "report.json").read_text())
+    assert rep["kernels"]["check"]["agree"], rep["kernels"]["check"]["first_parted"]
