@@ -206,6 +206,7 @@ def _load(args: argparse.Namespace) -> Any:
 def _calibrate(args: argparse.Namespace) -> int:
     from quantkit.api import quantize
     from quantkit.recipe.load import recipe_inputs
+    from quantkit.report.build import latency_per
     from quantkit.report.output import check_output_dir
 
     rec = _load(args)
@@ -233,8 +234,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         if key in lat:
             r = lat[key]
             print(
-                f"latency [{r['label']}]: FP32 {r['fp32_ms']:.2f} ms, quantized {r['quantized_ms']:.2f} ms "
-                f"({r['speedup']:.2f}x)"
+                f"latency [{r['label']}], {latency_per(key, r)}: FP32 {r['fp32_ms']:.2f} ms, quantized "
+                f"{r['quantized_ms']:.2f} ms ({r['speedup']:.2f}x)"
             )
     for name, d in rep.get("fidelity", {}).items():
         shown = ", ".join(f"{k}={v:.4f}" for k, v in d.items() if k != "samples")
@@ -347,9 +348,16 @@ def _sweep(args: argparse.Namespace) -> int:
             f"{m['latency_ms']:>8.2f} {m['speedup_vs_fp32']:>6.2f} {m['size_bytes'] / 1e6:>8.1f}  {fr}"
         )
     print(f"Spearman(predicted damage, measured {label}) = {r['spearman_predicted_damage_vs_measured']:.3f}")
-    for k, pth in res.paths.items():
-        if k in ("json", "md") or k.startswith("quality_vs"):
-            print(f"{k}: {pth}")
+    files = [pth for k, pth in res.paths.items() if not k.startswith("assignment:")]
+    csvs = sorted({pth.parent for k, pth in res.paths.items() if k.startswith("assignment:")})
+    for f in files:  # each output once
+        print(f"wrote {f}")
+    for d in csvs:
+        n = sum(1 for k, pth in res.paths.items() if k.startswith("assignment:") and pth.parent == d)
+        print(f"per-layer assignments: {d} ({n} CSV files, one per point)")
+    models = [p.model_path for p in res.points if p.model_path]
+    if models:
+        print(f"models of the points: {Path(models[0]).parent.parent} ({len(models)} folders)")
     return 0
 
 

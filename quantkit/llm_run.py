@@ -32,7 +32,7 @@ from quantkit.pipeline import check_context, check_not_empty, extra_perplexities
 from quantkit.progress import stage
 from quantkit.recipe import RecipeModel
 from quantkit.recipe.plan import PrecisionPlan
-from quantkit.report.build import environment, write_report
+from quantkit.report.build import complete_report, environment, load_average, map_layer_kernels, write_report
 from quantkit.tempdirs import MARKER, clean_stale, owned_tempdir
 
 log = logging.getLogger("quantkit")
@@ -227,9 +227,8 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
     quality: dict[str, Any] = {}
     ev_count = 0
     if ev is not None:
-        from tqdm.auto import tqdm
-
         from quantkit.evaluate.perplexity import perplexity
+        from quantkit.progress import tqdm
 
         ev_count = len(ev)
         t = time.perf_counter()
@@ -250,12 +249,15 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
             quality["perplexity_increase"] = quality["perplexity_quantized"]["ppl"] / quality["perplexity_fp32"]["ppl"] - 1
         timings["evaluate_s"] = time.perf_counter() - t
     latency: dict[str, Any] = {}
+    load: dict[str, Any] | None = None
     if (rec.report.latency.enabled if measure_latency is None else measure_latency) and fp32_path is not None:
         from quantkit.evaluate.decode import llm_latency
 
         t = time.perf_counter()
+        load = {"start": load_average()}  # the machine's load while the figures were measured
         with stage("measure latency (FP32 vs quantized, interleaved)", enabled=progress):
             latency = llm_latency(str(fp32_path), str(q_path), rec.report.latency)
+        load["end"] = load_average()
         timings["latency_s"] = time.perf_counter() - t
     timings.update(res.timings)
     timings["total_s"] = time.perf_counter() - t_start
@@ -264,7 +266,10 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
     for r in res.rows:
         formats[r["format"]] = formats.get(r["format"], 0) + 1
     report = {
-        "kind": "weight_only", "recipe": rec.name, "model": str(folder), "environment": environment(),
+        "kind": "weight_only", "recipe": rec.name, "environment": environment(),
+        "model": str(source) if isinstance(source, (str, os.PathLike)) else type(source).__name__,
+        "model_read_from": f"Hugging Face folder {folder}" + ("" if str(source) == str(folder) else
+                                                              " (the checkpoint, converted once and cached)"),
         "settings": rec.model_dump(mode="json"),
         "samples": {"calibration": 0 if windows is None else int(windows.shape[0]), "evaluation": ev_count},
         "calibration": {"mode": "layerwise", "tokens": res.calibration_tokens, "resumed_blocks": res.resumed_blocks},
@@ -273,7 +278,11 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
         "latency": latency, "fidelity": {}, "quality": quality, "timings": timings, "census": _census(q_path),
         "layers": res.rows, "weight_only": res.rows, "linear_formats": [], "unfused": [], "float_layers": [],
         "notes": dict(res.notes), "search": None, "kernels": {}, "warnings": warnings,
+        # q/k/v computed by one MatMulNBits: which layers share a kernel of the emitted graph
+        "kernel_sharing": map_layer_kernels(onnx.load(str(q_path), load_external_data=False), res.rows),
     }  # fmt: skip
+    complete_report(report, load=load, latency_note="" if fp32_path is not None else
+                    "not measured: no FP32 baseline to compare with (see warnings)")
     return LayerwiseQuantizeResult(q_path, report, rec, timings)
 
 

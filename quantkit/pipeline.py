@@ -137,9 +137,8 @@ def extra_perplexities(recipe: RecipeModel, tokenizer: Any, inputs: list[Any], m
     Returns ``{label: {name: {"ppl", "nll", "tokens", ...}, "increase": quantized / fp32 - 1}}`` with ``label`` the
     text's source (``austen:sensesensibility``, ``pydoc``, a file path): held-out text of other domains than the
     main evaluation, to see whether the calibration overfit its own domain."""
-    from tqdm.auto import tqdm
-
     from quantkit.evaluate.perplexity import perplexity
+    from quantkit.progress import tqdm
 
     out: dict[str, dict[str, Any]] = {}
     for spec in recipe.evaluation.extra:
@@ -206,8 +205,10 @@ def calibrate_ranges(
     if use_cache and rec.calibration.cache:
         key = cache_key(model_hash(float_bytes), cal.fingerprint(), {"bins": bins})
         cache = StatsCache(cache_dir(), key)
+    uncached = uncached_reason(use_cache, rec)
     got = gather(float_proto, cal, requests, cache=cache, batch_size=rec.calibration.batch_size,
-                 max_batch_output_bytes=rec.calibration.max_batch_output_bytes, progress=progress)
+                 max_batch_output_bytes=rec.calibration.max_batch_output_bytes, progress=progress,
+                 uncached=uncached)
     options = dict(rec.calibration.calibrator_options)
     streaming = {name: _factory(classes[name], tq.dtype, tq.symmetric, options)
                  for name, tq in cal_tensors.items() if name not in requests}
@@ -228,9 +229,16 @@ def calibrate_ranges(
     if mean_keys:
         means = {layer: got.collectors[k].mean for layer, k in mean_keys.items() if got.collectors[k].mean is not None}
     info = {"reused": got.reused, "collected": got.collected, "cache": got.cache_path,
-            "streamed_separately": len(streaming)}
+            "uncached": None if cache is not None else uncached, "streamed_separately": len(streaming)}
     return ranges, means, info
 
+
+
+def uncached_reason(use_cache: bool, rec: RecipeModel) -> str:
+    """Why statistics that could be cached are not: what switched the cache off."""
+    if not use_cache:
+        return "--no-cache (use_cache=False)"
+    return "calibration.cache: false in the recipe" if not rec.calibration.cache else ""
 
 
 def _factory(cls: Any, dtype: str, symmetric: bool, options: dict[str, Any]) -> Any:
@@ -348,7 +356,7 @@ def evaluate_fidelity(
 ) -> dict[str, Any]:
     """Run both models on ``ds`` (streaming) and compare every graph output (a KV-cache decoder: its
     ``logits`` only - the ``present.*`` caches are inputs of the next step, not results)."""
-    from tqdm.auto import tqdm
+    from quantkit.progress import tqdm
 
     s_f = make_session(float_model)
     s_q = make_session(quant_model)

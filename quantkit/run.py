@@ -46,7 +46,7 @@ from quantkit.prep.pipeline import prepare
 from quantkit.progress import stage
 from quantkit.recipe import RecipeModel
 from quantkit.recipe.plan import PrecisionPlan
-from quantkit.report.build import build_report, write_report
+from quantkit.report.build import build_report, load_average, write_report
 from quantkit.scheme.target import resolve_target
 
 log = logging.getLogger("quantkit")
@@ -176,9 +176,8 @@ def _quality(job: Job, lowered: Lowered, qproto: onnx.ModelProto, ev: Dataset, p
     rec = job.recipe
     qbytes = qproto.SerializeToString()
     if _is_lm(rec, job.float_proto):
-        from tqdm.auto import tqdm
-
         from quantkit.evaluate.perplexity import perplexity
+        from quantkit.progress import tqdm
 
         quality: dict[str, Any] = {}
         for key, blob in (("perplexity_fp32", job.float_bytes), ("perplexity_quantized", qbytes)):
@@ -241,16 +240,19 @@ def run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, ca
         quality, per_layer = _quality(job, lowered, qproto, ev, progress, loaded.tokenizer)
         timings["evaluate_s"] = time.perf_counter() - t
     latency: dict[str, Any] = {}
+    load: dict[str, Any] | None = None
     if rec.report.latency.enabled if measure_latency is None else measure_latency:
         t = time.perf_counter()
+        load = {"start": load_average()}  # the machine's load while the figures were measured
         with stage("measure latency (FP32 vs quantized, interleaved)", enabled=progress):
             latency = _latency(job, qproto, ev or cal)
+        load["end"] = load_average()
         timings["latency_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - t_start
     report = build_report(
         recipe=rec, source=loaded.source, float_proto=job.float_proto, quant_proto=qproto, lowered=lowered,
         census=cen, quality=quality, per_layer_sqnr=per_layer, latency=latency, timings=timings,
         calibration_samples=len(cal), evaluation_samples=len(ev) if ev is not None else 0, kernels=kernels,
-        zero_range=lowered.zero_range, search=search, calibration=job.artifacts.calibration_info)
+        zero_range=lowered.zero_range, search=search, calibration=job.artifacts.calibration_info, load=load)
     return QuantizeResult(lowered.model, float_model, lowered.static, lowered.lowering, cen, report, rec, timings,
                           precision=plan, lowered=lowered)

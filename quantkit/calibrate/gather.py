@@ -19,6 +19,7 @@ import onnx
 
 from quantkit.calibrate.cache import StatsCache
 from quantkit.calibrate.collect import collect_statistics
+from quantkit.progress import tally, tally_active
 
 log = logging.getLogger("quantkit")
 
@@ -62,7 +63,15 @@ def gather(
     batch_size: int,
     max_batch_output_bytes: int,
     progress: bool,
+    what: str = "calibration statistics",
+    uncached: str = "cache disabled",
 ) -> GatherResult:
+    """Restore the cached requests, collect the rest in one pass (module doc).
+
+    ``what`` names the statistics on the console; ``uncached`` says why they are not cached when ``cache`` is
+    None (``"--no-cache"``, ``"calibration.cache: false"``, or why this statistic is never cached).  Inside
+    :func:`quantkit.progress.grouped` (a search gathers once per probe) the line is counted, not logged."""
+    grouped = tally_active()
     cached = cache.load() if cache is not None else {}
     out: dict[str, Any] = {}
     missing: dict[str, dict[str, Any]] = {}
@@ -78,7 +87,7 @@ def gather(
     if missing:
         factories: dict[str, Any] = {t: functools.partial(_Fanout, parts) for t, parts in missing.items()}
         got = collect_statistics(model, dataset, factories, batch_size=batch_size,
-                                 max_batch_output_bytes=max_batch_output_bytes, progress=progress)
+                                 max_batch_output_bytes=max_batch_output_bytes, progress=progress and not grouped)
         for fan in got.values():
             out.update(fan.parts)  # type: ignore[attr-defined]
         if cache is not None:
@@ -89,11 +98,13 @@ def gather(
             cache.save(states)
     reused = len(requests) - n_missing
     where = str(cache.path) if cache is not None else None
-    if cache is None:
-        log.info("calibration statistics: collected %d (cache disabled)", n_missing)
+    if tally(what, f"not cached: {uncached}" if cache is None else f"cache {where}", collected=n_missing,
+             reused=reused):
+        pass  # inside a search phase: one line for all its gathers, when the phase ends
+    elif cache is None:
+        log.info("%s: collected %d in one pass (not cached: %s)", what, n_missing, uncached)
     elif n_missing == 0:
-        log.info("calibration statistics: reused all %d from cache %s - no pass over the data", reused, where)
+        log.info("%s: reused all %d from cache %s - no pass over the data", what, reused, where)
     else:
-        log.info("calibration statistics: reused %d from cache, collected %d in one pass (%s)", reused, n_missing,
-                 where)
+        log.info("%s: reused %d from cache, collected %d in one pass (%s)", what, reused, n_missing, where)
     return GatherResult(out, reused, n_missing, where)

@@ -109,7 +109,9 @@ def collect_kernel_hessians(
         for layer, (tensor, k, geo) in layers.items()
     }
     got = gather(model_proto, dataset, requests, cache=None, batch_size=batch_size,  # type: ignore[arg-type]
-                 max_batch_output_bytes=max_batch_output_bytes, progress=progress)
+                 max_batch_output_bytes=max_batch_output_bytes, progress=progress,
+                 what="pair-safe rounding: input second moments",
+                 uncached="K x K floats per layer, recomputed every run; the activation statistics are cached")
     out = {}
     for layer in layers:
         h = got.collectors[layer].hessian()

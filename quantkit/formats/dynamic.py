@@ -64,8 +64,12 @@ def channel_absmax(job: Job, inputs: list[str]) -> dict[str, Any]:
             key = cache_key(model_hash(job.float_bytes), job.calibration.fingerprint(),
                             {"statistic": "channel-absmax", "rows": 256})
             cache = StatsCache(cache_dir(), key)
+        from quantkit.pipeline import uncached_reason
+
         got = gather(job.float_proto, job.calibration, reqs, cache=cache, batch_size=1,
-                     max_batch_output_bytes=job.recipe.calibration.max_batch_output_bytes, progress=job.progress)
+                     max_batch_output_bytes=job.recipe.calibration.max_batch_output_bytes, progress=job.progress,
+                     what="SmoothQuant statistics (per-channel max |x|)",
+                     uncached=uncached_reason(job.use_cache, job.recipe))
         art.update({t: got.collectors[f"{t}//absmax"] for t in todo})
     return {t: art[t] for t in inputs}
 

@@ -14,7 +14,7 @@ from typing import Any
 import onnx_ir as ir
 
 from quantkit.formats.base import FormatHandler, Job, Lowered
-from quantkit.progress import stage
+from quantkit.progress import stage, tally_active
 
 
 def scheme_key(lp: Any) -> tuple[Any, ...]:
@@ -45,7 +45,8 @@ class WeightOnly(FormatHandler):
         if todo:
             algos = sorted({lay.plan.algorithm for lay in todo.values()})
             with stage(f"weight-only layers ({len(todo)}): {', '.join(algos)}", enabled=job.progress):
-                got = quantize_weights(job.float_model, job.recipe, todo, job.calibration, progress=job.progress)
+                got = quantize_weights(job.float_model, job.recipe, todo, job.calibration,
+                                       progress=job.progress and not tally_active())  # a search: counted
             rows = {r["layer"]: r for r in got.rows}
             for n in todo:
                 art[keys[n]] = (got.results[n], rows.get(n, {}), got.notes.get(n, ""))

@@ -105,11 +105,291 @@ def _section_rows(rows: Sequence[Mapping[str, Any]], family: str, census: Census
     return out
 
 
-_PREFILL_ADVICE = (
-    "at many tokens per call the matrix products are compute-bound and ONNX Runtime's 4-bit kernel unpacks "
-    "weights on the fly, so INT4 pays off in decoding (one token per call, memory-bound), not in long prefills. "
-    "For prefill-heavy use, try int8_dynamic (W8A8) on the largest layers (`quantkit sweep` with search.metric: "
-    "latency finds the mix), keep export.accuracy_level at 4, and judge the decode figure for generation")
+PREFILL_NO_GAIN = 1.05
+"""A quantized causal LM whose prefill is at most this much faster than FP32 gets a warning with the reason."""
+
+
+def load_average() -> list[float]:
+    """The system load average over 1, 5 and 15 minutes (``os.getloadavg``; empty where there is none)."""
+    try:
+        return [round(float(x), 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return []
+
+
+def model_given_name(recipe: RecipeModel, read_from: str) -> str:
+    """The model as the user named it: the recipe's ``model.source`` when the model was read from it, else
+    the description of what was passed (``read_from``)."""
+    src = recipe.model.source if recipe.model is not None else None
+    return str(src) if src is not None and str(src) and str(src) in read_from else read_from
+
+
+def latency_per(key: str, row: Mapping[str, Any]) -> str:
+    """What one figure of an LLM latency row times: a whole prompt, or one generated token."""
+    if key == "decode":
+        if row.get("kv_cache") and row.get("new_tokens"):
+            return f"per token (median of {row['new_tokens']} generated tokens)"
+        return "per token (one-token call)"
+    return f"per {row.get('tokens', '?')}-token prompt"
+
+
+def llm_latency_warnings(latency: Mapping[str, Any], accuracy_level: Any, cpu_class: str) -> list[str]:
+    """A causal LM whose prefill is no faster than FP32 (at most :data:`PREFILL_NO_GAIN`): why, and what to try."""
+    p = latency.get("prefill")
+    if not isinstance(p, Mapping) or not isinstance(p.get("speedup"), (int, float)) or p["speedup"] > PREFILL_NO_GAIN:
+        return []
+    what = f"{p['speedup']:.2f}x FP32 {latency_per('prefill', p)}"
+    long = latency.get("prefill_long")
+    if isinstance(long, Mapping) and isinstance(long.get("speedup"), (int, float)):
+        what += f", {long['speedup']:.2f}x {latency_per('prefill_long', long)}"
+    dec = latency.get("decode")
+    gain = (f"; decode runs at {dec['speedup']:.2f}x FP32 {latency_per('decode', dec)}"
+            if isinstance(dec, Mapping) and isinstance(dec.get("speedup"), (int, float)) else "")
+    if accuracy_level == 4 and cpu_class != "x86-vnni":
+        why = (f"MatMulNBits with export.accuracy_level 4 quantizes the activations to int8 and multiplies in int8, "
+               f"which is fast only with int8 dot-product instructions (x86 VNNI); this CPU (class {cpu_class}) has "
+               "none, so at many tokens per call the 4-bit kernel does about as much work as FP32. Try "
+               "export.accuracy_level 0 or 1 (float products of the unpacked 4-bit weights) and compare the prefill "
+               "figure, or int8_dynamic (W8A8) on the largest layers (`quantkit sweep` with search.metric: latency "
+               "finds the mix); on a CPU with VNNI keep accuracy_level 4")
+    elif accuracy_level != 4:
+        why = (f"MatMulNBits with export.accuracy_level {accuracy_level} computes in float and unpacks the 4-bit "
+               "weights on the fly, which at many tokens per call costs as much as FP32's product. Try "
+               "export.accuracy_level 4 (int8 activations, fast with x86 VNNI dot products) or int8_dynamic (W8A8) on "
+               "the largest layers (`quantkit sweep` with search.metric: latency finds the mix)")
+    else:
+        why = ("at many tokens per call the matrix products are compute-bound and the 4-bit kernel unpacks its "
+               "weights on the fly, so INT4 pays off in decoding (one token per call, memory-bound), not in long "
+               "prefills. For prefill-heavy use try int8_dynamic (W8A8) on the largest layers (`quantkit sweep` "
+               "with search.metric: latency finds the mix)")
+    return [f"prefill is no faster than FP32 ({what}){gain}: {why}"]
+
+
+def map_layer_kernels(proto: onnx.ModelProto, rows: Sequence[dict[str, Any]],
+                      ops: Sequence[str] = ("MatMulNBits", "GatherBlockQuantized")) -> dict[str, Any]:
+    """Fill ``kernel`` / ``kernel_node`` of each row from the emitted graph: the node named like the layer, or
+    one node computing several layers of one module side by side (q/k/v read the same input: one
+    ``MatMulNBits`` whose ``N`` is the sum of theirs).  Returns ``{"shared": [...], "unmatched": [...]}``: the
+    nodes shared by several layers, and the kernel nodes of no layer row (an embedding reading a tied table)."""
+    nodes = [n for n in proto.graph.node if n.op_type in ops]
+    layers = {str(r["layer"]) for r in rows}
+    for r in rows:
+        node = next((n for n in nodes if n.name == r["layer"]), None)
+        if node is not None:
+            r["kernel"], r["kernel_node"] = node.op_type, node.name
+    shared, unmatched = [], []
+    for node in nodes:
+        if node.name in layers:
+            continue
+        attrs = {a.name: a.i for a in node.attribute}
+        parent = node.name.rsplit(".", 1)[0]
+        members = [r for r in rows if r.get("kernel") is None and str(r["layer"]).rsplit(".", 1)[0] == parent
+                   and r.get("K") == attrs.get("K")]
+        if len(members) > 1 and sum(int(r.get("N") or 0) for r in members) == attrs.get("N"):
+            for r in members:
+                r["kernel"], r["kernel_node"] = node.op_type, node.name
+            shared.append({"kernel": node.op_type, "node": node.name, "layers": [r["layer"] for r in members]})
+        else:
+            unmatched.append({"kernel": node.op_type, "node": node.name})
+    return {"shared": shared, "unmatched": unmatched}
+
+
+def _kernel_story(rep: Mapping[str, Any]) -> dict[str, Any]:
+    """How the quantized layers became the kernels the census counts: shared kernels, layers without one."""
+    rows = rep.get("layers") or []
+    kinds = dict((rep.get("census") or {}).get("quantized_kernels") or {})
+    why: list[str] = []
+    sharing = rep.get("kernel_sharing") or {}
+    pattern: dict[tuple[str, tuple[str, ...]], int] = {}
+    for g in sharing.get("shared") or []:
+        key = (str(g["kernel"]), tuple(str(n).rsplit(".", 1)[-1] for n in g["layers"]))
+        pattern[key] = pattern.get(key, 0) + 1
+    for (kernel, names), count in pattern.items():
+        why.append(f"{' + '.join(names)} read the same input and run as one {kernel} "
+                   + (f"in each of {count} blocks " if count > 1 else "")
+                   + f"({count * len(names)} layers -> {count} kernel{'s' if count > 1 else ''})")
+    for u in sharing.get("unmatched") or []:
+        why.append(f"`{u['node']}` ({u['kernel']}) has no layer of its own"
+                   + (": it reads the quantized table of the tied lm_head / embedding, stored once"
+                      if u["kernel"] == "GatherBlockQuantized" else ""))
+    tied = [r["layer"] for r in rows if r.get("tied")]
+    if tied:
+        why.append(f"{', '.join(f'`{t}`' for t in tied)}: tied to the embedding, whose GatherBlockQuantized reads "
+                   "the same quantized table (one more kernel, no layer of its own)")
+    moves = [r for r in rows if r.get("family") == "static" and not r.get("kernel") and r.get("op") in PASSTHROUGH]
+    if moves:
+        why.append(f"{len(moves)} int8 data-movement layer{'s' if len(moves) > 1 else ''} ("
+                   + ", ".join(f"`{r['layer']}` {r['op']}" for r in moves[:4]) + (" ..." if len(moves) > 4 else "")
+                   + f") {'run' if len(moves) > 1 else 'runs'} without a kernel of its own: ONNX Runtime drops the "
+                   "DQ/Q pair around it")
+    unfused = [r for r in rows if r.get("fused") is False]
+    if unfused:
+        why.append(f"{len(unfused)} layer{'s' if len(unfused) > 1 else ''} not fused by ONNX Runtime (see Unfused "
+                   "layers): they run in float between a DequantizeLinear and a QuantizeLinear")
+    half = [r for r in rows if r.get("family") == "float"]
+    if half:
+        why.append(f"{len(half)} fp16 / bf16 layer{'s' if len(half) > 1 else ''}: 16-bit storage, computed in "
+                   "float (no quantized kernel)")
+    return {"layers": len(rows), "kernels": sum(int(v) for v in kinds.values()), "by_kernel": kinds, "why": why}
+
+
+def _n(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _algorithm(r: Mapping[str, Any]) -> str:
+    """The weight algorithm a row ran (a row may carry the note of a fallback: ``awq -> gptq (...)``)."""
+    a = str(r.get("algorithm"))
+    return a.split("->", 1)[1].split()[0] if "->" in a else a
+
+
+def method_of(rep: Mapping[str, Any]) -> dict[str, Any]:
+    """What quantized each family of layers and which statistics the run collected for it (from the rows, not
+    from the recipe's defaults: a weight-only run has no activation calibrator)."""
+    from quantkit.weight_only import STATS_ALGORITHMS
+
+    rows = rep.get("layers") or []
+    st = rep.get("settings") or {}
+    cal = rep.get("calibration") or {}
+    timings = rep.get("timings") or {}
+    out: dict[str, Any] = {}
+    static = [r for r in rows if r.get("family") == "static"]
+    if static:
+        tensors: dict[str, str] = {}
+        for r in static:
+            for a in r.get("inputs") or []:
+                tensors[str(a["tensor"])] = str(a.get("calibrator") or r.get("calibrator"))
+        cals: dict[str, int] = {}
+        for c in tensors.values():
+            cals[c] = cals.get(c, 0) + 1
+        stats = [f"min/max + histogram of {_n(len(tensors), 'activation tensor')}"]
+        if (st.get("quantization") or {}).get("bias_correction"):
+            stats.append("per-channel input means (bias correction)")
+        n = int(cal.get("reused", 0)) + int(cal.get("collected", 0))
+        stats[-1] += (f" ({cal.get('reused', 0)} of these {n} statistics reused from the cache {cal['cache']}, "
+                      f"{cal.get('collected', 0)} collected)" if cal.get("cache") else
+                      f" ({cal.get('collected', 0)} statistics collected; not cached: "
+                      f"{cal.get('uncached') or 'cache disabled'})")
+        if "pair_hessians_s" in timings:
+            stats.append("input second moments in kernel order (pair-safe rounding; never cached: K x K floats per "
+                         "layer)")
+        out["static"] = {"layers": len(static), "activation_calibrators": cals, "statistics": stats}
+    woq = rep.get("weight_only") or []
+    if woq:
+        algos: dict[str, int] = {}
+        for r in woq:
+            algos[_algorithm(r)] = algos.get(_algorithm(r), 0) + 1
+        if not any(a in STATS_ALGORITHMS for a in algos):
+            stats = ["none: RTN rounds each weight on its own"]
+        elif cal.get("mode") == "layerwise":
+            stats = [f"each layer's input second moments (sum of x^T x) and a row sample, block by block on "
+                     f"{cal.get('tokens', 0)} calibration tokens (each block sees the earlier blocks quantized"
+                     + (f"; {cal['resumed_blocks']} finished blocks resumed from an interrupted run"
+                        if cal.get("resumed_blocks") else "") + ")"]
+        else:
+            n_stages = len({r.get("stage") for r in woq if r.get("stage") is not None})
+            stats = ["each layer's input second moments (sum of x^T x) and a row sample over the calibration data"
+                     + (f", in {n_stages} sequential stages" if n_stages > 1 else "")]
+        out["weight_only"] = {"layers": len(woq), "algorithms": algos, "statistics": stats,
+                              "activation_calibrators": {}}
+    dyn = [r for r in rep.get("linear_formats") or [] if r.get("format") == "int8_dynamic"]
+    if dyn:
+        smooth = [r for r in dyn if r.get("smoothquant_alpha") is not None]
+        out["dynamic"] = {"layers": len(dyn), "activation_calibrators": {},
+                          "statistics": [f"per-channel max |x| of the inputs of {_n(len(smooth), 'layer')} "
+                                         "(SmoothQuant)"]
+                          if smooth else ["none: activation scales are computed per token at run time"]}
+    half = [r for r in rep.get("linear_formats") or [] if r.get("family") == "float"]
+    if half:
+        out["float"] = {"layers": len(half), "activation_calibrators": {}, "statistics": ["none"]}
+    return out
+
+
+def method_lines(rep: Mapping[str, Any]) -> list[str]:
+    """One line per family: what quantized it and the statistics actually collected."""
+    names = {"static": "static INT8 (W8A8, Q/DQ)", "weight_only": "weight-only (MatMulNBits)",
+             "dynamic": "int8_dynamic (W8A8, per-token scales)", "float": "fp16 / bf16 storage"}
+    out = []
+    for fam, m in (rep.get("method") or method_of(rep)).items():
+        what = f"Method, {names.get(fam, fam)} on {_n(m['layers'], 'layer')}: "
+        if fam == "static":
+            what += "activation calibrator " + ", ".join(f"{k} ({_n(v, 'tensor')})"
+                                                         for k, v in m["activation_calibrators"].items())
+        elif fam == "weight_only":
+            what += ("algorithm " + ", ".join(f"{k} x{v}" for k, v in sorted(m["algorithms"].items(), key=lambda kv: -kv[1]))
+                     + "; no activation calibrator (activations stay float)")
+        else:
+            what += "no activation calibrator"
+        out.append(what + "; statistics collected: " + "; ".join(m["statistics"]) + ".")
+    return out
+
+
+def measurement(rep: Mapping[str, Any], load: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The machine the figures were measured on: CPU, its class, cores, threads, and the load average."""
+    from quantkit.scheme.target import detect_cpu
+
+    cpu = detect_cpu()
+    threads = (((rep.get("settings") or {}).get("report") or {}).get("latency") or {}).get("threads")
+    return {"cpu": cpu.model_name, "cpu_class": cpu.cpu_class, "cores": os.cpu_count(), "threads": threads,
+            "load_average": dict(load) if load else {"report": load_average()}}
+
+
+def _quality_summary(rep: Mapping[str, Any]) -> dict[str, Any]:
+    q = rep.get("quality") or {}
+    if "perplexity_quantized" in q:
+        pf = (q.get("perplexity_fp32") or {}).get("ppl")
+        pq = q["perplexity_quantized"]["ppl"]
+        return {"metric": "perplexity", "fp32": pf, "quantized": pq,
+                "change": None if not pf else pq / pf - 1.0}
+    fid = rep.get("fidelity") or {}
+    if fid:
+        keys = ("top1_agreement", "mean_kl", "mean_cosine", "sqnr_db")
+        return {"metric": "fidelity", "outputs": {n: {k: d[k] for k in keys if k in d} for n, d in fid.items()}}
+    return {"metric": None, "why": "not evaluated (no evaluation data, or evaluate=False)"}
+
+
+def _latency_summary(rep: Mapping[str, Any], note: str) -> dict[str, Any]:
+    lat = rep.get("latency") or {}
+    if "speedup" in lat and "fp32" in lat:
+        batch = (((rep.get("settings") or {}).get("report") or {}).get("latency") or {}).get("batch_size")
+        return {"kind": "one call", "batch": batch, "input": lat["fp32"].get("shape"),
+                "fp32_ms": lat["fp32"]["median_ms"], "quantized_ms": lat["quantized"]["median_ms"],
+                "speedup": lat["speedup"]}
+    rows = {k: v for k, v in lat.items() if isinstance(v, Mapping) and "fp32_ms" in v}
+    if rows:
+        return {"kind": "causal LM", **{k: {"per": latency_per(k, v), "fp32_ms": v["fp32_ms"],
+                                            "quantized_ms": v["quantized_ms"], "speedup": v["speedup"]}
+                                        for k, v in rows.items()}}
+    return {"kind": None, "why": note or "not measured (report.latency.enabled: false, or --no-latency)"}
+
+
+def summary_of(rep: Mapping[str, Any], latency_note: str = "") -> dict[str, Any]:
+    """The summary every report has, whatever the family: the same keys for a CNN, an encoder and an LLM."""
+    sz = rep.get("size") or {}
+    t = (rep.get("timings") or {}).get("total_s")
+    return {
+        "quantized": _kernel_story(rep),
+        "quality": _quality_summary(rep),
+        "size": {"fp32_bytes": sz.get("fp32_bytes"), "quantized_bytes": sz.get("quantized_bytes"),
+                 "ratio": sz.get("ratio")},
+        "latency": _latency_summary(rep, latency_note),
+        "measured_on": rep.get("measurement") or measurement(rep, None),
+        "warnings": len(rep.get("warnings") or []),
+        "time_s": t if isinstance(t, (int, float)) else None,
+    }
+
+
+def complete_report(rep: dict[str, Any], *, load: Mapping[str, Any] | None = None, latency_note: str = ""
+                    ) -> dict[str, Any]:
+    """Add what every report carries, whichever path built it: the machine and its load at measurement time,
+    the latency warnings of a causal LM, the method actually run, and the summary (in place; returned)."""
+    rep["measurement"] = measurement(rep, load)
+    acc = ((rep.get("settings") or {}).get("export") or {}).get("accuracy_level")
+    rep["warnings"] = list(rep.get("warnings") or []) + llm_latency_warnings(
+        rep.get("latency") or {}, acc, rep["measurement"]["cpu_class"])
+    rep["method"] = method_of(rep)
+    rep["summary"] = summary_of(rep, latency_note)
+    return rep
 
 
 def build_report(
@@ -130,13 +410,17 @@ def build_report(
     zero_range: Sequence[str] = (),
     search: dict[str, Any] | None = None,
     calibration: Mapping[str, Any] | None = None,
+    model_given: str | None = None,
+    load: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The one report of a quantized model, whatever its mix of formats (JSON-serialisable).
 
     ``lowered`` is the :class:`~quantkit.formats.base.Lowered` of the executed plan: one section per format
     handler (static INT8 rows with scales and kernels, weight-only rows with algorithm and output SQNR,
     dynamic / 16-bit rows); ``quality`` holds ``fidelity`` (per output) and / or perplexities; ``search`` the
-    solver's target, status and prediction when a search chose the plan.
+    solver's target, status and prediction when a search chose the plan.  ``source`` says where the model was
+    read from, ``model_given`` how the user named it (default: the recipe's ``model.source``); ``load`` the load
+    average around the latency runs (:func:`load_average`, ``{"start": [...], "end": [...]}``).
     """
     static_rows, unfused = _static_rows(lowered, census, per_layer_sqnr)
     woq = _section_rows(lowered.sections.get("weight_only", []), "weight_only", census, per_layer_sqnr)
@@ -155,10 +439,11 @@ def build_report(
     for f in formats.values():
         counts[f] = counts.get(f, 0) + 1
     f_size, q_size = float_proto.ByteSize(), quant_proto.ByteSize()
-    return {
+    rep = {
         "kind": "mixed" if search is not None or len(families) > 1 else (families[0] if families else "float"),
         "recipe": recipe.name,
-        "model": source,
+        "model": model_given or model_given_name(recipe, source),
+        "model_read_from": source,
         "environment": environment(),
         "settings": recipe.model_dump(mode="json"),
         "samples": {"calibration": calibration_samples, "evaluation": evaluation_samples},
@@ -190,6 +475,7 @@ def build_report(
         "error_growth": _json_safe({k: v[:8] for k, v in growth.items()}),
         "warnings": warnings,
     }
+    return complete_report(rep, load=load)
 
 
 def _growth(float_proto: onnx.ModelProto, per_layer_sqnr: Mapping[str, float], kernels: Mapping[str, Any]
@@ -221,8 +507,6 @@ def _warnings(static_rows: list[dict[str, Any]], unfused: list[dict[str, Any]], 
                    "graph (each is a float<->int8 conversion that costs time): " + "; ".join(stray[:5]))
     if latency and latency.get("speedup", 1.0) < 1.0:
         out.append(f"the quantized model is slower than FP32 (speedup {latency['speedup']:.2f}x)")
-    if latency.get("prefill", {}).get("speedup", 1.0) < 1.0:
-        out.append(f"prefill is slower than FP32 ({latency['prefill']['speedup']:.2f}x): {_PREFILL_ADVICE}")
     out += kernel_warnings(kernels)
     if zero_range:
         out.append(f"{len(zero_range)} activation tensor(s) had zero range over the calibration data (constant or all "
@@ -250,8 +534,8 @@ def data_lines(rep: Mapping[str, Any]) -> list[str]:
 
     cal, ev = st.get("calibration") or {}, st.get("evaluation") or {}
     q = (st.get("quantization") or {}).get("default") or {}
-    out = [f"Calibration data: {spec(cal.get('data'))}; calibrator {cal.get('calibrator')}. "
-           f"Evaluation data: {spec(ev.get('data'))}."]
+    out = [f"Calibration data: {spec(cal.get('data'))}. Evaluation data: {spec(ev.get('data'))}."]
+    out += method_lines(rep)
     if q:
         fmt = q.get("format")
         detail = (f"algorithm {q.get('algorithm')}, group size {q.get('group_size')}" if fmt in ("int4", "int8_weight")
@@ -261,43 +545,68 @@ def data_lines(rep: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _load_text(load: Mapping[str, Any]) -> str:
+    """``load average 4.82 / 4.50 / 3.81 (1 / 5 / 15 min) when the latency runs started, 4.90 (1 min) when they
+    ended``."""
+    when = {"start": "when the latency runs started", "end": "when they ended",
+            "report": "when the report was built (no latency run)"}
+    parts = [f"{' / '.join(f'{x:.2f}' for x in v)} (1 / 5 / 15 min) {when.get(k, k)}" if i == 0 else
+             f"{v[0]:.2f} (1 min) {when.get(k, k)}" for i, (k, v) in enumerate((k, v) for k, v in load.items() if v)]
+    return ("load average " + ", ".join(parts)) if parts else "load average not available"
+
+
 def summary_lines(rep: Mapping[str, Any]) -> list[str]:
-    """A one-screen summary: what was quantized, fidelity, size, speed, kernel exactness, warnings."""
+    """A one-screen summary, the same fields for every family: what was quantized into which kernels, quality vs
+    FP32, size, latency, the machine and its load, time, warnings."""
+    s = rep.get("summary") or summary_of(rep)
     out = ["## Summary", ""]
-    kinds = (rep.get("census") or {}).get("quantized_kernels") or {}
-    n = len(rep.get("layers") or [])
-    out.append(f"- quantized: {n} layers ({', '.join(f'{k} x{v}' for k, v in sorted(kinds.items())) or 'no kernels'})")
+    k = s["quantized"]
+    kinds = ", ".join(f"{a} x{b}" for a, b in sorted(k["by_kernel"].items())) or "no quantized kernels"
+    out.append(f"- quantized: {k['layers']} layers -> {k['kernels']} kernels ({kinds})"
+               + (": " + "; ".join(k["why"]) if k["why"] else ""))
     fm = rep.get("formats") or {}
     if len(fm) > 1:
-        out.append("- formats: " + ", ".join(f"{k} {v}" for k, v in sorted(fm.items())))
-    for name, d in (rep.get("fidelity") or {}).items():
-        keys = [k for k in ("top1_agreement", "mean_kl", "mean_cosine", "sqnr_db") if k in d]
-        out.append(f"- fidelity `{name}`: " + ", ".join(f"{k} {_fmt(d[k], 4)}" for k in keys))
-    q = rep.get("quality") or {}
-    if "perplexity_fp32" in q:
-        out.append(f"- perplexity: FP32 {q['perplexity_fp32']['ppl']:.3f} -> {q['perplexity_quantized']['ppl']:.3f} "
-                   f"({100 * q.get('perplexity_increase', 0):+.1f}%)")
-    sz = rep.get("size") or {}
-    if sz:
+        out.append("- formats: " + ", ".join(f"{a} {b}" for a, b in sorted(fm.items())))
+    q = s["quality"]
+    if q["metric"] == "perplexity":
+        out.append(f"- quality vs FP32: perplexity {q['fp32']:.3f} -> {q['quantized']:.3f} ({100 * q['change']:+.1f}%)"
+                   if q.get("fp32") else f"- quality vs FP32: perplexity {q['quantized']:.3f} (FP32 not evaluated)")
+    elif q["metric"] == "fidelity":
+        for name, d in q["outputs"].items():
+            out.append(f"- quality vs FP32: fidelity `{name}`: " + ", ".join(f"{a} {_fmt(b, 4)}" for a, b in d.items()))
+    else:
+        out.append(f"- quality vs FP32: {q['why']}")
+    sz = s["size"]
+    if sz.get("fp32_bytes") is not None:
         out.append(f"- size: {sz['fp32_bytes'] / 2**20:.2f} MiB -> {sz['quantized_bytes'] / 2**20:.2f} MiB "
                    f"({sz['ratio']:.3f})")
-    lat = rep.get("latency") or {}
-    if "speedup" in lat:
-        out.append(f"- latency: {lat['fp32']['median_ms']:.3f} ms -> {lat['quantized']['median_ms']:.3f} ms "
-                   f"(**{lat['speedup']:.2f}x**, same run)")
-    k = rep.get("kernels") or {}
-    if k:
-        port = (k.get("portability") or {}).get("classes") or {}
-        chk = k.get("check") or {}
-        out.append(f"- CPU: built for `{(k.get('target') or {}).get('cpu_class')}`; exact on "
+    lat = s["latency"]
+    if lat["kind"] == "one call":
+        out.append(f"- latency, batch {lat.get('batch') or '?'} ({lat.get('input')}): {lat['fp32_ms']:.3f} ms -> "
+                   f"{lat['quantized_ms']:.3f} ms per call (**{lat['speedup']:.2f}x**, same run)")
+    elif lat["kind"] == "causal LM":
+        names = {"prefill": "prefill", "prefill_long": "long prefill", "decode": "decode"}
+        out.append("- latency: " + "; ".join(
+            f"{names.get(key, key)} {v['fp32_ms']:.2f} -> {v['quantized_ms']:.2f} ms {v['per']} (**{v['speedup']:.2f}x**)"
+            for key, v in lat.items() if isinstance(v, Mapping)) + ", same run")
+    else:
+        out.append(f"- latency: {lat['why']}")
+    kern = rep.get("kernels") or {}
+    if kern:
+        port = (kern.get("portability") or {}).get("classes") or {}
+        chk = kern.get("check") or {}
+        out.append(f"- CPU: built for `{(kern.get('target') or {}).get('cpu_class')}`; exact on "
                    f"{', '.join(c for c, v in port.items() if v.get('exact')) or 'none'}"
                    + (f"; this CPU's kernels {'agree with' if chk.get('agree') else '**DISAGREE** with'} the QDQ math"
                       if chk else ""))
-    t = {k: v for k, v in (rep.get("timings") or {}).items() if isinstance(v, (int, float)) and k.endswith("_s")}
+    m = s["measured_on"]
+    out.append(f"- measured on: {m['cpu']} (class `{m['cpu_class']}`, {m['cores']} cores, threads "
+               f"{m.get('threads') or 'ONNX Runtime default'}); {_load_text(m.get('load_average') or {})}")
+    t = {a: b for a, b in (rep.get("timings") or {}).items() if isinstance(b, (int, float)) and a.endswith("_s")}
     if "total_s" in t:
-        parts = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in t.items() if k != "total_s" and v >= 0.05)
+        parts = ", ".join(f"{a[:-2].replace('_', ' ')} {b:.1f} s" for a, b in t.items() if a != "total_s" and b >= 0.05)
         out.append(f"- time: {t['total_s']:.1f} s ({parts})")
-    out.append(f"- warnings: {len(rep.get('warnings') or [])}")
+    out.append(f"- warnings: {s['warnings']}" + (" (see Warnings)" if s["warnings"] else ""))
     return [*out, ""]
 
 
@@ -431,20 +740,15 @@ def warnings_lines(rep: Mapping[str, Any]) -> list[str]:
 def render_markdown(rep: dict[str, Any]) -> str:
     """A human-readable Markdown rendering of the report: one section per part that is present."""
     kind = {"mixed": " (mixed precision)", "weight_only": " (weight-only)"}.get(rep.get("kind", ""), "")
-    lines = [f"# quantkit report: {rep['recipe']}{kind}", "", f"Model: `{rep['model']}`", ""]
+    read = rep.get("model_read_from")
+    lines = [f"# quantkit report: {rep['recipe']}{kind}", "",
+             f"Model: `{rep['model']}`" + (f" (read from {read})" if read and read != rep["model"] else ""), ""]
     lines += summary_lines(rep)
     env = rep["environment"]
     lines.append(f"Environment: quantkit {env['quantkit']}, onnxruntime {env['onnxruntime']}, onnx {env['onnx']}, "
                  f"{env['cpu']} ({env['cores']} cores), {env['date']}")
     lines.append(f"Samples: {rep['samples']['calibration']} calibration, {rep['samples']['evaluation']} evaluation")
     lines += data_lines(rep)
-    cal = rep.get("calibration") or {}
-    if cal.get("mode") == "layerwise":
-        lines.append(f"Calibration: layer-wise, block by block on {cal.get('tokens', 0)} tokens "
-                     f"({cal.get('resumed_blocks', 0)} finished blocks resumed from an interrupted run)")
-    elif cal:
-        lines.append(f"Calibration statistics: {cal.get('reused', 0)} reused from cache, {cal.get('collected', 0)} "
-                     f"collected ({cal.get('cache') or 'cache disabled'})")
     lines.append("")
     for part in (warnings_lines, kernel_lines, _search_lines, _size_lines, _latency_lines, _quality_lines,
                  _census_lines, _static_layer_lines, _weight_only_lines, _linear_lines, _float_lines):
@@ -487,9 +791,9 @@ def _latency_lines(rep: Mapping[str, Any]) -> list[str]:
                   f"Speedup (median): **{lat['speedup']:.2f}x**", ""]
     rows = [(k, v) for k, v in lat.items() if isinstance(v, dict) and "fp32_ms" in v]
     if rows:
-        lines += ["| measurement | FP32 ms | quantized ms | speedup |", "|---|---|---|---|"]
-        lines += [f"| {v.get('label', k)} | {v['fp32_ms']:.2f} | {v['quantized_ms']:.2f} | {v['speedup']:.2f}x |"
-                  for k, v in rows]
+        lines += ["| measurement | timed | FP32 ms | quantized ms | speedup |", "|---|---|---|---|---|"]
+        lines += [f"| {v.get('label', k)} | {latency_per(k, v)} | {v['fp32_ms']:.2f} | {v['quantized_ms']:.2f} | "
+                  f"{v['speedup']:.2f}x |" for k, v in rows]
         lines.append("")
     return lines
 
@@ -563,23 +867,39 @@ def _weight_only_lines(rep: Mapping[str, Any]) -> list[str]:
     rows = rep.get("weight_only") or []
     if not rows:
         return []
+
+    def sqnr(v: Any) -> str:
+        return _fmt(v, 1) if isinstance(v, float) and math.isfinite(v) else _fmt(v)
+
+    def kernel(r: Mapping[str, Any]) -> str:
+        k, node = r.get("kernel"), r.get("kernel_node")
+        return "-" if not k else f"{k} (shared: `{node}`)" if node and node != r["layer"] else str(k)
+
+    # (header, explanation, cell, filled by a row); a column no row fills is left out
+    optional = [
+        ("output SQNR dB", "the layer's output error on calibration inputs, 10 log10(E||xW||^2 / E||x(W - W_q)||^2) "
+         "(no calibration statistics: -)", lambda r: sqnr(r.get("output_sqnr_db")), "output_sqnr_db"),
+        ("eval SQNR dB", "the layer's output in the emitted model vs FP32 on evaluation samples (errors of earlier "
+         "layers included)", lambda r: _fmt(r.get("eval_output_sqnr_db"), 1), "eval_output_sqnr_db"),
+        ("kernel", "the ONNX Runtime kernel that computes it (shared: one kernel computes several layers side by "
+         "side)", kernel, "kernel"),
+        ("stage", "the sequential calibration pass the layer was quantized in (later stages see earlier layers "
+         "already quantized)", lambda r: _fmt(r.get("stage")), "stage"),
+        ("block", "the decoder block it was calibrated with, block by block (later blocks see earlier ones already "
+         "quantized; -1: the embedding, after the last block: the lm_head)", lambda r: _fmt(r.get("block")), "block"),
+    ]
+    cols = [c for c in optional if any(r.get(c[3]) is not None for r in rows)]
     lines = ["## Weight-only layers (MatMulNBits)", "",
-             "Columns: `weight rel. error` = ||W - W_q|| / ||W||; `output SQNR dB` = the layer's output error on "
-             "calibration inputs, 10 log10(E||xW||^2 / E||x(W - W_q)||^2) (no calibration statistics: -); `eval SQNR` = "
-             "the layer's output in the emitted model vs FP32 on evaluation samples (errors of earlier layers "
-             "included); `stage` = "
-             "the sequential calibration pass the layer was quantized in (later stages see earlier layers already "
-             "quantized).", "",
-             "| layer | format | algorithm | bits | group | sym | K x N | weight rel. error | output SQNR dB "
-             "| eval SQNR dB | kernel | stage |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Columns: `weight rel. error` = ||W - W_q|| / ||W||"
+             + "".join(f"; `{h}` = {e}" for h, e, _, _ in cols) + ".", "",
+             "| " + " | ".join(["layer", "format", "algorithm", "bits", "group", "sym", "K x N", "weight rel. error",
+                                *(h for h, _, _, _ in cols)]) + " |", "|---" * (8 + len(cols)) + "|"]
     for r in rows:
-        sq = r.get("output_sqnr_db")
-        lines.append(
-            f"| `{r['layer']}` | {r['format']} | {r['algorithm']}{' +awq-scale' if r.get('awq_scaled') else ''}"
-            f"{' (tied)' if r.get('tied') else ''} | {r['bits']} | {r['group_size']} | "
-            f"{'y' if r['symmetric'] else 'n'} | {r['K']} x {r['N']} | {_fmt(r['weight_rel_error'], 4)} | "
-            f"{_fmt(sq, 1) if isinstance(sq, float) and math.isfinite(sq) else _fmt(sq)} | "
-            f"{_fmt(r.get('eval_output_sqnr_db'), 1)} | {r.get('kernel') or '-'} | {r.get('stage', '-')} |")
+        cells = [f"`{r['layer']}`", r["format"],
+                 f"{r['algorithm']}{' +awq-scale' if r.get('awq_scaled') else ''}{' (tied)' if r.get('tied') else ''}",
+                 r["bits"], r["group_size"], "y" if r["symmetric"] else "n", f"{r['K']} x {r['N']}",
+                 _fmt(r["weight_rel_error"], 4), *(cell(r) for _, _, cell, _ in cols)]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return [*lines, ""]
 
 

@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from tqdm.auto import tqdm
 
 from quantkit.errors import DataError, QuantkitError, RecipeError
+from quantkit.progress import grouped, tqdm
 
 log = logging.getLogger("quantkit")
 
@@ -349,36 +349,38 @@ def prepare_search(
 
     t = time.perf_counter()
     sens = srch.sensitivity
-    damage = measure_sensitivity(
-        space,
-        cal,
-        samples=sens.samples,
-        seq_len=sens.seq_len,
-        metric=damage_metric,
-        cache_parts={**common, "sens": sens.model_dump()} if use_cache else None,
-        progress=progress,
-    )
+    with grouped("sensitivity"):  # one line per repeated step (lowering, statistics), not one per probe
+        damage = measure_sensitivity(
+            space,
+            cal,
+            samples=sens.samples,
+            seq_len=sens.seq_len,
+            metric=damage_metric,
+            cache_parts={**common, "sens": sens.model_dump()} if use_cache else None,
+            progress=progress,
+        )
     timings["sensitivity_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
     feed = _latency_feed(ev, rec)
     lat = rec.report.latency
-    costs = measure_costs(
-        space,
-        feed,
-        runs=lat.repeat,
-        warmup=lat.warmup,
-        threads=lat.threads,
-        cache_parts={
-            **common,
-            "feed": {k: list(v.shape) for k, v in feed.items()},
-            "threads": lat.threads,
-            "runs": lat.repeat,
-        }
-        if use_cache
-        else None,
-        progress=progress,
-    )
+    with grouped("cost"):
+        costs = measure_costs(
+            space,
+            feed,
+            runs=lat.repeat,
+            warmup=lat.warmup,
+            threads=lat.threads,
+            cache_parts={
+                **common,
+                "feed": {k: list(v.shape) for k, v in feed.items()},
+                "threads": lat.threads,
+                "runs": lat.repeat,
+            }
+            if use_cache
+            else None,
+            progress=progress,
+        )
     timings["cost_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -588,21 +590,22 @@ def _sweep_into(
         if ray is not None:
             remote_quality = ray.remote(_quality)
             float_ref, ev_ref = ray.put(float_bytes), ray.put(ev)
-        for i, p in enumerate(
-            tqdm(points, desc="emit + evaluate points", unit="point", disable=not progress)
-        ):
-            m = space.emit(p.assignment)
-            path = store / f"point-{i:02d}" / "model.onnx"
-            save_model(m, path, rec.export.external_data)
-            del m
-            p.model_path = str(path) if save_models else None
-            paths[p.id] = path
-            p.measured["size_bytes"] = sum(f.stat().st_size for f in path.parent.iterdir() if f.is_file())
-            if ray is not None:  # a task per point; results gathered below
-                pending[p.id] = remote_quality.remote(_model_ref(path), float_ref, ev_ref, rec, is_lm,
-                                                      ctx.damage_metric)  # fmt: skip
-            else:
-                p.measured.update(_quality(str(path), float_bytes, ev, rec, is_lm, ctx.damage_metric))
+        with grouped("emit points"):  # one line per repeated step (lowering, statistics), not one per point
+            for i, p in enumerate(
+                tqdm(points, desc="emit + evaluate points", unit="point", disable=not progress)
+            ):
+                m = space.emit(p.assignment)
+                path = store / f"point-{i:02d}" / "model.onnx"
+                save_model(m, path, rec.export.external_data)
+                del m
+                p.model_path = str(path) if save_models else None
+                paths[p.id] = path
+                p.measured["size_bytes"] = sum(f.stat().st_size for f in path.parent.iterdir() if f.is_file())
+                if ray is not None:  # a task per point; results gathered below
+                    pending[p.id] = remote_quality.remote(_model_ref(path), float_ref, ev_ref, rec, is_lm,
+                                                          ctx.damage_metric)  # fmt: skip
+                else:
+                    p.measured.update(_quality(str(path), float_bytes, ev, rec, is_lm, ctx.damage_metric))
         if pending and ray is not None:
             done = dict(zip(pending, ray.get(list(pending.values())), strict=True))
             for p in points:
