@@ -1,4 +1,5 @@
-"""Layer-wise, streaming weight-only quantization of a LLaMA-family checkpoint (block by block).
+"""Layer-wise, streaming weight-only quantization of a decoder checkpoint, block by block (the families of
+:mod:`quantkit.frontends.families`: LLaMA, Mistral, Qwen2 / 3, SmolLM3, Gemma 1 / 2 / 3, Phi-3, GPT-2).
 
 The whole-graph path (:mod:`quantkit.weight_only`) loads the FP32 model and runs it in ONNX Runtime
 once per stage: fine for SmolLM2 (0.5 GB), impossible for a 7B model (28 GB in FP32) on a 24 GB machine.
@@ -54,7 +55,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from quantkit.algorithms.woq import WOQResult, get_weight_algorithm
 from quantkit.calibrate.layer_stats import LayerStats
@@ -65,11 +65,15 @@ from quantkit.frontends.llm_builder import (
     DecoderConfig,
     PackedLinear,
     block_model,
+    block_prefix,
     build_llm,
+    embedded_stream,
+    linear_groups,
     linear_shapes,
     read_decoder_config,
 )
 from quantkit.lowering.nbits import matmul_nbits_arrays
+from quantkit.progress import tqdm
 from quantkit.recipe.plan import LayerPlan, PrecisionPlan
 from quantkit.weight_only import STATS_ALGORITHMS
 
@@ -79,9 +83,6 @@ __all__ = ["LAYERWISE_FORMATS", "LayerwiseResult", "quantize_llm_layerwise"]
 
 LAYERWISE_FORMATS = {"int4": 4, "int8_weight": 8, "fp32": None}
 """Formats the layer-wise builder writes (bits; ``None`` = kept in float)."""
-# graph order of a block's linears, grouped by the tensor they read
-_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
-           ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))  # fmt: skip
 
 
 @dataclass
@@ -162,13 +163,15 @@ class _Hook(BuildHook):
         self.notes: dict[str, str] = {}
         self.resumed = 0
         self.hidden: np.ndarray | None = None  # memory-mapped [windows, seq, H] entering the current block
-        self.plans = {f"model.layers.{i}.{s}": self._layer_plan(f"model.layers.{i}.{s}")
+        self.groups = linear_groups(cfg)  # graph order of a block's linears, grouped by the tensor they read
+        self.embed = cfg.spec.names.embed
+        self.plans = {f"{block_prefix(cfg, i)}.{s}": self._layer_plan(f"{block_prefix(cfg, i)}.{s}")
                       for i in range(cfg.num_hidden_layers) for s in linear_shapes(cfg)}  # fmt: skip
         self.plans["lm_head"] = self._layer_plan("lm_head")
         # the input embedding of a tied model whose head is rounded from statistics (stored apart): a Gather,
         # so rounded to the nearest level (its own plan entry, format / group as the recipe says)
-        emb = self._layer_plan("model.embed_tokens")
-        self.plans["model.embed_tokens"] = dataclasses.replace(emb, algorithm="rtn", algorithm_options=())
+        emb = self._layer_plan(self.embed)
+        self.plans[self.embed] = dataclasses.replace(emb, algorithm="rtn", algorithm_options=())
         self.needs_stats = windows is not None and any(
             LAYERWISE_FORMATS[lp.format] is not None and lp.algorithm in STATS_ALGORITHMS
             for lp in self.plans.values())  # fmt: skip
@@ -383,11 +386,11 @@ class _Hook(BuildHook):
         lp = self.plans["lm_head"]
         return self.needs_stats and LAYERWISE_FORMATS[lp.format] is not None and lp.algorithm in STATS_ALGORITHMS
 
-    def embedding(self, table: Any, tied: bool) -> PackedLinear | None:
+    def embedding(self, table: Any, tied: bool, positions: Any = None) -> PackedLinear | None:
         q = None
         if tied:
             E = _f32(table)
-            q = self._quantize("model.embed_tokens" if self.untie_head() else "lm_head", np.ascontiguousarray(E.T),
+            q = self._quantize(self.embed if self.untie_head() else "lm_head", np.ascontiguousarray(E.T),
                                None, -1)  # fmt: skip
             if q is not None and self.plans["lm_head"].algorithm in STATS_ALGORITHMS and not self.untie_head():
                 self.notes["lm_head"] = (f"{self.plans['lm_head'].algorithm} -> rtn: a tied embedding / lm_head is "
@@ -403,8 +406,11 @@ class _Hook(BuildHook):
                 rows = self._dequantized_rows(q, self.windows)
             else:
                 rows = None
+            # the block graphs start after the embedding: Gemma's sqrt(hidden) scale and GPT-2's learned positions
+            # (rows 0 .. seq - 1: every window starts at position 0) are applied as the decoder does
+            pos = _f32(positions[: self.windows.shape[1]]) if positions is not None else None
             for j in range(self.windows.shape[0]):
-                h[j] = rows[j] if rows is not None else _f32(table[self.windows[j]])
+                h[j] = embedded_stream(self.cfg, rows[j] if rows is not None else _f32(table[self.windows[j]]), pos)
             h.flush()
             del h
             os.replace(tmp, path)
@@ -432,7 +438,7 @@ class _Hook(BuildHook):
         return rows[inv.reshape(ids.shape)]
 
     def block(self, index: int, weights: dict[str, Any]) -> dict[str, PackedLinear]:
-        p = f"model.layers.{index}"
+        p = block_prefix(self.cfg, index)
         saved = self.work / f"block_{index}.npz"
         if self.needs_stats and index < self.reuse:
             loaded = self._reuse(index)
@@ -450,7 +456,7 @@ class _Hook(BuildHook):
                 return loaded
         ws = {f"{p}.{s}": np.ascontiguousarray(_f32(weights[f"{p}.{s}.weight"]).T) for s in linear_shapes(self.cfg)}
         packed: dict[str, PackedLinear] = {}
-        for group in _GROUPS:
+        for group in self.groups:
             names = [f"{p}.{s}" for s in group]
             wants = [n for n in names if LAYERWISE_FORMATS[self.plans[n].format] is not None
                      and self.plans[n].algorithm in STATS_ALGORITHMS]  # fmt: skip
@@ -477,16 +483,21 @@ class _Hook(BuildHook):
         if old.is_file() and index >= 0:
             old.unlink()
 
-    def lm_head(self, weight: Any, norm_weight: Any) -> PackedLinear | None:
+    def lm_head(self, weight: Any, norm_weight: Any, norm_bias: Any = None) -> PackedLinear | None:
         stats = None
         lp = self.plans["lm_head"]
         if self.needs_stats and self.hidden is not None and lp.algorithm in STATS_ALGORITHMS and norm_weight is not None:
             gamma = _f32(norm_weight)
+            beta = _f32(norm_bias) if norm_bias is not None else None
+            eps = np.float32(self.cfg.rms_norm_eps)
             stats = LayerStats(self.cfg.hidden_size, max_rows=self.max_rows)
-            for j in range(self.hidden.shape[0]):
+            for j in range(self.hidden.shape[0]):  # the final norm's output: what the lm_head reads
                 x = np.asarray(self.hidden[j], np.float32)
+                if self.cfg.spec.norm == "layer":  # LayerNorm (GPT-2)
+                    x = x - np.mean(x, axis=-1, keepdims=True)
                 var = np.mean(x * x, axis=-1, keepdims=True)
-                stats.update((x / np.sqrt(var + np.float32(self.cfg.rms_norm_eps))) * gamma)
+                y = (x / np.sqrt(var + eps)) * gamma
+                stats.update(y + beta if beta is not None else y)
         return self._quantize("lm_head", np.ascontiguousarray(_f32(weight).T), stats, self.cfg.num_hidden_layers)
 
     def finish(self) -> None:
@@ -569,8 +580,9 @@ class _Hook(BuildHook):
 
     def _packed_from(self, index: int, arrays: dict[str, np.ndarray], layers: Any) -> dict[str, PackedLinear]:
         """The :class:`PackedLinear` of block ``index`` from a block file's arrays, checked against this run."""
-        want = {f"model.layers.{index}.{s}": shape for s, shape in linear_shapes(self.cfg).items()
-                if LAYERWISE_FORMATS[self.plans[f"model.layers.{index}.{s}"].format] is not None}  # fmt: skip
+        p = block_prefix(self.cfg, index)
+        want = {f"{p}.{s}": shape for s, shape in linear_shapes(self.cfg).items()
+                if LAYERWISE_FORMATS[self.plans[f"{p}.{s}"].format] is not None}  # fmt: skip
         if not isinstance(layers, dict) or set(layers) != set(want):
             raise _BadEntry(f"holds layers {sorted(layers) if isinstance(layers, dict) else layers!r}, "
                             f"this run quantizes {sorted(want)}")  # fmt: skip
@@ -668,7 +680,7 @@ def quantize_llm_layerwise(
     """Build ``out_path`` (an INT4 / INT8 weight-only KV-cache decoder) from the HF ``folder``, block by block.
 
     Args:
-        folder: local LLaMA-family HF folder (safetensors, bf16 / fp16 / fp32, sharded or not).
+        folder: local HF folder of a supported decoder family (safetensors, bf16 / fp16 / fp32, sharded or not).
         out_path: the ``.onnx`` to write (weights in ``<name>.onnx.data``, plus ``genai_config.json``).
         plan: the precision plan (recipe default + overrides, by layer name: ``model.layers.3.mlp.down_proj``,
             ``lm_head``); formats ``int4``, ``int8_weight`` or ``fp32``.

@@ -1,4 +1,9 @@
-"""A streaming builder of LLaMA-family decoders with ONNX Runtime's fused contrib ops.
+"""A streaming builder of decoder LLMs with ONNX Runtime's fused contrib ops.
+
+The families it builds (LLaMA / SmolLM, Mistral, Qwen2, Qwen3, SmolLM3, Gemma, Gemma 2, Gemma 3 text, Phi-3, GPT-2) are
+declarative descriptions in :mod:`quantkit.frontends.families` (norm kind, MLP and activation, positions,
+attention extras, tensor names) over the shared building blocks below; ``docs/llm-families.md`` lists them.
+The LLaMA layout is described here; the others differ as their :class:`~quantkit.frontends.families.Family` says.
 
 :func:`build_llm` reads a local Hugging Face folder (``config.json`` + ``*.safetensors``, sharded
 or not, bf16 / fp16 / fp32) and writes the decoder graph directly, the way onnxruntime-genai's
@@ -53,7 +58,7 @@ import math
 import os
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +67,13 @@ import onnx
 from onnx import TensorProto, helper
 
 from quantkit.errors import ModelError
-from quantkit.frontends.checkpoint import TensorInfo, check_config_values, checkpoint_tensors
+from quantkit.frontends.checkpoint import TensorInfo, checkpoint_tensors
+from quantkit.frontends.families import (
+    ROTARY_CACHE_POSITIONS,
+    DecoderConfig,
+    parse_config,
+    supported_model_types,
+)
 
 __all__ = [
     "BuildHook",
@@ -72,170 +83,61 @@ __all__ = [
     "PackedLinear",
     "ROTARY_CACHE_POSITIONS",
     "block_model",
+    "block_norms",
+    "block_prefix",
     "LLMSession",
     "build_llm",
     "check_decoder_folder",
+    "embedded_stream",
     "generate",
+    "linear_groups",
+    "linear_shapes",
+    "norm_gamma",
     "read_decoder_config",
 ]
 
 OPSET = 21
 _MS = "com.microsoft"
 _ALIGN = 4096  # external-data offsets page-aligned: ORT can memory-map them
-_SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "smollm", "smollm2")
-ROTARY_CACHE_POSITIONS = 1 << 17
-"""The most positions a built decoder's rotary (cos / sin) caches hold: its context is
-``min(max_position_embeddings, ROTARY_CACHE_POSITIONS)`` (131072, Llama 3.1's; 64 MiB of caches at head_dim 128)."""
+_SUPPORTED_TYPES = supported_model_types()  # every model_type of quantkit.frontends.families
 
 
 # --------------------------------------------------------------------------- config
 
 
-@dataclass(frozen=True)
-class DecoderConfig:
-    """What the builder needs from ``config.json`` (LLaMA / Mistral / Qwen2 / SmolLM)."""
-
-    model_type: str
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    num_hidden_layers: int
-    rms_norm_eps: float
-    rope_theta: float
-    vocab_size: int
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    rope_scaling: dict[str, Any] | None = None
-    sliding_window: int | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    pad_token_id: int | None = None
-    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def rotary_dim(self) -> int:
-        factor = float((self.rope_scaling or {}).get("partial_rotary_factor", 1.0))
-        return int(self.head_dim * factor)
-
-    @property
-    def context_length(self) -> int:
-        """Positions a built decoder covers (its rotary caches' rows): see :data:`ROTARY_CACHE_POSITIONS`."""
-        return min(self.max_position_embeddings, ROTARY_CACHE_POSITIONS)
-
-
 def read_decoder_config(folder: str | Path) -> DecoderConfig:
-    """Parse ``folder/config.json``; :class:`ModelError` on an architecture this builder cannot do."""
+    """Parse ``folder/config.json``; :class:`ModelError` on an architecture or a value this builder cannot do
+    (see :func:`quantkit.frontends.families.parse_config`: everything is checked from the JSON alone)."""
     path = Path(folder) / "config.json"
     try:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot read {str(path)!r}: {e}") from e
-    check_config_values(cfg, str(path))  # sizes in a sane range before anything is computed from them
-    model_type = str(cfg.get("model_type", "")).lower()
-    if model_type not in _SUPPORTED_TYPES:
-        raise ModelError(
-            f"model_type {model_type!r} is not a LLaMA-family decoder ({', '.join(_SUPPORTED_TYPES)})"
-        )
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ModelError(f"hidden_act {act!r}: only SiLU MLPs are built")
-    try:
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        # transformers >= 5 writes rope_parameters {rope_theta, rope_type, ...}; older: rope_theta + rope_scaling
-        rope = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or None
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        if scaling is None and rope.get("rope_type", "default") != "default":
-            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        window = cfg.get("sliding_window")
-        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
-            window = None
-        out = DecoderConfig(
-            model_type=model_type,
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            vocab_size=int(cfg["vocab_size"]),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            rope_scaling=dict(scaling) if scaling else None,
-            sliding_window=int(window) if window else None,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=cfg.get("eos_token_id"),
-            pad_token_id=cfg.get("pad_token_id"),
-            raw=cfg,
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelError(f"{str(path)!r}: missing or bad field: {e}") from e
-    if heads % kv_heads:
-        raise ModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    if not cfg.get("head_dim") and hidden % heads:
-        raise ModelError(f"{str(path)!r}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
-                         "and there is no head_dim; allowed: a multiple, or an explicit head_dim")  # fmt: skip
-    _check_numbers(out, str(path))
-    return out
+    return parse_config(cfg, str(path))
 
 
-def _positive(value: Any, *, zero: bool = False) -> bool:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return False
-    return not isinstance(value, bool) and math.isfinite(v) and (v >= 0 if zero else v > 0)
-
-
-def _check_numbers(cfg: DecoderConfig, where: str) -> None:
-    """Refuse float settings the rotary caches and norms cannot use (NaN, zero or negative)."""
-    if not _positive(cfg.rms_norm_eps, zero=True):
-        raise ModelError(f"{where}: rms_norm_eps {cfg.rms_norm_eps!r}; allowed: a finite number >= 0")
-    if not _positive(cfg.rope_theta):
-        raise ModelError(f"{where}: rope_theta {cfg.rope_theta!r}; allowed: a finite number > 0")
-    if cfg.sliding_window is not None and cfg.sliding_window < 1:
-        raise ModelError(f"{where}: sliding_window {cfg.sliding_window}; allowed: an integer >= 1 or null")
-    sc = cfg.rope_scaling or {}
-    kind = sc.get("rope_type", sc.get("type", "default"))
-    if kind not in ("default", "linear", "llama3"):
-        raise ModelError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
-    keys = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                              "original_max_position_embeddings")}.get(kind, ())  # fmt: skip
-    for key in keys:
-        if not _positive(sc.get(key)):
-            raise ModelError(f"{where}: rope_scaling {kind} {key} {sc.get(key)!r}; allowed: a finite number > 0")
-    if kind == "llama3" and float(sc["high_freq_factor"]) == float(sc["low_freq_factor"]):
-        raise ModelError(f"{where}: rope_scaling llama3 high_freq_factor equals low_freq_factor "
-                         f"({sc['low_freq_factor']}); allowed: two different numbers")  # fmt: skip
-    factor = sc.get("partial_rotary_factor", 1.0)
-    if not _positive(factor) or float(factor) > 1:
-        raise ModelError(f"{where}: partial_rotary_factor {factor!r}; allowed: a number in (0, 1]")
-    if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
-        raise ModelError(f"{where}: head_dim {cfg.head_dim} gives a rotary dimension of {cfg.rotary_dim}; allowed: "
-                         "an even number >= 2")  # fmt: skip
-
-
-def rotary_caches(cfg: DecoderConfig, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``cos``, ``sin`` ``[length, rotary_dim / 2]`` float32, computed as transformers does (float32).
-
-    ``length`` defaults to :attr:`DecoderConfig.context_length` (never more than :data:`ROTARY_CACHE_POSITIONS`
-    rows, whatever ``max_position_embeddings`` says)."""
+def _inv_freq(cfg: DecoderConfig, theta: float, sc: dict[str, Any] | None, long: bool) -> tuple[np.ndarray, float]:
+    """RoPE inverse frequencies (float32, as transformers computes them) and the cos / sin scale."""
     dim = cfg.rotary_dim
-    inv = 1.0 / (
-        np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)
-    )
-    inv = inv.astype(np.float32)
-    sc = cfg.rope_scaling or {}
-    kind = sc.get("rope_type", sc.get("type", "default"))
+    kind = str((sc or {}).get("rope_type", (sc or {}).get("type", "default")))
+    kind = "longrope" if kind == "su" else kind
+    shape = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    if kind == "longrope":
+        assert sc is not None  # noqa: S101 - checked by parse_config
+        orig = float(sc["original_max_position_embeddings"])
+        ext = np.asarray(sc["long_factor" if long else "short_factor"], np.float32)
+        inv = (np.float32(1.0) / (ext * (np.float32(theta) ** shape))).astype(np.float32)
+        factor = sc.get("factor") or cfg.max_position_embeddings / orig
+        attention = sc.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        return inv, float(attention)
+    inv = (1.0 / (np.float32(theta) ** shape)).astype(np.float32)
     if kind == "linear":
+        assert sc is not None  # noqa: S101 - checked by parse_config
         inv = (inv / np.float32(sc["factor"])).astype(np.float32)
     elif kind == "llama3":
+        assert sc is not None  # noqa: S101 - checked by parse_config
         factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
         old = float(sc["original_max_position_embeddings"])
         wavelen = 2 * math.pi / inv
@@ -244,27 +146,79 @@ def rotary_caches(cfg: DecoderConfig, length: int | None = None) -> tuple[np.nda
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
         inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv, 1.0
+
+
+def rotary_caches(cfg: DecoderConfig, length: int | None = None, *, local: bool = False,
+                  long: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``cos``, ``sin`` ``[length, rotary_dim / 2]`` float32, computed as transformers does (float32).
+
+    ``length`` defaults to :attr:`DecoderConfig.context_length` (never more than :data:`ROTARY_CACHE_POSITIONS`
+    rows, whatever ``max_position_embeddings`` says).  ``local``: the sliding layers' RoPE (Gemma 3);
+    ``long``: LongRoPE's long factors (used once a sequence exceeds ``original_max_position_embeddings``)."""
+    if local and cfg.local_rope_theta is not None:
+        inv, scale = _inv_freq(cfg, cfg.local_rope_theta, cfg.local_rope_scaling, long)
+    else:
+        inv, scale = _inv_freq(cfg, cfg.rope_theta, cfg.rope_scaling, long)
     t = np.arange(length or cfg.context_length, dtype=np.float32)
     freqs = np.outer(t, inv).astype(np.float32)
-    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+    cos, sin = np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+    if scale != 1.0:
+        cos, sin = (cos * np.float32(scale)).astype(np.float32), (sin * np.float32(scale)).astype(np.float32)
+    return cos, sin
+
+
+def _longrope_limit(sc: dict[str, Any] | None) -> int | None:
+    kind = str((sc or {}).get("rope_type", (sc or {}).get("type", "default")))
+    if kind in ("longrope", "su") and sc is not None:
+        return int(sc["original_max_position_embeddings"])
+    return None
 
 
 # --------------------------------------------------------------------------- weights
 
 
 class _Checkpoint:
-    """Tensor name -> shard file of a safetensors checkpoint; reads tensors as float32, a few at a time."""
+    """Tensor name -> shard file of a safetensors checkpoint; reads tensors as float32, a few at a time.
 
-    def __init__(self, folder: Path) -> None:
+    With ``cfg``, names are the family's graph names: a tensor stored without the family's optional prefix
+    (GPT-2's ``h.0...`` for ``transformer.h.0...``) is found under it, and ``Conv1D`` weights (stored ``[K, N]``)
+    are returned transposed (a view), as ``nn.Linear`` stores them (``[N, K]``)."""
+
+    def __init__(self, folder: Path, cfg: DecoderConfig | None = None) -> None:
         # the headers are checked (lengths, offsets inside the files, float dtypes) and the index's weight_map
         # (plain file names inside the folder) before safetensors maps a file
         self.tensors: dict[str, TensorInfo] = checkpoint_tensors(folder)
         if not self.tensors:
             raise ModelError(f"no *.safetensors in {str(folder)!r}")
         self.where = {k: t.file for k, t in self.tensors.items()}
+        self.cfg = cfg
+        self.stored: dict[str, str] = {}  # graph name -> stored name, where they differ
+        self.transposed: set[str] = set()  # graph names of Conv1D weights
+        if cfg is not None:
+            fam = cfg.spec
+            prefix = fam.names.stored_prefix
+            if prefix:
+                for k in list(self.tensors):
+                    if not k.startswith(prefix) and prefix + k not in self.tensors:
+                        self.stored[prefix + k] = k
+            if fam.conv1d:
+                self.transposed = {f"{fam.names.layers}.{i}.{s}.weight" for i in range(cfg.num_hidden_layers)
+                                   for s in linear_shapes(cfg)}  # fmt: skip
+
+    def _name(self, name: str) -> str:
+        return self.stored.get(name, name)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.where
+        return self._name(name) in self.where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from the header (``[N, K]`` for a Conv1D weight, as it is read)."""
+        shape = self.tensors[self._name(name)].shape
+        return tuple(reversed(shape)) if name in self.transposed else shape
+
+    def file(self, name: str) -> Path:
+        return self.where[self._name(name)]
 
     def read(self, names: Iterable[str]) -> Iterator[tuple[str, Any]]:
         """Yield ``(name, tensor)`` in the stored dtype; each shard is opened once per call and closed after.
@@ -277,12 +231,12 @@ class _Checkpoint:
         from safetensors import safe_open
 
         names = list(names)
-        missing = [n for n in names if n not in self.where]
+        missing = [n for n in names if n not in self]
         if missing:
             raise ModelError(f"checkpoint lacks tensors {missing[:4]}")
         by_shard: dict[Path, list[str]] = {}
         for n in names:
-            by_shard.setdefault(self.where[n], []).append(n)
+            by_shard.setdefault(self.file(n), []).append(n)
         try:
             import torch  # noqa: F401
         except ImportError:  # pragma: no cover - torch is a dependency of the LLM frontends
@@ -292,8 +246,9 @@ class _Checkpoint:
         for shard, group in by_shard.items():
             with safe_open(str(shard), framework=framework) as h:
                 for n in group:
-                    t = h.get_tensor(n)
-                    yield n, (t if framework == "pt" else np.asarray(t, np.float32))
+                    t = h.get_tensor(self._name(n))
+                    t = t if framework == "pt" else np.asarray(t, np.float32)
+                    yield n, (t.T if n in self.transposed else t)
 
 
 def _float32_rows(t: Any, start: int, stop: int) -> np.ndarray:
@@ -412,18 +367,21 @@ class BuildHook:
     as in the HF checkpoint) and returns :class:`PackedLinear` results for the layers it quantized.
     """
 
-    def embedding(self, table: Any, tied: bool) -> PackedLinear | None:
+    def embedding(self, table: Any, tied: bool, positions: Any = None) -> PackedLinear | None:
         """The embedding table ``[V, H]``; when ``tied``, a quantized lm_head weight ``[H, V]`` (the
-        table transposed, groups along H) that the ``GatherBlockQuantized`` and the lm_head share."""
+        table transposed, groups along H) that the ``GatherBlockQuantized`` and the lm_head share.
+        ``positions``: the learned position table ``[P, H]`` of a family that has one (GPT-2), else not passed."""
         return None
 
     def block(self, index: int, weights: dict[str, Any]) -> dict[str, PackedLinear]:
-        """Block ``index``'s tensors by HF name; return quantized linears by layer name
-        (``model.layers.<i>.self_attn.q_proj`` ...).  May replace the RMSNorm weights in ``weights``."""
+        """Block ``index``'s tensors by graph name (the HF module names of the family; ``Conv1D`` weights already
+        transposed to ``[N, K]``); return quantized linears by layer name (``model.layers.<i>.self_attn.q_proj``
+        ...).  May replace the norm weights in ``weights``."""
         return {}
 
-    def lm_head(self, weight: Any, norm_weight: Any) -> PackedLinear | None:
-        """An untied lm_head weight ``[V, H]`` (``norm_weight``: the final RMSNorm's, which precedes it).
+    def lm_head(self, weight: Any, norm_weight: Any, norm_bias: Any = None) -> PackedLinear | None:
+        """An untied lm_head weight ``[V, H]`` (``norm_weight``: the factor of the final norm, which precedes it --
+        Gemma's ``1 + w`` already added; ``norm_bias``: a LayerNorm's bias, passed only when there is one).
         With :meth:`untie_head`, also a tied checkpoint's table, read again after the last block."""
         return None
 
@@ -525,21 +483,61 @@ def _check_shape(name: str, arr: Any, shape: tuple[int, ...]) -> None:
         raise ModelError(f"tensor {name!r} has shape {tuple(arr.shape)}, config says {shape}")
 
 
+def block_prefix(cfg: DecoderConfig, index: int) -> str:
+    """The module path of block ``index``: ``model.layers.3``, GPT-2's ``transformer.h.3``."""
+    return f"{cfg.spec.names.layers}.{index}"
+
+
 def linear_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, int]]:
-    """A block's linear layers (suffix after ``model.layers.<i>.``) -> HF weight shape ``[N, K]``, in graph order."""
+    """A block's linear layers (suffix after :func:`block_prefix`) -> HF weight shape ``[N, K]``, in graph order
+    (a packed ``qkv`` / ``gate_up`` weight is one layer, as the checkpoint stores it)."""
     H, nh, nkv, hd, inter = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                              cfg.intermediate_size)  # fmt: skip
-    return {
-        "self_attn.q_proj": (nh * hd, H), "self_attn.k_proj": (nkv * hd, H), "self_attn.v_proj": (nkv * hd, H),
-        "self_attn.o_proj": (H, nh * hd), "mlp.gate_proj": (inter, H), "mlp.up_proj": (inter, H),
-        "mlp.down_proj": (H, inter),
-    }  # fmt: skip
+    n = cfg.spec.names
+    out: dict[str, tuple[int, int]] = {}
+    if n.qkv is not None:
+        out[n.qkv] = ((nh + 2 * nkv) * hd, H)
+    else:
+        assert n.q is not None and n.k is not None and n.v is not None  # noqa: S101 - a family has one or the other
+        out[n.q], out[n.k], out[n.v] = (nh * hd, H), (nkv * hd, H), (nkv * hd, H)
+    out[n.o] = (H, nh * hd)
+    if n.gate_up is not None:
+        out[n.gate_up] = (2 * inter, H)
+    else:
+        if n.gate is not None:
+            out[n.gate] = (inter, H)
+        assert n.up is not None  # noqa: S101 - every MLP has an up (or fc) layer
+        out[n.up] = (inter, H)
+    out[n.down] = (H, inter)
+    return out
+
+
+def linear_groups(cfg: DecoderConfig) -> tuple[tuple[str, ...], ...]:
+    """A block's linears grouped by the tensor they read, in graph order: attention input, o_proj, MLP input,
+    down_proj (suffixes as in :func:`linear_shapes`)."""
+    n = cfg.spec.names
+    attn = (n.qkv,) if n.qkv is not None else (n.q, n.k, n.v)
+    mlp = (n.gate_up,) if n.gate_up is not None else tuple(s for s in (n.gate, n.up) if s is not None)
+    return tuple(tuple(s for s in grp if s is not None) for grp in (attn, (n.o,), mlp, (n.down,)))
+
+
+def block_norms(cfg: DecoderConfig) -> list[str]:
+    """A block's norms (suffixes), in graph order."""
+    n = cfg.spec.names
+    return [s for s in (n.attn_norm, n.attn_post_norm, n.mlp_norm, n.mlp_post_norm) if s is not None]
+
+
+def _norm_params(cfg: DecoderConfig, name: str) -> list[str]:
+    """The tensors of the norm ``name``: its weight, and its bias for a LayerNorm."""
+    return [f"{name}.weight"] + ([f"{name}.bias"] if cfg.spec.norm == "layer" else [])
 
 
 def block_tensor_names(cfg: DecoderConfig, index: int, has: Any) -> list[str]:
     """The checkpoint tensors of block ``index`` (``has(name)``: whether an optional bias exists)."""
-    p = f"model.layers.{index}"
-    names = [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+    p = block_prefix(cfg, index)
+    n = cfg.spec.names
+    names = [t for s in block_norms(cfg) for t in _norm_params(cfg, f"{p}.{s}")]
+    names += [f"{p}.{s}.weight" for s in (n.q_norm, n.k_norm) if s is not None]
     names += [f"{p}.{s}.weight" for s in linear_shapes(cfg)]
     names += [f"{p}.{s}.bias" for s in linear_shapes(cfg) if has(f"{p}.{s}.bias")]
     return names
@@ -553,25 +551,33 @@ def check_checkpoint(cfg: DecoderConfig, ckpt: _Checkpoint) -> None:
         ModelError: naming the first missing or mis-shaped tensor.
     """
     H, V = cfg.hidden_size, cfg.vocab_size
-    want: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    n = cfg.spec.names
+    want: dict[str, tuple[int, ...]] = {f"{n.embed}.weight": (V, H)}
+    if n.positions is not None:
+        want[f"{n.positions}.weight"] = (cfg.max_position_embeddings, H)
+    want.update({t: (H,) for t in _norm_params(cfg, n.final_norm)})
     if not (cfg.tie_word_embeddings or "lm_head.weight" not in ckpt):
         want["lm_head.weight"] = (V, H)
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}"
-        want[f"{p}.input_layernorm.weight"] = want[f"{p}.post_attention_layernorm.weight"] = (H,)
+        p = block_prefix(cfg, i)
+        for s in block_norms(cfg):
+            want.update({t: (H,) for t in _norm_params(cfg, f"{p}.{s}")})
+        for qk in (n.q_norm, n.k_norm):
+            if qk is not None:
+                want[f"{p}.{qk}.weight"] = (cfg.head_dim,)
         for s, shape in linear_shapes(cfg).items():
             want[f"{p}.{s}.weight"] = shape
             if f"{p}.{s}.bias" in ckpt:
                 want[f"{p}.{s}.bias"] = shape[:1]
-    missing = [n for n in want if n not in ckpt]
+    missing = [t for t in want if t not in ckpt]
     if missing:
         raise ModelError(f"the checkpoint lacks tensor(s) {missing[:4]} ({len(missing)} in all) that config.json "
-                         f"implies (num_hidden_layers {cfg.num_hidden_layers}, tie_word_embeddings "
-                         f"{cfg.tie_word_embeddings})")  # fmt: skip
-    for n, expected in want.items():
-        got = ckpt.tensors[n].shape
+                         f"implies (model_type {cfg.model_type}, num_hidden_layers {cfg.num_hidden_layers}, "
+                         f"tie_word_embeddings {cfg.tie_word_embeddings})")  # fmt: skip
+    for t, expected in want.items():
+        got = ckpt.shape(t)
         if got != expected:
-            raise ModelError(f"tensor {n!r} in {str(ckpt.tensors[n].file)!r} has shape {list(got)}, config.json "
+            raise ModelError(f"tensor {t!r} in {str(ckpt.file(t))!r} has shape {list(got)}, config.json "
                              f"implies {list(expected)} (hidden_size {H}, vocab_size {V}, num_attention_heads "
                              f"{cfg.num_attention_heads}, num_key_value_heads {cfg.num_key_value_heads}, head_dim "
                              f"{cfg.head_dim}, intermediate_size {cfg.intermediate_size})")  # fmt: skip
@@ -581,21 +587,32 @@ def check_decoder_folder(folder: str | Path) -> DecoderConfig:
     """:func:`read_decoder_config` plus :func:`check_checkpoint`: the folder can be built, checked from the config
     and the safetensors headers only (no tensor is read)."""
     cfg = read_decoder_config(folder)
-    check_checkpoint(cfg, _Checkpoint(Path(folder)))
+    check_checkpoint(cfg, _Checkpoint(Path(folder), cfg))
     return cfg
 
 
-def _fold_norm(gamma: Any, qs: list[PackedLinear | None]) -> tuple[Any, list[PackedLinear | None]]:
-    """Fold a shared AWQ input scale of the layers ``qs`` (all readers of the norm) into the norm weight."""
-    scales = [q.input_scale for q in qs if q is not None]
-    if not qs or any(q is None for q in qs) or len(scales) != len(qs):
-        return gamma, qs
+def norm_gamma(cfg: DecoderConfig, weight: Any) -> Any:
+    """The factor a norm multiplies by: its weight, or ``1 + weight`` in float32 (Gemma's RMSNorm)."""
+    if cfg.spec.norm != "rms_offset":
+        return weight
+    return (np.float32(1.0) + _float32_rows(weight, 0, int(weight.shape[0]))).astype(np.float32)
+
+
+def _fold_norm(gamma: Any, qs: list[PackedLinear | None], beta: Any = None
+               ) -> tuple[Any, Any, list[PackedLinear | None]]:
+    """Fold a shared AWQ input scale of the layers ``qs`` (all readers of the norm) into the norm weight (and a
+    LayerNorm's bias ``beta``: ``(LN(x) * g + b) / s``); returns ``(gamma, beta, qs)``."""
+    scales = [q.input_scale for q in qs if q is not None and q.input_scale is not None]
+    if not qs or len(scales) != len(qs):  # a reader in float, or one without an AWQ scale: nothing to fold
+        return gamma, beta, qs
     s = np.asarray(scales[0], np.float32)
     if any(not np.array_equal(np.asarray(t, np.float32), s) for t in scales[1:]):
-        return gamma, qs
+        return gamma, beta, qs
     g32 = _float32_rows(gamma, 0, int(gamma.shape[0]))
     folded = (g32 / s).astype(np.float32)
-    return folded, [dataclasses.replace(q, input_scale=None) for q in qs if q is not None]
+    if beta is not None:
+        beta = (_float32_rows(beta, 0, int(beta.shape[0])) / s).astype(np.float32)
+    return folded, beta, [dataclasses.replace(q, input_scale=None) for q in qs if q is not None]
 
 
 def _fusable(qs: list[PackedLinear | None]) -> list[PackedLinear] | None:
@@ -645,6 +662,19 @@ def _fold_into_up(up: PackedLinear | None, down: PackedLinear | None, bias: Any
     return up, dataclasses.replace(down, input_scale=None), bias
 
 
+def _fold_into_gate_up(gate_up: PackedLinear | None, down: PackedLinear | None, bias: Any
+                       ) -> tuple[PackedLinear | None, PackedLinear | None, Any]:
+    """:func:`_fold_into_up` for a packed ``[gate | up]`` layer (Phi-3): the scale divides the up half's columns."""
+    if (gate_up is None or down is None or down.input_scale is None or gate_up.input_scale is not None
+            or gate_up.N != 2 * down.K):  # fmt: skip
+        return gate_up, down, bias
+    s = np.concatenate([np.ones(down.K, np.float32), np.asarray(down.input_scale, np.float32)])
+    gate_up = dataclasses.replace(gate_up, scales=(gate_up.scales / s[:, None]).astype(np.float32))
+    if bias is not None:
+        bias = (_float32_rows(bias, 0, gate_up.N) / s).astype(np.float32)
+    return gate_up, dataclasses.replace(down, input_scale=None), bias
+
+
 def _mask_inputs(g: _GraphBuilder) -> tuple[str, str]:
     """``attention_mask`` -> seqlens_k (int32 ``[B]``, last valid index) and total_sequence_length (int32 scalar)."""
     base = "/model/attn_mask_reformat"
@@ -658,6 +688,82 @@ def _mask_inputs(g: _GraphBuilder) -> tuple[str, str]:
     return seqlens_k, total
 
 
+def _rotary_inputs(g: _GraphBuilder, layers: Iterable[int], length: int | None, total_len: str
+                   ) -> dict[bool, tuple[str, str]]:
+    """The cos / sin caches GroupQueryAttention reads, by ``local`` (Gemma 3's sliding layers have their own).
+
+    Initializers ``cos_cache`` / ``sin_cache`` (``_local``); with LongRoPE, two pairs (``_short`` / ``_long``)
+    and an ``If`` on ``total_sequence_length > original_max_position_embeddings`` choosing one, as transformers
+    does from the largest position of the call (onnxruntime-genai's builder does the same)."""
+    cfg = g.cfg
+    out: dict[bool, tuple[str, str]] = {}
+    for local in sorted({cfg.is_local(i) for i in layers}):
+        suffix = "_local" if local else ""
+        limit = _longrope_limit(cfg.local_rope_scaling if local else cfg.rope_scaling)
+        if limit is None:
+            cos, sin = rotary_caches(cfg, length, local=local)
+            out[local] = (g.external(f"cos_cache{suffix}", cos), g.external(f"sin_cache{suffix}", sin))
+            continue
+        branches = []
+        for long in (True, False):
+            cos, sin = rotary_caches(cfg, length, local=local, long=long)
+            tag = "long" if long else "short"
+            names = (g.external(f"cos_cache{suffix}_{tag}", cos), g.external(f"sin_cache{suffix}_{tag}", sin))
+            outs = [f"cos_cache{suffix}/{tag}", f"sin_cache{suffix}/{tag}"]
+            nodes = [helper.make_node("Identity", [src], [dst], name=f"{dst}/Identity")
+                     for src, dst in zip(names, outs, strict=True)]  # fmt: skip
+            vis = [helper.make_tensor_value_info(o, TensorProto.FLOAT, [None, cfg.rotary_dim // 2]) for o in outs]
+            branches.append(helper.make_graph(nodes, f"rotary{suffix}_{tag}", [], vis))
+        cond = g.node("Greater", [total_len, g.const(limit, np.int32)], [f"/model/rotary{suffix}/long"],
+                      f"/model/rotary{suffix}/Greater")[0]  # fmt: skip
+        cos_name, sin_name = g.node("If", [cond], [f"cos_cache{suffix}", f"sin_cache{suffix}"], f"/model/rotary{suffix}/If",
+                                    then_branch=branches[0], else_branch=branches[1])  # fmt: skip
+        out[local] = (cos_name, sin_name)
+    return out
+
+
+def _norm(g: _GraphBuilder, name: str, x: str, skip: str | None, gamma: Any, beta: Any = None, *,
+          out: str | None = None, residual_out: bool = True) -> tuple[str, str | None]:
+    """The family's norm named ``name`` of ``x`` (plus ``skip``, the residual add fused in); returns
+    ``(normalized, x + skip or None)``.
+
+    RMSNorm: ``SkipSimplifiedLayerNormalization``, or standard ops without ``skip`` (:func:`_rms_norm`; ORT fuses
+    them); LayerNorm: ``SkipLayerNormalization`` or ``LayerNormalization``.  ``gamma`` is the factor (Gemma's
+    ``1 + w`` already added: :func:`norm_gamma`)."""
+    eps = g.cfg.rms_norm_eps
+    ln = g.external(f"{name}.weight", gamma)
+    out = out or f"{name}/output_0"
+    outs = [out, "", "", f"{name}/output_3"] if residual_out else [out]
+    if g.cfg.spec.norm == "layer":
+        b = g.external(f"{name}.bias", beta)
+        if skip is None:
+            return g.node("LayerNormalization", [x, ln, b], [out], name, axis=-1, epsilon=eps)[0], None
+        res = g.node("SkipLayerNormalization", [x, skip, ln, b], outs, name, _MS, epsilon=eps)
+    else:
+        if skip is None:
+            return _rms_norm(g, x, ln, name, eps), None
+        res = g.node("SkipSimplifiedLayerNormalization", [x, skip, ln], outs, name, _MS, epsilon=eps)
+    return res[0], (res[3] if residual_out else None)
+
+
+def _head_norm(g: _GraphBuilder, x: str, name: str, gamma: Any, heads: int) -> str:
+    """RMSNorm of every head of ``x`` (``[B, S, heads * head_dim]``) over its ``head_dim`` (Qwen3, Gemma 3)."""
+    hd = g.cfg.head_dim
+    r = g.node("Reshape", [x, g.const([0, 0, heads, hd])], [f"{name}/Reshape/output_0"], f"{name}/Reshape")[0]
+    y = _rms_norm(g, r, g.external(f"{name}.weight", gamma), name, g.cfg.rms_norm_eps)
+    return g.node("Reshape", [y, g.const([0, 0, heads * hd])], [f"{name}/Reshape_1/output_0"],
+                  f"{name}/Reshape_1")[0]  # fmt: skip
+
+
+def _activation(g: _GraphBuilder, x: str, name: str) -> str:
+    """The MLP's activation named ``name``: SiLU as ``Sigmoid`` x ``Mul``; GELU (tanh or exact) as ONNX ``Gelu``."""
+    kind = g.cfg.activation
+    if kind == "silu":
+        sig = g.node("Sigmoid", [x], [f"{name}/Sigmoid/output_0"], f"{name}/Sigmoid")[0]
+        return g.node("Mul", [x, sig], [f"{name}/output_0"], f"{name}/Mul")[0]
+    return g.node("Gelu", [x], [f"{name}/output_0"], name, approximate="tanh" if kind == "gelu_tanh" else "none")[0]
+
+
 @dataclass
 class _BlockIO:
     residual: str
@@ -666,73 +772,94 @@ class _BlockIO:
 
 
 def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packed: dict[str, PackedLinear],
-                seqlens_k: str, total_len: str, cos_name: str, sin_name: str) -> _BlockIO:
-    """Append decoder block ``i`` (weights ``w`` by HF name, consumed) after ``io``; return the new stream."""
+                seqlens_k: str, total_len: str, rotary: dict[bool, tuple[str, str]]) -> _BlockIO:
+    """Append decoder block ``i`` (weights ``w`` by graph name, consumed) after ``io``; return the new stream."""
     cfg = g.cfg
-    p = f"model.layers.{i}"
-    nh, nkv, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
-    attrs = {"num_heads": nh, "kv_num_heads": nkv, "scale": 1.0 / math.sqrt(hd), "do_rotary": 1,
-             "rotary_interleaved": 0, "local_window_size": cfg.sliding_window or -1, "softcap": 0.0}  # fmt: skip
-    for s, shape in linear_shapes(cfg).items():
+    fam, n = cfg.spec, cfg.spec.names
+    p = block_prefix(cfg, i)
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    shapes = linear_shapes(cfg)
+    for s, shape in shapes.items():
         _check_shape(f"{p}.{s}.weight", w[f"{p}.{s}.weight"], shape)
-    q = {s: packed.get(f"{p}.{s}") for s in linear_shapes(cfg)}
+    q = {s: packed.get(f"{p}.{s}") for s in shapes}
+    attn_in, (o_proj,), mlp_in, (down_proj,) = linear_groups(cfg)
     taps: dict[str, str] = {}
     residual, pending = io.residual, io.pending
 
-    # input RMSNorm (+ the residual add of the previous block); an AWQ scale shared by q/k/v folds into it
-    attn_in = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-    gamma, folded = _fold_norm(w.pop(f"{p}.input_layernorm.weight"), [q[s] for s in attn_in])
-    q.update({s: f for s, f in zip(attn_in, folded, strict=True)})
-    ln = g.external(f"{p}.input_layernorm.weight", gamma)
-    name = f"{p}.input_layernorm"
-    if pending is None:
-        h = _rms_norm(g, residual, ln, name, eps)
-    else:
-        h, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [residual, pending, ln],
-                                   [f"{name}/output_0", "", "", f"{name}/output_3"], name, _MS, epsilon=eps)  # fmt: skip
-    for k in ("q_proj", "k_proj", "v_proj"):
-        taps[f"{p}.self_attn.{k}"] = h
-    fused = _fusable([q[s] for s in attn_in])
+    def norm(role: str, x: str, skip: str | None, readers: tuple[str, ...] = ()) -> tuple[str, str | None]:
+        # an AWQ scale shared by the norm's readers (q/k/v, gate/up) folds into its weight
+        name = f"{p}.{role}"
+        gamma, beta, folded = _fold_norm(norm_gamma(cfg, w.pop(f"{name}.weight")), [q[s] for s in readers],
+                                         w.pop(f"{name}.bias", None))  # fmt: skip
+        q.update(dict(zip(readers, folded, strict=True)))
+        return _norm(g, name, x, skip, gamma, beta)
+
+    # input norm (+ the residual add of the previous block, or of the learned positions)
+    h, added = norm(n.attn_norm, residual, pending, attn_in)
+    residual = added or residual
+    for s in attn_in:
+        taps[f"{p}.{s}"] = h
+    fused = None if fam.qk_norm or len(attn_in) == 1 else _fusable([q[s] for s in attn_in])
     if fused:  # one MatMulNBits for q/k/v; GroupQueryAttention takes the packed [q | k | v] as its query
-        packed_qkv = _fused_linear(g, h, f"{p}.self_attn.qkv_proj", fused,
-                                   [w.pop(f"{p}.{s}.bias", None) for s in attn_in])  # fmt: skip
+        qname = f"{p}.{attn_in[0].rsplit('.', 1)[0]}.qkv_proj"
+        packed_qkv = _fused_linear(g, h, qname, fused, [w.pop(f"{p}.{s}.bias", None) for s in attn_in])
         for s in attn_in:
             w.pop(f"{p}.{s}.weight")
         qkv = [packed_qkv, "", ""]
     else:
         qkv = [_linear(g, h, f"{p}.{s}", w.pop(f"{p}.{s}.weight"), w.pop(f"{p}.{s}.bias", None), q[s])
                for s in attn_in]  # fmt: skip
-    name = f"{p}.self_attn.GroupQueryAttention"
-    attn = g.node(
-        "GroupQueryAttention",
-        [*qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_len, cos_name, sin_name],
-        [f"{name}/output_0", f"present.{i}.key", f"present.{i}.value"], name, _MS, **attrs,
-    )[0]  # fmt: skip
-    taps[f"{p}.self_attn.o_proj"] = attn
-    o = _linear(g, attn, f"{p}.self_attn.o_proj", w.pop(f"{p}.self_attn.o_proj.weight"),
-                w.pop(f"{p}.self_attn.o_proj.bias", None), q["self_attn.o_proj"])  # fmt: skip
-    mlp_in = ("mlp.gate_proj", "mlp.up_proj")
-    gamma, folded = _fold_norm(w.pop(f"{p}.post_attention_layernorm.weight"), [q[s] for s in mlp_in])
-    q.update({s: f for s, f in zip(mlp_in, folded, strict=True)})
-    ln = g.external(f"{p}.post_attention_layernorm.weight", gamma)
-    name = f"{p}.post_attention_layernorm"
-    h, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [residual, o, ln],
-                               [f"{name}/output_0", "", "", f"{name}/output_3"], name, _MS, epsilon=eps)  # fmt: skip
-    taps[f"{p}.mlp.gate_proj"] = taps[f"{p}.mlp.up_proj"] = h
-    # gate and up stay two MatMulNBits: fused, the Split after them cost more per decoded token (0.72 ms for 30
-    # on SmolLM2) than the saved kernel launches
-    up_bias = w.pop(f"{p}.mlp.up_proj.bias", None)
-    q["mlp.up_proj"], q["mlp.down_proj"], up_bias = _fold_into_up(q["mlp.up_proj"], q["mlp.down_proj"], up_bias)
-    gate = _linear(g, h, f"{p}.mlp.gate_proj", w.pop(f"{p}.mlp.gate_proj.weight"),
-                   w.pop(f"{p}.mlp.gate_proj.bias", None), q["mlp.gate_proj"])  # fmt: skip
-    up = _linear(g, h, f"{p}.mlp.up_proj", w.pop(f"{p}.mlp.up_proj.weight"), up_bias, q["mlp.up_proj"])
-    a = f"{p}.mlp.act_fn"
-    sig = g.node("Sigmoid", [gate], [f"{a}/Sigmoid/output_0"], f"{a}/Sigmoid")[0]
-    silu = g.node("Mul", [gate, sig], [f"{a}/output_0"], f"{a}/Mul")[0]
-    prod = g.node("Mul", [silu, up], [f"{p}.mlp/Mul/output_0"], f"{p}.mlp/Mul")[0]
-    taps[f"{p}.mlp.down_proj"] = prod
-    pending = _linear(g, prod, f"{p}.mlp.down_proj", w.pop(f"{p}.mlp.down_proj.weight"),
-                      w.pop(f"{p}.mlp.down_proj.bias", None), q["mlp.down_proj"])  # fmt: skip
+        if len(qkv) == 1:  # a packed checkpoint weight (Phi-3's qkv_proj, GPT-2's c_attn)
+            qkv += ["", ""]
+        if n.q_norm is not None and n.k_norm is not None:  # RMSNorm per head before the rotary embedding
+            qkv[0] = _head_norm(g, qkv[0], f"{p}.{n.q_norm}", norm_gamma(cfg, w.pop(f"{p}.{n.q_norm}.weight")), nh)
+            qkv[1] = _head_norm(g, qkv[1], f"{p}.{n.k_norm}", norm_gamma(cfg, w.pop(f"{p}.{n.k_norm}.weight")), nkv)
+    attrs = {"num_heads": nh, "kv_num_heads": nkv, "scale": cfg.scale(i), "do_rotary": int(cfg.uses_rope(i)),
+             "rotary_interleaved": 0, "local_window_size": cfg.window(i) or -1, "softcap": cfg.attn_softcap or 0.0}
+    ins = [*qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_len]
+    if cfg.uses_rope(i):
+        ins += list(rotary[cfg.is_local(i)])
+    name = f"{p}.{o_proj.rsplit('.', 1)[0]}.GroupQueryAttention"
+    attn = g.node("GroupQueryAttention", ins, [f"{name}/output_0", f"present.{i}.key", f"present.{i}.value"], name,
+                  _MS, **attrs)[0]  # fmt: skip
+    taps[f"{p}.{o_proj}"] = attn
+    o = _linear(g, attn, f"{p}.{o_proj}", w.pop(f"{p}.{o_proj}.weight"), w.pop(f"{p}.{o_proj}.bias", None),
+                q[o_proj])  # fmt: skip
+    if n.attn_post_norm is not None:  # Gemma 2: a norm of the attention output before the residual add
+        o, _ = norm(n.attn_post_norm, o, None)
+    h, added = norm(n.mlp_norm, residual, o, mlp_in)
+    assert added is not None  # noqa: S101 - a norm with a skip input returns the sum
+    residual = added
+    for s in mlp_in:
+        taps[f"{p}.{s}"] = h
+    a = f"{p}.{n.act}"
+    if fam.mlp == "plain":  # GPT-2: down(act(fc(x)))
+        assert n.up is not None  # noqa: S101 - a plain MLP has its first linear as `up`
+        prod = _activation(g, _linear(g, h, f"{p}.{n.up}", w.pop(f"{p}.{n.up}.weight"), w.pop(f"{p}.{n.up}.bias", None),
+                                      q[n.up]), a)  # fmt: skip
+    elif n.gate_up is not None:  # Phi-3: one packed [gate | up] weight, split after the MatMul
+        gu_bias = w.pop(f"{p}.{n.gate_up}.bias", None)
+        q[n.gate_up], q[down_proj], gu_bias = _fold_into_gate_up(q[n.gate_up], q[down_proj], gu_bias)
+        gu = _linear(g, h, f"{p}.{n.gate_up}", w.pop(f"{p}.{n.gate_up}.weight"), gu_bias, q[n.gate_up])
+        half = g.const([cfg.intermediate_size, cfg.intermediate_size])
+        gate, up = g.node("Split", [gu, half], [f"{p}.mlp/Split/output_0", f"{p}.mlp/Split/output_1"],
+                          f"{p}.mlp/Split", axis=-1)  # fmt: skip
+        prod = g.node("Mul", [_activation(g, gate, a), up], [f"{p}.mlp/Mul/output_0"], f"{p}.mlp/Mul")[0]
+    else:
+        # gate and up stay two MatMulNBits: fused, the Split after them cost more per decoded token (0.72 ms for
+        # 30 on SmolLM2) than the saved kernel launches
+        assert n.gate is not None and n.up is not None  # noqa: S101 - a gated MLP without gate_up has both
+        up_bias = w.pop(f"{p}.{n.up}.bias", None)
+        q[n.up], q[down_proj], up_bias = _fold_into_up(q[n.up], q[down_proj], up_bias)
+        gate = _linear(g, h, f"{p}.{n.gate}", w.pop(f"{p}.{n.gate}.weight"), w.pop(f"{p}.{n.gate}.bias", None),
+                       q[n.gate])  # fmt: skip
+        up = _linear(g, h, f"{p}.{n.up}", w.pop(f"{p}.{n.up}.weight"), up_bias, q[n.up])
+        prod = g.node("Mul", [_activation(g, gate, a), up], [f"{p}.mlp/Mul/output_0"], f"{p}.mlp/Mul")[0]
+    taps[f"{p}.{down_proj}"] = prod
+    pending = _linear(g, prod, f"{p}.{down_proj}", w.pop(f"{p}.{down_proj}.weight"),
+                      w.pop(f"{p}.{down_proj}.bias", None), q[down_proj])  # fmt: skip
+    if n.mlp_post_norm is not None:  # Gemma 2: a norm of the MLP output before the residual add
+        pending, _ = norm(n.mlp_post_norm, pending, None)
     return _BlockIO(residual, pending, taps)
 
 
@@ -765,19 +892,18 @@ def block_model(cfg: DecoderConfig, index: int, weights: dict[str, Any], packed:
     input plus the attention and MLP outputs) and, for every layer name in ``taps``, the tensor that
     layer reads, as ``<layer>/input``.  The nodes are the ones :func:`build_llm` writes (same fused
     ops, same ``MatMulNBits`` for the layers in ``packed``), so what is calibrated is what ships.
-    ``weights`` is not consumed (the block's tensors by HF name, as :meth:`BuildHook.block` gets them).
+    ``weights`` is not consumed (the block's tensors by graph name, as :meth:`BuildHook.block` gets them).
     ``positions``: the longest sequence the block graph will run (the rotary caches' rows; default the
     decoder's :attr:`DecoderConfig.context_length`).
     """
     g = _GraphBuilder(cfg, _InMemoryData())
     seqlens_k, total_len = _mask_inputs(g)
-    cos, sin = rotary_caches(cfg, min(positions, cfg.context_length) if positions else None)
-    cos_name, sin_name = g.external("cos_cache", cos), g.external("sin_cache", sin)
-    io = _emit_block(g, index, dict(weights), _BlockIO("hidden", None, {}), packed, seqlens_k, total_len,
-                     cos_name, sin_name)  # fmt: skip
+    length = min(positions, cfg.context_length) if positions else None
+    rotary = _rotary_inputs(g, [index], length, total_len) if cfg.uses_rope(index) else {}
+    io = _emit_block(g, index, dict(weights), _BlockIO("hidden", None, {}), packed, seqlens_k, total_len, rotary)
     if io.pending is None:  # pragma: no cover - a block always ends in down_proj
         raise ModelError(f"block {index} has no MLP output")
-    g.node("Add", [io.residual, io.pending], ["hidden_out"], f"model.layers.{index}/residual_add")
+    g.node("Add", [io.residual, io.pending], ["hidden_out"], f"{block_prefix(cfg, index)}/residual_add")
     f32, H = TensorProto.FLOAT, cfg.hidden_size
     past_in, present_out = _past_io(cfg, [index])
     inputs = [helper.make_tensor_value_info("hidden", f32, ["batch_size", "sequence_length", H]),
@@ -816,9 +942,9 @@ def _gather_quantized(g: _GraphBuilder, q: PackedLinear, ids: str, out: str, nam
     V, H, bs, bits = q.N, q.K, q.block_size, q.bits
     kb = q.B.shape[1]
     Hp = kb * bs
-    data = g.external(f"model.embed_tokens.weight_Q{bits}", q.B.reshape(V, Hp * bits // 8))
-    scales = g.external("model.embed_tokens.weight_scales", q.scales)
-    zp = g.external("model.embed_tokens.weight_zero_points", q.zero_points) if q.zero_points is not None else None
+    data = g.external(f"{name}.weight_Q{bits}", q.B.reshape(V, Hp * bits // 8))
+    scales = g.external(f"{name}.weight_scales", q.scales)
+    zp = g.external(f"{name}.weight_zero_points", q.zero_points) if q.zero_points is not None else None
     ins = [data, ids, scales] + ([zp] if zp else [])
     raw = out if Hp == H else f"{name}/padded/output_0"
     g.node("GatherBlockQuantized", ins, [raw], name, _MS, gather_axis=0, quantize_axis=1, block_size=bs,
@@ -828,68 +954,109 @@ def _gather_quantized(g: _GraphBuilder, q: PackedLinear, ids: str, out: str, nam
     return out, data
 
 
+def _learned_positions(g: _GraphBuilder, table: Any) -> str:
+    """Rows ``past .. past + S - 1`` of the learned position table (GPT-2's ``wpe``), ``[1, S, H]``; the positions
+    come from ``attention_mask``'s width (right padding, as for the rotary positions)."""
+    n = g.cfg.spec.names
+    assert n.positions is not None  # noqa: S101 - only called for a family with learned positions
+    base = f"/{n.positions.replace('.', '/')}"
+    wpe = g.external(f"{n.positions}.weight", table)
+    shp = g.node("Shape", ["attention_mask"], [f"{base}/Shape/output_0"], f"{base}/Shape")[0]
+    total = g.node("Gather", [shp, g.const(1)], [f"{base}/Gather/output_0"], f"{base}/Gather", axis=0)[0]
+    ids = g.node("Shape", ["input_ids"], [f"{base}/Shape_1/output_0"], f"{base}/Shape_1")[0]
+    seq = g.node("Gather", [ids, g.const(1)], [f"{base}/Gather_1/output_0"], f"{base}/Gather_1", axis=0)[0]
+    start = g.node("Sub", [total, seq], [f"{base}/Sub/output_0"], f"{base}/Sub")[0]
+    pos = g.node("Range", [start, total, g.const(1)], [f"{base}/Range/output_0"], f"{base}/Range")[0]
+    rows = g.node("Gather", [wpe, pos], [f"{base}/output_0"], n.positions)[0]
+    return g.node("Unsqueeze", [rows, g.const([0])], [f"{base}/Unsqueeze/output_0"], f"{base}/Unsqueeze")[0]
+
+
+def embedded_stream(cfg: DecoderConfig, rows: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
+    """The residual stream entering block 0 from embedding ``rows`` (``[..., S, H]`` float32, looked up): scaled
+    by ``sqrt(hidden_size)`` (Gemma), plus ``positions`` (``[S, H]``: the learned position rows, GPT-2), as the
+    built decoder computes it."""
+    out = np.asarray(rows, np.float32)
+    if cfg.spec.embed_scale:
+        out = (out * np.float32(math.sqrt(cfg.hidden_size))).astype(np.float32)
+    if positions is not None:
+        out = (out + np.asarray(positions, np.float32)).astype(np.float32)
+    return out
+
+
 def _build(
     folder: Path, out_path: Path, cfg: DecoderConfig, ckpt: _Checkpoint, data: _ExternalData,
     hook: BuildHook | None = None,
 ) -> onnx.ModelProto:
     hook = hook or BuildHook()
     g = _GraphBuilder(cfg, data)
+    n = cfg.spec.names
     H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
     untie = tied and hook.untie_head()
     seqlens_k, total_len = _mask_inputs(g)
-    cos, sin = rotary_caches(cfg)
-    cos_name, sin_name = g.external("cos_cache", cos), g.external("sin_cache", sin)
-    del cos, sin
+    rope = [i for i in range(L) if cfg.uses_rope(i)]
+    rotary = _rotary_inputs(g, rope, None, total_len) if rope else {}
 
-    # embedding
-    ((_, emb),) = list(ckpt.read(["model.embed_tokens.weight"]))  # stored dtype; written as float32
-    _check_shape("model.embed_tokens.weight", emb, (V, H))
-    q_emb = hook.embedding(emb, tied)
+    # embedding (scaled by sqrt(hidden) for Gemma; plus the learned positions for GPT-2)
+    ((_, emb),) = list(ckpt.read([f"{n.embed}.weight"]))  # stored dtype; written as float32
+    _check_shape(f"{n.embed}.weight", emb, (V, H))
+    wpe = None
+    if n.positions is not None:
+        ((_, wpe),) = list(ckpt.read([f"{n.positions}.weight"]))
+        _check_shape(f"{n.positions}.weight", wpe, (cfg.max_position_embeddings, H))
+    q_emb = hook.embedding(emb, tied) if wpe is None else hook.embedding(emb, tied, positions=wpe)
     table = ""
+    emb_out = f"/{n.embed.replace('.', '/')}/output_0"
     if q_emb is not None and tied:
-        residual, packed_table = _gather_quantized(g, q_emb, "input_ids", "/model/embed_tokens/output_0",
-                                                   "model.embed_tokens")  # fmt: skip
+        residual, packed_table = _gather_quantized(g, q_emb, "input_ids", emb_out, n.embed)
     else:
-        table = g.external("model.embed_tokens.weight", emb)
-        residual = g.node("Gather", [table, "input_ids"], ["/model/embed_tokens/output_0"],
-                          "model.embed_tokens")[0]  # fmt: skip
+        table = g.external(f"{n.embed}.weight", emb)
+        residual = g.node("Gather", [table, "input_ids"], [emb_out], n.embed)[0]
     del emb
+    if cfg.spec.embed_scale:  # transformers multiplies by a float32 sqrt(hidden_size)
+        scale = g.const(np.float32(math.sqrt(H)), np.float32)
+        residual = g.node("Mul", [residual, scale], [f"{emb_out[:-len('/output_0')]}/scale/output_0"],
+                          f"{n.embed}/scale")[0]  # fmt: skip
+    pending = _learned_positions(g, wpe) if wpe is not None else None
+    del wpe
 
-    io = _BlockIO(residual, None, {})
+    io = _BlockIO(residual, pending, {})
     for i in range(L):
         w = dict(ckpt.read(block_tensor_names(cfg, i, ckpt.__contains__)))  # released after the block
         for s, shape in linear_shapes(cfg).items():
-            _check_shape(f"model.layers.{i}.{s}.weight", w[f"model.layers.{i}.{s}.weight"], shape)
+            _check_shape(f"{block_prefix(cfg, i)}.{s}.weight", w[f"{block_prefix(cfg, i)}.{s}.weight"], shape)
         packed = hook.block(i, w)
-        io = _emit_block(g, i, w, io, packed, seqlens_k, total_len, cos_name, sin_name)
+        io = _emit_block(g, i, w, io, packed, seqlens_k, total_len, rotary)
         del w, packed
 
-    ((_, fw),) = list(ckpt.read(["model.norm.weight"]))
-    fn = g.external("model.norm.weight", fw)
-    if io.pending is None:  # zero layers
-        hidden = _rms_norm(g, io.residual, fn, "model.norm", eps=cfg.rms_norm_eps)
-    else:
-        hidden = g.node("SkipSimplifiedLayerNormalization", [io.residual, io.pending, fn], ["/model/norm/output_0"],
-                        "model.norm", _MS, epsilon=cfg.rms_norm_eps)[0]  # fmt: skip
+    norm_w = dict(ckpt.read(_norm_params(cfg, n.final_norm)))
+    gamma, beta = norm_gamma(cfg, norm_w[f"{n.final_norm}.weight"]), norm_w.get(f"{n.final_norm}.bias")
+    hidden, _ = _norm(g, n.final_norm, io.residual, io.pending, gamma, beta, out="/model/norm/output_0",
+                      residual_out=False)  # fmt: skip
     hidden = _keep_last(g, hidden)
+    logits = "logits" if cfg.final_softcap is None else "lm_head/output_0"
     if tied and q_emb is not None and not untie:
         blocks = g.const([V, q_emb.B.shape[1], q_emb.B.shape[2]])
         view = g.node("Reshape", [packed_table, blocks], ["lm_head.weight_Q/blocks"], "lm_head.weight_view")[0]
-        _matmul_nbits(g, hidden, "lm_head", q_emb, weight_name=view, out="logits")
+        _matmul_nbits(g, hidden, "lm_head", q_emb, weight_name=view, out=logits)
     elif tied and not untie:
         wt = g.node("Transpose", [table], ["lm_head.weight_transpose/output_0"], "lm_head.weight_transpose",
                     perm=[1, 0])[0]  # fmt: skip
-        g.node("MatMul", [hidden, wt], ["logits"], "lm_head")
+        g.node("MatMul", [hidden, wt], [logits], "lm_head")
     else:
-        ((_, lm),) = list(ckpt.read(["model.embed_tokens.weight" if tied else "lm_head.weight"]))
+        ((_, lm),) = list(ckpt.read([f"{n.embed}.weight" if tied else "lm_head.weight"]))
         _check_shape("lm_head.weight", lm, (V, H))
-        q_lm = hook.lm_head(lm, fw)
+        q_lm = hook.lm_head(lm, gamma) if beta is None else hook.lm_head(lm, gamma, norm_bias=beta)
         if q_lm is None:
-            g.node("MatMul", [hidden, g.external("lm_head.weight", lm.T)], ["logits"], "lm_head")
+            g.node("MatMul", [hidden, g.external("lm_head.weight", lm.T)], [logits], "lm_head")
         else:
-            _matmul_nbits(g, _scaled_input(g, hidden, "lm_head", q_lm), "lm_head", q_lm, out="logits")
+            _matmul_nbits(g, _scaled_input(g, hidden, "lm_head", q_lm), "lm_head", q_lm, out=logits)
         del lm
+    if cfg.final_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
+        cap = g.const(np.float32(cfg.final_softcap), np.float32)
+        d = g.node("Div", [logits, cap], ["lm_head/softcap/Div/output_0"], "lm_head/softcap/Div")[0]
+        t = g.node("Tanh", [d], ["lm_head/softcap/Tanh/output_0"], "lm_head/softcap/Tanh")[0]
+        g.node("Mul", [t, cap], ["logits"], "lm_head/softcap")
     hook.finish()
 
     f32 = TensorProto.FLOAT
@@ -903,7 +1070,8 @@ def _build(
     past_in, present_out = _past_io(cfg, range(L))
     keep = helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1])  # overridable: default 0 = all
     model = _model(g, inputs + past_in + [keep], outputs + present_out)
-    onnx.helper.set_model_props(model, {"source": str(folder), "model_type": cfg.model_type})
+    onnx.helper.set_model_props(model, {"source": str(folder), "model_type": cfg.model_type,
+                                        "context_length": str(cfg.context_length)})  # fmt: skip
     return model
 
 
@@ -950,7 +1118,7 @@ def _genai_config(cfg: DecoderConfig, folder: Path, filename: str) -> dict[str, 
             },
             "eos_token_id": eos,
             "pad_token_id": pad,
-            "type": "llama" if cfg.model_type.startswith("smollm") else cfg.model_type,
+            "type": cfg.spec.genai_type or cfg.model_type,
             "vocab_size": cfg.vocab_size,
         },
         "search": {
@@ -978,7 +1146,8 @@ def build_llm(
     folder: str | Path, out_path: str | Path, *, dtype: str = "fp32", genai_config: bool = True,
     hook: BuildHook | None = None,
 ) -> Path:
-    """Build the KV-cache decoder ONNX graph of a LLaMA-family HF folder, streaming its weights.
+    """Build the KV-cache decoder ONNX graph of a HF folder (a family of :mod:`quantkit.frontends.families`),
+    streaming its weights.
 
     Writes ``out_path`` (the graph, small), ``out_path.name + ".data"`` next to it (every weight,
     float32, page-aligned) and, with ``genai_config``, ``genai_config.json`` plus the tokenizer
@@ -1006,7 +1175,7 @@ def build_llm(
         )
     folder, out = Path(folder), Path(out_path)
     cfg = read_decoder_config(folder)
-    ckpt = _Checkpoint(folder)
+    ckpt = _Checkpoint(folder, cfg)
     check_checkpoint(cfg, ckpt)  # before the rotary caches or any weight is allocated
     out.parent.mkdir(parents=True, exist_ok=True)
     data_path = out.with_name(out.name + ".data")
@@ -1135,11 +1304,15 @@ class ContextFullError(ModelError):
 
 
 def decoder_positions(model_path: str | Path) -> int | None:
-    """The positions a built decoder covers (its ``cos_cache`` rows), None when the graph has no rotary cache."""
+    """The positions a built decoder covers (its ``context_length`` property, else its ``cos_cache`` rows), None
+    when the graph says neither."""
     try:
         proto = onnx.load(str(model_path), load_external_data=False)
     except Exception:  # noqa: BLE001 - ORT read the file already; without a readable cache the limit is unknown
         return None
+    for prop in proto.metadata_props:
+        if prop.key == "context_length" and prop.value.isdigit():
+            return int(prop.value)
     for init in proto.graph.initializer:
         if init.name == "cos_cache" and init.dims:
             return int(init.dims[0])

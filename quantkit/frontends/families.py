@@ -1,0 +1,562 @@
+"""Decoder families of the streaming builder, each a small declarative description.
+
+:mod:`quantkit.frontends.llm_builder` writes one decoder graph for every family: embedding, a stack of
+pre-norm blocks (norm, attention through ``GroupQueryAttention``, norm, MLP, residual adds), a final norm
+and the lm_head.  What differs between LLaMA, Qwen3, Gemma, Phi-3 or GPT-2 is described here, as data:
+
+* :class:`Family` - the norm kind (RMSNorm, Gemma's RMSNorm with ``1 + weight``, LayerNorm with a bias),
+  the MLP (gated ``act(gate) * up`` or plain ``act(fc)``), how the activation is named in ``config.json``,
+  the positions (rotary, or a learned absolute table), the attention extras (per-head q/k RMSNorm, soft-capping,
+  the query scale, alternating sliding-window layers), Gemma 2's norms after attention and MLP, the embedding
+  scale, the ``config.json`` key aliases (GPT-2's ``n_embd`` ...) and the tensor names (:class:`Names`:
+  packed ``qkv`` / ``gate_up`` weights as Phi-3 stores them, GPT-2's ``Conv1D`` weights stored ``[K, N]``);
+* :class:`DecoderConfig` - one checkpoint's values, read and checked by :func:`parse_config` before anything
+  is tokenized, allocated or computed: an unknown ``model_type`` or a value the builder cannot honour is a
+  :class:`~quantkit.errors.ModelError` naming it, what is allowed, and what to try instead.
+
+Graph node names are the Hugging Face module names of the family (``model.layers.3.self_attn.qkv_proj`` for
+Phi-3, ``transformer.h.3.mlp.c_fc`` for GPT-2), as the whole-graph path names them, so recipes address a
+layer the same way on both paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from quantkit.errors import ModelError
+from quantkit.frontends.checkpoint import check_config_values
+
+__all__ = [
+    "FAMILIES",
+    "DecoderConfig",
+    "Family",
+    "Names",
+    "ROTARY_CACHE_POSITIONS",
+    "family_of",
+    "parse_config",
+    "supported_model_types",
+]
+
+ROTARY_CACHE_POSITIONS = 1 << 17
+"""The most positions a built decoder's rotary (cos / sin) caches hold: its context is
+``min(max_position_embeddings, ROTARY_CACHE_POSITIONS)`` (131072, Llama 3.1's; 64 MiB of caches at head_dim 128)."""
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class Names:
+    """Tensor / module names of a family, relative to the model (``layers``) or to a block (the rest).
+
+    A role that the family does not have is ``None``.  ``qkv`` (one packed ``[q | k | v]`` weight) replaces
+    ``q`` / ``k`` / ``v``; ``gate_up`` (packed ``[gate | up]``) replaces ``gate`` / ``up``; a plain MLP has
+    ``up`` (its first linear) and ``down`` only."""
+
+    embed: str = "model.embed_tokens"
+    positions: str | None = None
+    layers: str = "model.layers"
+    final_norm: str = "model.norm"
+    attn_norm: str = "input_layernorm"
+    attn_post_norm: str | None = None
+    mlp_norm: str = "post_attention_layernorm"
+    mlp_post_norm: str | None = None
+    q: str | None = "self_attn.q_proj"
+    k: str | None = "self_attn.k_proj"
+    v: str | None = "self_attn.v_proj"
+    qkv: str | None = None
+    q_norm: str | None = None
+    k_norm: str | None = None
+    o: str = "self_attn.o_proj"
+    gate: str | None = "mlp.gate_proj"
+    up: str | None = "mlp.up_proj"
+    gate_up: str | None = None
+    down: str = "mlp.down_proj"
+    act: str = "mlp.act_fn"
+    stored_prefix: str = ""
+    """A prefix that checkpoints may lack (GPT-2 on the Hub stores ``h.0.attn...``, ``save_pretrained`` of
+    ``GPT2LMHeadModel`` ``transformer.h.0.attn...``): such a tensor is read under the shorter name."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """What sets one decoder family apart (see the module docstring); the graph is built from this alone."""
+
+    name: str
+    model_types: tuple[str, ...]
+    title: str
+    names: Names = Names()
+    norm: str = "rms"
+    """``rms`` (``x / rms(x) * w``), ``rms_offset`` (Gemma: ``x / rms(x) * (1 + w)``) or ``layer`` (LayerNorm
+    with weight and bias)."""
+    mlp: str = "gated"
+    """``gated``: ``down(act(gate(x)) * up(x))``; ``plain``: ``down(act(up(x)))``."""
+    act_keys: tuple[str, ...] = ("hidden_act",)
+    act_default: str = "silu"
+    act_remap: tuple[tuple[str, str], ...] = ()
+    """Activation names the family's transformers code reads differently (Gemma: ``gelu`` is the tanh one)."""
+    rotary: bool = True
+    """False: learned absolute positions (``names.positions``), no rotary embedding."""
+    default_rope_partial: bool = False
+    """The family's default RoPE honours ``partial_rotary_factor`` (Phi-3); elsewhere only the scaled RoPE types do."""
+    embed_scale: bool = False
+    """Embedding rows multiplied by ``sqrt(hidden_size)`` (Gemma)."""
+    conv1d: bool = False
+    """Linear weights stored ``[in, out]`` (GPT-2's ``Conv1D``), transposed as they are read."""
+    query_pre_attn_scalar: bool = False
+    """Attention scale ``query_pre_attn_scalar ** -0.5`` instead of ``head_dim ** -0.5`` (Gemma 2 / 3)."""
+    softcap: bool = False
+    """``attn_logit_softcapping`` / ``final_logit_softcapping`` are read (Gemma 2 / 3)."""
+    windows: str = "none"
+    """Which layers attend through a sliding window: ``none``; ``all`` (``sliding_window`` on every layer:
+    Mistral, Phi-3); ``layer_types`` (``config.layer_types``, or the family's default pattern)."""
+    window_rule: str = ""
+    """For ``windows="layer_types"`` without ``layer_types`` in config.json, which layers are windowed: ``every-2`` /
+    ``every-6`` (all but every n-th: Gemma 2 / 3), ``qwen`` (from ``max_window_layers`` on, and only with
+    ``use_sliding_window``, as Qwen2 / Qwen3), ``nope`` (the layers without RoPE, with ``use_sliding_window``:
+    SmolLM3)."""
+    nope_layers: bool = False
+    """``no_rope_layers`` (or every ``no_rope_layer_interval``-th layer) attend without a rotary embedding (SmolLM3)."""
+    per_type_rope: bool = False
+    """RoPE parameters per layer type (Gemma 3: ``rope_local_base_freq`` for the sliding layers)."""
+    tie_default: bool = False
+    config_aliases: tuple[tuple[str, str], ...] = ()
+    """``(builder key, this family's config.json key)``: GPT-2's ``n_embd`` is the ``hidden_size``."""
+    refuse_true: tuple[str, ...] = ()
+    """Boolean config keys the builder cannot honour when true (GPT-2's ``add_cross_attention``)."""
+    defaults: tuple[tuple[str, Any], ...] = ()
+    """Values of the family's transformers config class for keys a config.json may omit (a key present with
+    ``null`` stays null), where they differ from the builder's generic defaults."""
+    intermediate_default: int = 0
+    """``intermediate_size`` as a multiple of ``hidden_size`` when config.json has none (GPT-2's ``n_inner``: 4)."""
+    genai_type: str = ""
+
+    @property
+    def packed_qkv(self) -> bool:
+        return self.names.qkv is not None
+
+    @property
+    def packed_gate_up(self) -> bool:
+        return self.names.gate_up is not None
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.names.q_norm is not None
+
+    @property
+    def sandwich(self) -> bool:
+        return self.names.attn_post_norm is not None
+
+
+_GEMMA2_NAMES = Names(attn_post_norm="post_attention_layernorm", mlp_norm="pre_feedforward_layernorm",
+                      mlp_post_norm="post_feedforward_layernorm")  # fmt: skip
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", ("llama", "smollm", "smollm2"), "LLaMA / SmolLM", genai_type="llama"),
+    Family("mistral", ("mistral",), "Mistral", windows="all", defaults=(("sliding_window", 4096),),
+           genai_type="mistral"),
+    Family("qwen2", ("qwen2",), "Qwen2 / Qwen2.5", windows="layer_types", window_rule="qwen", genai_type="qwen2"),
+    Family("qwen3", ("qwen3",), "Qwen3", names=Names(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm"),
+           windows="layer_types", window_rule="qwen", genai_type="qwen3"),
+    Family("smollm3", ("smollm3",), "SmolLM3", windows="layer_types", window_rule="nope", nope_layers=True,
+           tie_default=True, genai_type="smollm3"),
+    Family("gemma", ("gemma",), "Gemma", norm="rms_offset", act_default="gelu_pytorch_tanh",
+           act_remap=(("gelu", "gelu_pytorch_tanh"),), embed_scale=True, tie_default=True,
+           defaults=(("head_dim", 256),), genai_type="gemma"),
+    Family("gemma2", ("gemma2",), "Gemma 2", names=_GEMMA2_NAMES, norm="rms_offset",
+           act_keys=("hidden_activation",), act_default="gelu_pytorch_tanh", embed_scale=True,
+           query_pre_attn_scalar=True, softcap=True, windows="layer_types", window_rule="every-2", tie_default=True,
+           defaults=(("head_dim", 256), ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
+                     ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)),
+           genai_type="gemma2"),
+    Family("gemma3_text", ("gemma3_text",), "Gemma 3 (text)",
+           names=Names(attn_post_norm="post_attention_layernorm", mlp_norm="pre_feedforward_layernorm",
+                       mlp_post_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm",
+                       k_norm="self_attn.k_norm"),
+           norm="rms_offset", act_keys=("hidden_activation",), act_default="gelu_pytorch_tanh", embed_scale=True,
+           query_pre_attn_scalar=True, softcap=True, windows="layer_types", window_rule="every-6", per_type_rope=True,
+           tie_default=True, refuse_true=("use_bidirectional_attention",),
+           defaults=(("head_dim", 256), ("query_pre_attn_scalar", 256), ("sliding_window", 4096)),
+           genai_type="gemma3_text"),
+    Family("phi3", ("phi3",), "Phi-3 / Phi-3.5 / Phi-4 (mini)",
+           names=Names(q=None, k=None, v=None, qkv="self_attn.qkv_proj", gate=None, up=None,
+                       gate_up="mlp.gate_up_proj"),
+           default_rope_partial=True, windows="all", defaults=(("rms_norm_eps", 1e-5),), genai_type="phi3"),
+    Family("gpt2", ("gpt2",), "GPT-2",
+           names=Names(embed="transformer.wte", positions="transformer.wpe", layers="transformer.h",
+                       final_norm="transformer.ln_f", attn_norm="ln_1", mlp_norm="ln_2", q=None, k=None, v=None,
+                       qkv="attn.c_attn", o="attn.c_proj", gate=None, up="mlp.c_fc", down="mlp.c_proj",
+                       act="mlp.act", stored_prefix="transformer."),
+           norm="layer", mlp="plain", act_keys=("activation_function",), act_default="gelu_new", rotary=False,
+           conv1d=True, tie_default=True,
+           config_aliases=(("hidden_size", "n_embd"), ("num_attention_heads", "n_head"),
+                           ("num_hidden_layers", "n_layer"), ("max_position_embeddings", "n_positions"),
+                           ("intermediate_size", "n_inner"), ("rms_norm_eps", "layer_norm_epsilon")),
+           refuse_true=("add_cross_attention",), defaults=(("n_positions", 1024), ("layer_norm_epsilon", 1e-5)),
+           intermediate_default=4, genai_type="gpt2"),
+)  # fmt: skip
+
+_BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+                "gelu_fast": "gelu_tanh", "gelu": "gelu"}  # fmt: skip
+"""config.json activation names -> the kernel written (``gelu_tanh``: ONNX ``Gelu`` with ``approximate="tanh"``)."""
+_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+def supported_model_types() -> tuple[str, ...]:
+    """Every ``model_type`` the builder takes, in the order of :data:`FAMILIES`."""
+    return tuple(_BY_TYPE)
+
+
+def unsupported_message(model_type: str, where: str) -> str:
+    """Why ``model_type`` is refused, what is supported, and what to try instead."""
+    return (f"{where}: model_type {model_type!r} is not a decoder family the streaming builder supports "
+            f"(calibration.layerwise and the KV-cache decoder); supported model_types: "
+            f"{', '.join(supported_model_types())}. Try instead: calibration.layerwise: false (the whole-graph "
+            "path: a PyTorch export of the full model, held in memory in FP32, without a KV cache), or convert the "
+            "checkpoint to one of the supported families")  # fmt: skip
+
+
+def family_of(model_type: str) -> Family:
+    """The :class:`Family` of ``model_type``; :class:`ModelError` (with the supported list) when there is none."""
+    fam = _BY_TYPE.get(str(model_type).lower())
+    if fam is None:
+        raise ModelError(unsupported_message(str(model_type), "config.json"))
+    return fam
+
+
+# --------------------------------------------------------------------------- the parsed config
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """What the builder needs from ``config.json``, checked (see :func:`parse_config`)."""
+
+    model_type: str
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_hidden_layers: int
+    rms_norm_eps: float
+    """The epsilon of every norm (LayerNorm's ``layer_norm_epsilon`` for GPT-2)."""
+    rope_theta: float
+    vocab_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    family: str = "llama"
+    activation: str = "silu"
+    """``silu``, ``gelu_tanh`` or ``gelu`` (see :data:`_ACTIVATIONS`)."""
+    partial_rotary_factor: float = 1.0
+    attention_scale: float | None = None
+    """The attention scale of every layer (None: ``head_dim ** -0.5``)."""
+    scale_by_inverse_layer: bool = False
+    """GPT-2's ``scale_attn_by_inverse_layer_idx``: layer ``i`` scales its scores by ``1 / (i + 1)`` too."""
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    layer_types: tuple[str, ...] = ()
+    """Per layer ``full_attention`` / ``sliding_attention``; empty: every layer is full unless ``sliding_window``
+    is set (then every layer is windowed: Mistral, Phi-3)."""
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+    """Gemma 3: the RoPE of the sliding layers (None: the same as the full ones)."""
+    rope_layers: tuple[bool, ...] = ()
+    """Per layer, whether it applies the rotary embedding (SmolLM3's NoPE layers); empty: every layer does."""
+
+    @property
+    def spec(self) -> Family:
+        return _BY_NAME[self.family]
+
+    @property
+    def rotary(self) -> bool:
+        return self.spec.rotary
+
+    @property
+    def rotary_dim(self) -> int:
+        factor = float((self.rope_scaling or {}).get("partial_rotary_factor", self.partial_rotary_factor))
+        return int(self.head_dim * factor)
+
+    @property
+    def context_length(self) -> int:
+        """Positions a built decoder covers (its rotary caches' rows): see :data:`ROTARY_CACHE_POSITIONS`; a learned
+        position table's rows (GPT-2)."""
+        if not self.rotary:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, ROTARY_CACHE_POSITIONS)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (keys it attends to, itself included), None when it sees all."""
+        if self.layer_types:
+            return self.sliding_window if self.layer_types[layer] == SLIDING else None
+        return self.sliding_window
+
+    def uses_rope(self, layer: int) -> bool:
+        """Layer ``layer`` rotates q and k (False: learned positions, or one of SmolLM3's NoPE layers)."""
+        return self.rotary and (not self.rope_layers or self.rope_layers[layer])
+
+    def is_local(self, layer: int) -> bool:
+        """Layer ``layer`` uses the sliding layers' RoPE (Gemma 3)."""
+        return self.local_rope_theta is not None and bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
+    def scale(self, layer: int) -> float:
+        s = self.attention_scale if self.attention_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        return s / (layer + 1) if self.scale_by_inverse_layer else s
+
+
+_BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def _num(value: Any, *, positive: bool = True) -> bool:
+    """A finite real number (``> 0``, or ``>= 0`` when not ``positive``); never a bool or a string."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) and (value > 0 if positive else value >= 0)
+
+
+def _rope_kind(sc: Mapping[str, Any] | None) -> str:
+    kind = str((sc or {}).get("rope_type", (sc or {}).get("type", "default")))
+    return "longrope" if kind in ("su", "longrope") else kind
+
+
+def _split_rope(cfg: Mapping[str, Any], rope: Any, fam: Family) -> tuple[float, dict[str, Any] | None]:
+    """``(theta, scaling)`` from transformers >= 5's ``rope_parameters`` (one flat dict) or the older
+    ``rope_theta`` + ``rope_scaling``."""
+    rope = dict(rope or {})
+    scaling = cfg.get("rope_scaling") or None
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if scaling is None and rope.get("rope_type", rope.get("type", "default")) != "default":
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling is not None:
+        scaling = dict(scaling)
+        if cfg.get("partial_rotary_factor") is not None:  # transformers copies it into the RoPE parameters
+            scaling.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
+        if fam.name == "phi3" and _rope_kind(scaling) == "yarn":  # transformers reads Phi-3's "yarn" as longrope
+            scaling["rope_type"] = "longrope"
+        if _rope_kind(scaling) == "longrope":
+            scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    return theta, scaling
+
+
+def _normalized(cfg: Mapping[str, Any], fam: Family) -> dict[str, Any]:
+    """``cfg`` with the family's key aliases read under the builder's names (GPT-2's ``n_embd`` ...)."""
+    out = dict(cfg)
+    for key, alias in fam.config_aliases:
+        if cfg.get(alias) is not None:
+            out[key] = cfg[alias]
+    return out
+
+
+def parse_config(raw: Any, where: str) -> DecoderConfig:
+    """Check a parsed ``config.json`` (``where``: its path, for the messages) and return its :class:`DecoderConfig`.
+
+    Everything the builder relies on is checked here, from the JSON alone: the family, the sizes (range:
+    :func:`~quantkit.frontends.checkpoint.check_config_values`), the activation, the norm epsilon, the RoPE
+    type and its parameters, the sliding windows and layer types, soft-capping and attention scales.
+
+    Raises:
+        ModelError: naming the key, its value, and what is allowed.
+    """
+    if not isinstance(raw, dict):
+        raise ModelError(f"{where}: config.json must hold a JSON object, got {type(raw).__name__}")
+    model_type = str(raw.get("model_type", "")).lower()
+    fam = _BY_TYPE.get(model_type)
+    if fam is None:
+        raise ModelError(unsupported_message(model_type, where))
+    cfg = _normalized({**dict(fam.defaults), **raw}, fam)
+    aliases = ", ".join(f"{a} as {k}" for k, a in fam.config_aliases if raw.get(a) is not None)
+    check_config_values(cfg, f"{where} ({model_type}: read {aliases})" if aliases else where)
+    for key in fam.refuse_true:
+        if cfg.get(key):
+            raise ModelError(f"{where}: {key} {cfg[key]!r} is not supported for {model_type}; allowed: false")
+    act = next((cfg[k] for k in fam.act_keys if cfg.get(k) is not None), fam.act_default)
+    act = dict(fam.act_remap).get(act, act)
+    if act not in _ACTIVATIONS:
+        raise ModelError(f"{where}: {fam.act_keys[0]} {act!r} is not supported; allowed: "
+                         f"{', '.join(sorted(_ACTIVATIONS))}")  # fmt: skip
+    try:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        inter = cfg.get("intermediate_size") or fam.intermediate_default * hidden or cfg["intermediate_size"]
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        theta, scaling = _split_rope(cfg, cfg.get("rope_parameters"), fam)
+        local_theta, local_scaling = None, None
+        rope_params = cfg.get("rope_parameters")
+        if fam.per_type_rope:
+            if isinstance(rope_params, dict) and (FULL in rope_params or SLIDING in rope_params):
+                theta, scaling = _split_rope({}, rope_params.get(FULL) or {"rope_theta": 1e6}, fam)
+                local_theta, local_scaling = _split_rope({}, rope_params.get(SLIDING) or {"rope_theta": 1e4}, fam)
+            else:  # transformers < 5: rope_theta / rope_scaling for the full layers, rope_local_base_freq
+                theta, scaling = _split_rope({**cfg, "rope_theta": cfg.get("rope_theta", 1e6)}, None, fam)
+                local_theta, local_scaling = cfg.get("rope_local_base_freq", 1e4), None
+        partial = cfg.get("partial_rotary_factor", (rope_params or {}).get("partial_rotary_factor", 1.0)
+                          if isinstance(rope_params, dict) else 1.0)  # fmt: skip
+        if partial is None:
+            partial = 1.0
+        out = DecoderConfig(
+            model_type=model_type,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=int(inter),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            rms_norm_eps=float(eps),
+            rope_theta=float(theta),
+            vocab_size=int(cfg["vocab_size"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", fam.tie_default)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+            rope_scaling=scaling,
+            sliding_window=None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            pad_token_id=cfg.get("pad_token_id"),
+            raw=dict(raw),
+            family=fam.name,
+            activation=_ACTIVATIONS[act],
+            partial_rotary_factor=float(partial) if fam.default_rope_partial else 1.0,
+            local_rope_theta=float(local_theta) if local_theta is not None else None,
+            local_rope_scaling=local_scaling,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelError(f"{where}: missing or bad field: {e}") from e
+    if heads % kv_heads:
+        raise ModelError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    if not cfg.get("head_dim") and hidden % heads:
+        raise ModelError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                         "and there is no head_dim; allowed: a multiple, or an explicit head_dim")  # fmt: skip
+    out = dataclasses.replace(out, **_attention_extras(cfg, fam, out, where))
+    _check_numbers(out, where)
+    return out
+
+
+def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: str) -> dict[str, Any]:
+    """Sliding windows and layer types, the attention scale, soft-capping: checked, as DecoderConfig fields."""
+    L = out.num_hidden_layers
+    extra: dict[str, Any] = {}
+    window = cfg.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ModelError(f"{where}: sliding_window {window!r}; allowed: an integer >= 1 or null")
+    types: tuple[str, ...] = ()
+    rope_layers: tuple[bool, ...] = ()
+    if fam.nope_layers:  # SmolLM3: 1 = the layer uses RoPE, 0 = it does not
+        given = cfg.get("no_rope_layers")
+        if given is None:
+            every = cfg.get("no_rope_layer_interval", 4)
+            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+                raise ModelError(f"{where}: no_rope_layer_interval {every!r}; allowed: an integer >= 1")
+            given = [int((i + 1) % every != 0) for i in range(L)]
+        if not isinstance(given, list) or len(given) != L or any(v not in (0, 1) or isinstance(v, float) for v in given):
+            raise ModelError(f"{where}: no_rope_layers {str(given)[:120]}; allowed: a list of {L} (num_hidden_layers) "
+                             "entries, each 0 or 1")  # fmt: skip
+        rope_layers = tuple(bool(v) for v in given)
+        if all(rope_layers):
+            rope_layers = ()
+    extra["rope_layers"] = rope_layers
+    if fam.windows == "layer_types":
+        given = cfg.get("layer_types")
+        use = bool(cfg.get("use_sliding_window", False))
+        if given is not None:
+            if not isinstance(given, list) or len(given) != L or any(t not in (FULL, SLIDING) for t in given):
+                raise ModelError(f"{where}: layer_types {str(given)[:120]}; allowed: a list of {L} (num_hidden_layers) "
+                                 f"entries, each {FULL!r} or {SLIDING!r}")  # fmt: skip
+            types = tuple(given)
+        elif fam.window_rule.startswith("every-"):
+            n = int(fam.window_rule.split("-")[1])
+            types = tuple(SLIDING if (i + 1) % n else FULL for i in range(L))
+        elif fam.window_rule == "qwen" and use and window is not None:  # from max_window_layers on
+            first = cfg.get("max_window_layers", 28)  # transformers' default
+            if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+                raise ModelError(f"{where}: max_window_layers {first!r}; allowed: an integer >= 0")
+            types = tuple(SLIDING if i >= first else FULL for i in range(L))
+        elif fam.window_rule == "nope" and use and window is not None:  # the layers without RoPE
+            types = tuple(SLIDING if rope_layers and not rope_layers[i] else FULL for i in range(L))
+        if fam.window_rule == "qwen" and not use:
+            window = None  # transformers drops it: every layer is full
+        if SLIDING in types and window is None:
+            if fam.window_rule != "qwen":
+                raise ModelError(f"{where}: layer_types has sliding_attention layers but sliding_window is null; "
+                                 "allowed: an integer >= 1")  # fmt: skip
+            types = ()
+        if SLIDING not in types:
+            types = ()
+    elif fam.windows == "none":
+        window = None
+    extra["sliding_window"] = window
+    extra["layer_types"] = types
+    if fam.query_pre_attn_scalar:
+        s = cfg.get("query_pre_attn_scalar", 256)
+        if not _num(s):
+            raise ModelError(f"{where}: query_pre_attn_scalar {s!r}; allowed: a finite number > 0")
+        extra["attention_scale"] = float(s) ** -0.5
+    if fam.name == "gpt2":
+        if not cfg.get("scale_attn_weights", True):
+            extra["attention_scale"] = 1.0
+        extra["scale_by_inverse_layer"] = bool(cfg.get("scale_attn_by_inverse_layer_idx", False))
+    if fam.softcap:
+        for key, name in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
+            v = cfg.get(key)
+            if v is not None and not _num(v):
+                raise ModelError(f"{where}: {key} {v!r}; allowed: a finite number > 0 or null")
+            extra[name] = float(v) if v is not None else None
+    return extra
+
+
+def _check_rope(sc: Mapping[str, Any] | None, rotary_dim: int, where: str) -> None:
+    kind = _rope_kind(sc)
+    if kind not in _ROPE_TYPES:
+        raise ModelError(f"{where}: rope_scaling type {kind!r} is not supported ({', '.join(_ROPE_TYPES)})")
+    sc = sc or {}
+    keys = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings"),
+            "longrope": ("original_max_position_embeddings",)}.get(kind, ())  # fmt: skip
+    for key in keys:
+        if not _num(sc.get(key)):
+            raise ModelError(f"{where}: rope_scaling {kind} {key} {sc.get(key)!r}; allowed: a finite number > 0")
+    if kind == "llama3" and float(sc["high_freq_factor"]) == float(sc["low_freq_factor"]):
+        raise ModelError(f"{where}: rope_scaling llama3 high_freq_factor equals low_freq_factor "
+                         f"({sc['low_freq_factor']}); allowed: two different numbers")  # fmt: skip
+    if kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            f = sc.get(key)
+            if not isinstance(f, list) or len(f) != rotary_dim // 2 or not all(_num(x) for x in f):
+                raise ModelError(f"{where}: rope_scaling longrope {key} {str(f)[:80]}; allowed: a list of "
+                                 f"{rotary_dim // 2} (rotary dimension / 2) finite numbers > 0")  # fmt: skip
+        for key in ("factor", "attention_factor"):
+            if sc.get(key) is not None and not _num(sc[key]):
+                raise ModelError(f"{where}: rope_scaling longrope {key} {sc[key]!r}; allowed: a finite number > 0")
+
+
+def _check_numbers(cfg: DecoderConfig, where: str) -> None:
+    """Refuse float settings the rotary caches and norms cannot use (NaN, zero or negative)."""
+    if not _num(cfg.rms_norm_eps, positive=False):
+        key = "layer_norm_epsilon" if cfg.spec.norm == "layer" else "rms_norm_eps"
+        raise ModelError(f"{where}: {key} {cfg.rms_norm_eps!r}; allowed: a finite number >= 0")
+    if not cfg.rotary:
+        return
+    for theta in (cfg.rope_theta, cfg.local_rope_theta):
+        if theta is not None and not _num(theta):
+            raise ModelError(f"{where}: rope_theta {theta!r}; allowed: a finite number > 0")
+    factor = (cfg.rope_scaling or {}).get("partial_rotary_factor", cfg.partial_rotary_factor)
+    if not _num(factor) or float(factor) > 1:
+        raise ModelError(f"{where}: partial_rotary_factor {factor!r}; allowed: a number in (0, 1]")
+    if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
+        raise ModelError(f"{where}: head_dim {cfg.head_dim} gives a rotary dimension of {cfg.rotary_dim}; allowed: "
+                         "an even number >= 2")  # fmt: skip
+    if cfg.rotary_dim % 16:  # GroupQueryAttention's rotary: cos / sin caches of a multiple of 8 columns
+        raise ModelError(f"{where}: head_dim {cfg.head_dim} (partial_rotary_factor {factor}) gives a rotary dimension "
+                         f"of {cfg.rotary_dim}; allowed: a multiple of 16 (ONNX Runtime's GroupQueryAttention applies "
+                         "the rotary embedding to a multiple of 8 pairs)")  # fmt: skip
+    _check_rope(cfg.rope_scaling, cfg.rotary_dim, where)
+    if cfg.local_rope_scaling is not None:
+        _check_rope(cfg.local_rope_scaling, cfg.rotary_dim, where)

@@ -1,0 +1,434 @@
+"""Decoder families beyond LLaMA through the streaming builder (quantkit.frontends.families / llm_builder).
+
+For each family a tiny random-init Hugging Face folder is built from its transformers config (hidden 64,
+2 layers, vocabulary 256, ``save_pretrained``; no tokenizer: token ids only) with non-trivial norm weights,
+and checked against transformers in float32:
+
+* the FP32 decoder's logits on the same token ids (max |diff| <= 1e-3, every greedy token equal);
+* KV-cache decode of 16 tokens (one shared buffer per layer) equals the recomputation without a cache;
+* the block graphs used for layer-wise calibration reproduce transformers' hidden states, block by block,
+  from the embedding rows as the layer-wise path computes them;
+* an INT4 RTN build (MatMulNBits, computed in float32) loads in ONNX Runtime and its logits equal those of
+  transformers with the same RTN weights put into the PyTorch model;
+* ``quantkit calibrate`` (calibration.layerwise, AWQ block by block) runs and writes a model that loads;
+* ``quantkit generate`` prints transformers' greedy continuation (a character-level tokenizer).
+
+Sliding windows are 4 positions and the sequences 24, so windowed layers differ from full ones; soft-capping
+limits are small enough to bend the logits.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from quantkit.errors import ModelError  # noqa: E402
+from quantkit.frontends import llm_builder  # noqa: E402
+from quantkit.frontends.families import supported_model_types  # noqa: E402
+from quantkit.frontends.llm_builder import (  # noqa: E402
+    LLMSession,
+    block_model,
+    block_prefix,
+    build_llm,
+    embedded_stream,
+    read_decoder_config,
+)
+
+VOCAB, PROMPT, NEW = 256, 8, 16
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.15, bos_token_id=1,
+               eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-5)  # fmt: skip
+_WINDOW = 4
+
+
+def _spec(kind: str) -> tuple[Any, Any]:
+    """(model class, config) of a tiny model of family ``kind``."""
+    t = transformers
+    c = dict(_COMMON)
+    if kind == "qwen3":
+        return t.Qwen3ForCausalLM, t.Qwen3Config(**c, head_dim=16)
+    if kind == "gemma":
+        return t.GemmaForCausalLM, t.GemmaConfig(**c, head_dim=16)
+    if kind == "gemma2":
+        return t.Gemma2ForCausalLM, t.Gemma2Config(**c, head_dim=16, sliding_window=_WINDOW, query_pre_attn_scalar=24,
+                                                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+    if kind == "gemma3_text":
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}  # fmt: skip
+        return t.Gemma3ForCausalLM, t.Gemma3TextConfig(**c, head_dim=16, sliding_window=_WINDOW, query_pre_attn_scalar=24,
+                                                       layer_types=["sliding_attention", "full_attention"],
+                                                       rope_parameters=rope)  # fmt: skip
+    if kind == "phi3":  # head_dim 32, rotary on half of it (Phi-4-mini style), GQA 2:1
+        c.update(num_attention_heads=2, num_key_value_heads=1)
+        return t.Phi3ForCausalLM, t.Phi3Config(**c, partial_rotary_factor=0.5)
+    if kind == "phi3_longrope":  # LongRoPE with an original context of 8 positions: sequences past it use long factors
+        c.update(num_attention_heads=2, num_key_value_heads=2)
+        rope = {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(16)],
+                "long_factor": [2.0 + 0.3 * i for i in range(16)]}  # fmt: skip
+        return t.Phi3ForCausalLM, t.Phi3Config(**c, rope_scaling=rope, original_max_position_embeddings=PROMPT)
+    if kind == "gpt2":
+        return t.GPT2LMHeadModel, t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                               initializer_range=0.15, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    if kind == "smollm3":  # layer 1 without RoPE, and windowed (the NoPE layers are the sliding ones)
+        return t.SmolLM3ForCausalLM, t.SmolLM3Config(**c, no_rope_layers=[1, 0], use_sliding_window=True,
+                                                     sliding_window=_WINDOW)
+    if kind == "mistral_window":
+        return t.MistralForCausalLM, t.MistralConfig(**c, sliding_window=_WINDOW)
+    if kind == "qwen2_window":  # the sliding window from layer max_window_layers on
+        return t.Qwen2ForCausalLM, t.Qwen2Config(**c, use_sliding_window=True, sliding_window=_WINDOW, max_window_layers=1)
+    raise AssertionError(kind)
+
+
+KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
+         "qwen2_window"]
+
+
+def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
+    """Save a random model of family ``kind`` into ``folder``; return it (float32) as reloaded."""
+    cls, config = _spec(kind)
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():  # non-trivial norms (Gemma stores w of 1 + w: around 0)
+        for name, p in model.named_parameters():
+            if "norm" in name or ".ln_" in name:
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.1)
+                elif kind.startswith("gemma"):
+                    p.uniform_(-0.5, 0.5)
+                else:
+                    p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    return cls.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+class _Built:
+    def __init__(self, base: Path, kind: str) -> None:
+        self.kind, self.folder = kind, base / "hf"
+        self.model = make_family(kind, self.folder)
+        self.path = build_llm(self.folder, base / "onnx" / "model.onnx")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cache: dict[str, _Built] = {}
+
+    def get(kind: str) -> _Built:
+        if kind not in cache:
+            cache[kind] = _Built(tmp_path_factory.mktemp(kind), kind)
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path_factory.getbasetemp() / "quantkit-cache"))
+
+
+def _ids(n: int, seed: int, rows: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, VOCAB, (rows, n), dtype=np.int64)
+
+
+def _reference(model: Any, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(ids)).logits.numpy()
+
+
+def _assert_exact(got: np.ndarray, ref: np.ndarray, what: str) -> None:
+    assert got.shape == ref.shape
+    assert np.abs(ref).max() > 1.0  # the check is not vacuous
+    diff = float(np.abs(got - ref).max())
+    assert diff <= 1e-3, f"{what}: max |logit diff| {diff}"
+    np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1), err_msg=f"{what}: greedy tokens differ")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp32_decoder_matches_transformers(built: Any, kind: str) -> None:
+    b = built(kind)
+    ids = _ids(PROMPT + NEW, 1)
+    _assert_exact(LLMSession(b.path)(ids), _reference(b.model, ids), kind)
+    short = ids[:, :6]  # LongRoPE: a sequence within the original context keeps the short factors
+    _assert_exact(LLMSession(b.path)(short), _reference(b.model, short), f"{kind} (6 tokens)")
+    assert read_decoder_config(b.folder).model_type in supported_model_types()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kv_cache_decode_equals_recomputation(built: Any, kind: str) -> None:
+    """Greedy decode of 16 tokens with the KV cache in one shared buffer: each step's logits equal a forward of the
+    whole sequence without a cache, and every chosen token is transformers' greedy choice on that sequence."""
+    b = built(kind)
+    prompt = _ids(PROMPT, 2)
+    sess = LLMSession(b.path, max_length=PROMPT + NEW)
+    steps = [sess(prompt)[:, -1]]
+    tokens = [int(steps[-1].argmax())]
+    for _ in range(NEW - 1):
+        steps.append(sess(np.asarray([[tokens[-1]]], np.int64))[:, -1])
+        tokens.append(int(steps[-1].argmax()))
+    seq = np.concatenate([prompt, np.asarray([tokens[:-1]], np.int64)], axis=1)
+    if kind == "phi3_longrope":
+        # transformers switches every position to the long factors once the sequence passes the original context;
+        # a cache keeps the keys it rotated before (transformers' own cache does the same): compare with it
+        with torch.no_grad():
+            out = b.model(torch.from_numpy(prompt), use_cache=True)
+            ref_steps, cache = [out.logits[:, -1].numpy()], out.past_key_values
+            for t in tokens[:-1]:
+                out = b.model(torch.tensor([[t]]), cache=cache, use_cache=True)
+                ref_steps.append(out.logits[:, -1].numpy())
+                cache = out.past_key_values
+        _assert_exact(np.stack(steps, 1), np.stack(ref_steps, 1), "longrope decode vs transformers with its cache")
+        return
+    full = LLMSession(b.path)(seq)[:, PROMPT - 1 :]
+    np.testing.assert_allclose(np.stack(steps, 1), full, atol=1e-4, rtol=0)
+    ref = _reference(b.model, seq)[:, PROMPT - 1 :]
+    assert ref.argmax(-1).tolist() == [tokens]
+    _assert_exact(np.stack(steps, 1), ref, f"{kind} decode")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_block_graphs_reproduce_transformers_hidden_states(built: Any, kind: str) -> None:
+    """What layer-wise calibration runs: the embedding stream (Gemma's scale, GPT-2's positions) then each block graph
+    alone, fed the previous one's output, against transformers' hidden states."""
+    b = built(kind)
+    cfg = read_decoder_config(b.folder)
+    ckpt = llm_builder._Checkpoint(b.folder, cfg)
+    n = cfg.spec.names
+    ids = _ids(20, 3)
+    with torch.no_grad():
+        hs = b.model(torch.from_numpy(ids), output_hidden_states=True).hidden_states
+    table = dict(ckpt.read([f"{n.embed}.weight"] + ([f"{n.positions}.weight"] if n.positions else [])))
+    pos = table[f"{n.positions}.weight"][:20].float().numpy() if n.positions else None
+    h = embedded_stream(cfg, table[f"{n.embed}.weight"].float().numpy()[ids], pos)
+    np.testing.assert_allclose(h, hs[0].numpy(), atol=1e-5, rtol=0)
+    import onnxruntime as ort
+
+    for i in range(cfg.num_hidden_layers):
+        w = dict(ckpt.read(llm_builder.block_tensor_names(cfg, i, ckpt.__contains__)))
+        tap = f"{block_prefix(cfg, i)}.{cfg.spec.names.down}"
+        sess = ort.InferenceSession(block_model(cfg, i, w, {}, [tap], positions=20).SerializeToString(),
+                                    providers=["CPUExecutionProvider"])  # fmt: skip
+        empty = np.zeros((1, cfg.num_key_value_heads, 0, cfg.head_dim), np.float32)
+        h, x = sess.run(None, {"hidden": h, "attention_mask": np.ones((1, 20), np.int64),
+                               f"past_key_values.{i}.key": empty, f"past_key_values.{i}.value": empty})  # fmt: skip
+        assert x.shape == (1, 20, cfg.intermediate_size)
+        if i + 1 < cfg.num_hidden_layers:  # transformers' last hidden state is after the final norm
+            want = hs[i + 1].numpy()
+            np.testing.assert_allclose(h, want, atol=2e-5 * float(np.abs(want).max()), rtol=0)
+
+
+def _plan(folder: Path, **default: Any) -> Any:
+    from quantkit.recipe import load_recipe
+    from quantkit.recipe.plan import PrecisionPlan
+
+    q = {"format": "int4", "group_size": 32, **default}
+    return PrecisionPlan.from_recipe(load_recipe({"version": 1, "model": {"source": str(folder)},
+                                                  "calibration": {"layerwise": True},
+                                                  "quantization": {"default": q}}))  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_int4_rtn_equals_the_same_weights_in_pytorch(built: Any, kind: str, tmp_path: Path) -> None:
+    """INT4 RTN g32, layer-wise (no calibration data): the model loads in ONNX Runtime, every linear is a
+    MatMulNBits, and with float32 compute (accuracy_level 1) its logits equal transformers' with the same RTN weights
+    (from quantkit's RTN, as the builder got them) put into the PyTorch model."""
+    import copy
+
+    import onnx
+
+    from quantkit.algorithms.woq import get_weight_algorithm
+    from quantkit.layerwise import quantize_llm_layerwise
+
+    b = built(kind)
+    plan = _plan(b.folder, algorithm="rtn", algorithm_options={"clip": False})
+    res = quantize_llm_layerwise(b.folder, tmp_path / "q" / "model.onnx", plan, None, work_dir=tmp_path / "w",
+                                 accuracy_level=1, progress=False)  # fmt: skip
+    ops = [nd.op_type for nd in onnx.load(str(res.path), load_external_data=False).graph.node]
+    assert "MatMul" not in ops and ops.count("MatMulNBits") >= 4 * 2 + 1
+    model = copy.deepcopy(b.model)
+    rtn = get_weight_algorithm("rtn")
+    conv1d = read_decoder_config(b.folder).spec.conv1d
+    with torch.no_grad():
+        for row in res.rows:
+            mod = model.get_submodule(row["layer"])
+            stored_kn = conv1d and row["layer"] != "lm_head"  # GPT-2's Conv1D keeps [K, N]
+            w = mod.weight.numpy() if stored_kn else mod.weight.numpy().T
+            lp = plan.layer(row["layer"], "MatMul", row["layer"])
+            eff = rtn(np.ascontiguousarray(w), bits=4, group_size=32, symmetric=lp.weight_symmetric, stats=None,
+                      clip=False).effective_weight()  # fmt: skip
+            mod.weight.copy_(torch.from_numpy(eff if stored_kn else eff.T))
+    ids = _ids(PROMPT + NEW, 4)
+    ref, got = _reference(model, ids), LLMSession(res.path)(ids)
+    _assert_exact(got, ref, f"{kind} int4 rtn")
+    assert float(np.abs(ref - _reference(b.model, ids)).max()) > 1e-2  # the RTN weights did change the logits
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantkit_calibrate_layerwise_awq(built: Any, kind: str, tmp_path: Path) -> None:
+    """The command line, as users run it: calibration.layerwise with AWQ block by block (the block graphs run, the
+    input scales fold into the norms / up columns), perplexity FP32 vs quantized on held-out ids."""
+    from quantkit.cli import main
+
+    b = built(kind)
+    for name, seed in (("cal", 5), ("ev", 6)):
+        ids = _ids(16, seed, rows=3)
+        np.savez(tmp_path / f"{name}.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    rec = {"version": 1, "name": kind, "model": {"source": str(b.folder)},
+           "calibration": {"layerwise": True, "data": {"kind": "npz", "path": str(tmp_path / "cal.npz")}},
+           "evaluation": {"data": {"kind": "npz", "path": str(tmp_path / "ev.npz")}},
+           "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": "awq"}},
+           "report": {"formats": ["json"], "latency": {"enabled": False}}}  # fmt: skip
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(rec))
+    assert main(["calibrate", "-q", "--recipe", str(tmp_path / "r.yaml"), "--output", str(tmp_path / "o")]) == 0
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    q = report["quality"]
+    assert np.isfinite(q["perplexity_fp32"]["ppl"]) and np.isfinite(q["perplexity_quantized"]["ppl"])
+    assert report["census"]["quantized_kernels"]["MatMulNBits"] >= 4 * 2
+    ids = _ids(12, 7)
+    got = LLMSession(tmp_path / "o" / "model.onnx")(ids)
+    ref = _reference(b.model, ids)
+    assert float(np.corrcoef(got.ravel(), ref.ravel())[0, 1]) > 0.9
+    genai = json.loads((tmp_path / "o" / "genai_config.json").read_text())
+    assert genai["model"]["type"] == read_decoder_config(b.folder).spec.genai_type
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3_text", "phi3", "gpt2"])
+def test_quantkit_generate_equals_transformers_greedy(built: Any, kind: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``quantkit generate`` (prefill, then one token per step with the KV cache) writes transformers' greedy text."""
+    import shutil
+
+    from quantkit.cli import main
+    from tests.unit.test_llm_frontend import char_tokenizer
+
+    b = built(kind)
+    out = tmp_path / "model"
+    shutil.copytree(b.path.parent, out)
+    tok = char_tokenizer()
+    tok.save_pretrained(out)
+    prompt = "It is a truth universally"
+    ids = list(tok(prompt)["input_ids"])
+    new: list[int] = []
+    with torch.no_grad():
+        while len(new) < NEW and (not new or new[-1] != 2):  # eos: id 2
+            new.append(int(b.model(torch.tensor([ids + new])).logits[0, -1].argmax()))
+    assert main(["generate", "--model", str(out), "--prompt", prompt, "--max-new-tokens", str(NEW)]) == 0
+    printed = capsys.readouterr().out.splitlines()[0]
+    assert printed == prompt + tok.decode(new, skip_special_tokens=True)
+    _, timings = llm_builder.generate(out / "model.onnx", out, prompt, NEW, return_timings=True)
+    assert timings["tokens"] == new  # token for token (ids past the char vocabulary print as nothing)
+
+
+def test_graph_uses_the_fused_kernels(built: Any) -> None:
+    import onnx
+
+    def ops(kind: str) -> list[str]:
+        return [n.op_type for n in onnx.load(str(built(kind).path), load_external_data=False).graph.node]
+
+    gemma2 = onnx.load(str(built("gemma2").path), load_external_data=False)
+    gqa = [n for n in gemma2.graph.node if n.op_type == "GroupQueryAttention"]
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in gqa]
+    assert [a["local_window_size"] for a in attrs] == [_WINDOW, -1]  # alternating: sliding, full
+    assert all(a["softcap"] == pytest.approx(5.0) and a["scale"] == pytest.approx(24**-0.5) for a in attrs)
+    # input norm (after the first block: the residual add fused in), pre-feedforward norm, final norm; the norms of
+    # the attention / MLP outputs have nothing to add (standard ops, fused by ORT)
+    assert ops("gemma2").count("SkipSimplifiedLayerNormalization") == 1 + 2 + 1
+    assert "Tanh" in ops("gemma2") and "Gelu" in ops("gemma2")  # final soft-capping, GeGLU
+    gpt2 = ops("gpt2")
+    assert gpt2.count("SkipLayerNormalization") == 2 * 2 + 1 and "LayerNormalization" not in gpt2
+    assert {"GroupQueryAttention", "Range"} <= set(gpt2) and "Sigmoid" not in gpt2
+    g2 = onnx.load(str(built("gpt2").path), load_external_data=False)
+    attn = next(n for n in g2.graph.node if n.op_type == "GroupQueryAttention")
+    assert {a.name: onnx.helper.get_attribute_value(a) for a in attn.attribute}["do_rotary"] == 0
+    assert len(attn.input) == 7  # no cos / sin caches: learned positions
+    phi = ops("phi3_longrope")
+    assert "If" in phi and "Split" in phi and ops("phi3").count("MatMul") == 4 * 2 + 1  # qkv, o, gate_up, down; lm_head
+    qwen3 = ops("qwen3")
+    assert qwen3.count("GroupQueryAttention") == 2 and qwen3.count("Reshape") == 2 * 4  # q/k norms per head
+
+
+def test_gpt2_hub_names_without_the_transformer_prefix(built: Any, tmp_path: Path) -> None:
+    """GPT-2 on the Hub stores ``h.0.attn.c_attn.weight`` (no ``transformer.``): the same decoder is built."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    b = built("gpt2")
+    folder = tmp_path / "hub"
+    shutil.copytree(b.folder, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    path = build_llm(folder, tmp_path / "o" / "model.onnx")
+    ids = _ids(12, 8)
+    np.testing.assert_array_equal(LLMSession(path)(ids), LLMSession(b.path)(ids))
+
+
+# -- refusals: before any tokenization, with what is allowed ------------------------------------------------
+
+
+def _config(tmp_path: Path, kind: str, **changes: Any) -> Path:
+    _, config = _spec(kind)
+    d = config.to_dict()
+    d.update(changes)
+    for k, v in changes.items():
+        if v is None:
+            d.pop(k, None)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    return tmp_path
+
+
+@pytest.mark.parametrize(("kind", "changes", "match"), [
+    ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping -1.0; allowed: a finite number > 0"),
+    ("gemma2", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar 0; allowed"),
+    ("gemma2", {"layer_types": ["full_attention"]}, "layer_types .* allowed: a list of 2"),
+    ("gemma2", {"hidden_activation": "relu2"}, "hidden_activation 'relu2' is not supported; allowed: .*gelu_pytorch_tanh"),
+    ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention True is not supported"),
+    ("gpt2", {"add_cross_attention": True}, "add_cross_attention True is not supported"),
+    ("gpt2", {"n_embd": 0}, r"n_embd as hidden_size.*hidden_size 0 is out of range"),
+    ("gpt2", {"layer_norm_epsilon": -1.0}, "layer_norm_epsilon -1.0; allowed: a finite number >= 0"),
+    ("phi3", {"partial_rotary_factor": 0.25}, "rotary dimension of 8; allowed: a multiple of 16"),
+    ("phi3_longrope", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 3,
+                                           "long_factor": [1.0] * 16, "original_max_position_embeddings": 8}},
+     r"short_factor .*allowed: a list of 16"),
+    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
+     "rope_scaling type 'yarn' is not supported"),
+    ("qwen2_window", {"layer_types": None, "max_window_layers": "one"}, "max_window_layers 'one'; allowed: an integer"),
+    ("smollm3", {"no_rope_layers": [1, 2]}, r"no_rope_layers \[1, 2\]; allowed: a list of 2 .* each 0 or 1"),
+])  # fmt: skip
+def test_config_values_are_refused_naming_the_key(tmp_path: Path, kind: str, changes: dict[str, Any],
+                                                  match: str) -> None:
+    with pytest.raises(ModelError, match=match):
+        read_decoder_config(_config(tmp_path, kind, **changes))
+
+
+def test_unknown_family_is_refused_by_calibrate_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A model_type the builder does not know: exit 2 in under a second, before the calibration text is tokenized,
+    naming the supported families and what to try instead.  (Timed after the imports every quantkit command pays.)"""
+    import quantkit.api  # noqa: F401 - the command's start-up, not the refusal
+    from quantkit.cli import main
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 64, "num_hidden_layers": 2,
+                                                    "num_attention_heads": 4, "vocab_size": 256}))
+    rec = {"version": 1, "model": {"source": str(folder)},
+           "calibration": {"layerwise": True, "data": {"kind": "text", "source": "austen:prideprejudice",
+                                                       "mode": "windows", "seq_len": 512, "count": 64}},
+           "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": "gptq"}}}  # fmt: skip
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(rec))
+    t = time.perf_counter()
+    code = main(["calibrate", "-q", "--recipe", str(tmp_path / "r.yaml"), "--output", str(tmp_path / "o")])
+    took = time.perf_counter() - t
+    err = capsys.readouterr().err
+    assert code == 2 and took < 1.0, (code, took, err)
+    assert "model_type 'gpt_neox'" in err and "calibration.layerwise: false" in err
+    assert all(t in err for t in ("llama", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2"))
+    assert not (tmp_path / "o").exists()
