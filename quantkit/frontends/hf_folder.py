@@ -70,7 +70,8 @@ def _check_folder(path: str | os.PathLike[str]) -> Path:
 
 
 def detect_task(path: str | os.PathLike[str]) -> str:
-    """``"causal-lm"`` if config.json's ``architectures`` name a ``*ForCausalLM``, else ``"encoder"``."""
+    """``"causal-lm"`` if config.json's ``architectures`` name a ``*ForCausalLM`` / ``*LMHeadModel``, else
+    ``"encoder"``."""
     where = _check_folder(path) / "config.json"
     config = _read_json(where)
     if not isinstance(config, dict):
@@ -78,7 +79,8 @@ def detect_task(path: str | os.PathLike[str]) -> str:
     archs = config.get("architectures") or []
     if not isinstance(archs, list):
         archs = [archs]
-    return "causal-lm" if any(str(a).endswith("ForCausalLM") for a in archs) else "encoder"
+    # GPT-2-style checkpoints name their causal LM class ``*LMHeadModel`` (GPT2LMHeadModel, GPTJ...)
+    return "causal-lm" if any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in archs) else "encoder"
 
 
 def sentence_transformers_config(path: str | os.PathLike[str]) -> tuple[tuple[str, ...], bool] | None:

@@ -244,3 +244,14 @@ def test_hf_causal_lm_tiny_llama(tmp_path: Path) -> None:
         ref = llama(**{k: torch.from_numpy(v) for k, v in feed.items()}).logits.numpy()
     mask = feed["attention_mask"].astype(bool)  # padded positions are undefined
     np.testing.assert_allclose(logits[mask], ref[mask], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("archs", "task"), [(["GPT2LMHeadModel"], "causal-lm"), (["LlamaForCausalLM"], "causal-lm"),
+                                             (["BertModel"], "encoder"), ([], "encoder")])
+def test_detect_task_knows_gpt2_style_lm_heads(tmp_path: Path, archs: list[str], task: str) -> None:
+    import json
+
+    from quantkit.frontends.hf_folder import detect_task
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": archs, "model_type": "x"}))
+    assert detect_task(tmp_path) == task
