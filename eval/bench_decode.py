@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
+    from provenance import run_record
+
     from quantkit.evaluate.decode import measure_prefill
     from quantkit.frontends.llm import built_decoder_path, smollm2_folder
     from quantkit.report.build import environment
@@ -86,7 +88,7 @@ def main() -> None:
     fp32 = str(built_decoder_path(smollm2_folder()))
     ours = _onnx(args.model)
     genai = _onnx(args.genai, pinned=True)
-    out: dict[str, Any] = {"environment": environment(), "protocol": "128-token random prompt, 64 greedy tokens"}
+    out: dict[str, Any] = {"environment": {**environment(), **run_record()}, "protocol": "128-token random prompt, 64 greedy tokens"}
     loop = alone({"recipe": ours, "genai_int4_rtn_g128": genai, "fp32": fp32}, args.rounds, args.threads)
     out["quantkit_loop_alone"] = loop
     out["quantkit_loop_ratio_genai_over_recipe"] = ratios(loop, "genai_int4_rtn_g128", "recipe")

@@ -351,6 +351,8 @@ def main() -> None:
         else:
             peer_genai(args.peer, Path(args.out_dir), args.block, args.hf_folder)
         return
+    from provenance import run_record
+
     from quantkit.data import make_dataset
     from quantkit.evaluate.decode import measure_decode, measure_prefill
     from quantkit.evaluate.perplexity import perplexity
@@ -439,7 +441,7 @@ def main() -> None:
             results[m]["decode_ms"] = dec[m].median_ms
             results[m]["decode_label"] = dec[m].label
             results[m]["decode_kv_ms"] = gen[m]["median_ms"] if m in gen else None
-    env = environment()
+    env = {**environment(), **run_record()}
     print("\nenvironment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     print(f"perplexity on {args.eval} x 512-token windows of {args.text} (evaluation split); block {args.block}, 4-bit; "
           f"decode = {results['fp32']['decode_label']}\n")

@@ -239,6 +239,8 @@ def main() -> None:
         worker(args.worker, recipe_path, args.calib, args.out_dir)
         return
 
+    from provenance import run_record
+
     from quantkit.evaluate.latency import compare_latency, make_session
     from quantkit.lowering.verify import census
     from quantkit.pipeline import evaluate_fidelity
@@ -296,7 +298,7 @@ def main() -> None:
             results[m]["latency_ms"] = latm.median_ms
             results[m]["latency_p90_ms"] = latm.p90_ms
             results[m]["speedup_vs_fp32"] = lat["fp32"].median_ms / latm.median_ms
-        env = environment()
+        env = {**environment(), **run_record()}
         env["feed"] = lat["fp32"].shape
         env["calibration_samples"] = len(cal)
         env["evaluation_samples"] = len(ev)

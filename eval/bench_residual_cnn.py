@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import onnx
     import onnx_ir as ir
+    from provenance import run_record
 
     from quantkit.api import quantize
     from quantkit.evaluate.latency import compare_latency, make_session
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     from quantkit.report.build import environment
     from quantkit.scheme.target import detect_cpu
 
-    env = environment()
+    env = {**environment(), **run_record()}
     cpu = detect_cpu().as_dict()
     stage("environment")
     for k, v in env.items():

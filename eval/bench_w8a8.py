@@ -110,6 +110,8 @@ def main() -> None:
     if args.worker:
         worker(args.worker, Path(args.out_dir))
         return
+    from provenance import run_record
+
     from quantkit.data import make_dataset, model_inputs
     from quantkit.evaluate.decode import measure_decode, measure_prefill
     from quantkit.evaluate.perplexity import perplexity
@@ -158,7 +160,7 @@ def main() -> None:
         for m in methods:
             results[m]["prefill_ms"] = pre[m].median_ms
             results[m]["decode_ms"] = dec[m].median_ms
-    env = environment()
+    env = {**environment(), **run_record()}
     print("\nenvironment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     print(f"perplexity on {args.eval} x 512-token windows of Emma; prefill 1 x 128 tokens; decode = one-token forward\n")
     hdr = (f"{'method':<34}{'ppl':>9}{'vs FP32':>9}{'size MB':>9}{'quant s':>9}{'prefill ms':>12}{'x FP32':>8}"

@@ -175,15 +175,20 @@ class _LineBar(std_tqdm):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._interval = LINE_INTERVAL_S
         self._last_line = -math.inf
+        self._stop = threading.Event()
         kwargs.update(file=_Discard(), mininterval=min(self._interval, 1.0), dynamic_ncols=False)
         super().__init__(*args, **kwargs)
         if not self.disable:
-            threading.Thread(target=_heartbeat, args=(weakref.ref(self), self._interval),
+            threading.Thread(target=_heartbeat, args=(weakref.ref(self), self._stop, self._interval),
                              name=f"quantkit-progress-{self.desc}", daemon=True).start()
+
+    def close(self) -> None:
+        super().close()
+        self._stop.set()
 
     def display(self, msg: str | None = None, pos: int | None = None) -> bool:
         closing = bool(self.disable)  # close() sets it before its last display
-        if msg == "" or (closing and not self.leave):
+        if msg == "" or (closing and self.leave is False):
             return True
         now = time.perf_counter()
         if closing or now - self._last_line >= self._interval:
@@ -204,9 +209,8 @@ class _LineBar(std_tqdm):
         return ", ".join(p for p in parts if p)
 
 
-def _heartbeat(ref: weakref.ref[_LineBar], interval: float) -> None:
-    while True:
-        time.sleep(interval / 4)
+def _heartbeat(ref: weakref.ref[_LineBar], stop: threading.Event, interval: float) -> None:
+    while not stop.wait(max(interval / 4, 0.05)):
         bar = ref()
         if bar is None or bar.disable:
             return

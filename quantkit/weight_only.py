@@ -31,12 +31,12 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
-from tqdm.auto import tqdm
 
 from quantkit.algorithms.woq import WOQResult, get_weight_algorithm
 from quantkit.calibrate.layer_stats import LayerStats
 from quantkit.errors import DataError, UnsupportedOpError
 from quantkit.lowering.select import _weighted_ok, constant_array, layer_plan
+from quantkit.progress import tqdm
 from quantkit.recipe.plan import LayerPlan, PrecisionPlan, as_plan
 from quantkit.recipe.schema import RecipeModel
 

@@ -256,7 +256,7 @@ class Scenario:
             shapes = [[B, S, self.K0]]
         else:
             shapes = [[B, S, L.N] for L in self.layers]
-        out_vi = [helper.make_tensor_value_info(y, F32, sh_) for y, sh_ in zip(ys, shapes)]
+        out_vi = [helper.make_tensor_value_info(y, F32, sh_) for y, sh_ in zip(ys, shapes, strict=False)]
         return g.model([xin], out_vi)
 
     def reference(self, form: str) -> list[np.ndarray]:
@@ -345,7 +345,7 @@ def run_scenario(sc: Scenario, runs: int, tmp: str, forms=FORMS) -> list[dict]:
             continue
         outs = sess.run(None, feed)
         refs = sc.reference(form)
-        err = max(float(np.abs(o.astype(np.float64) - r).max()) for o, r in zip(outs, refs))
+        err = max(float(np.abs(o.astype(np.float64) - r).max()) for o, r in zip(outs, refs, strict=False))
         scale = max(float(np.abs(r).max()) for r in refs)
         row.update(sess=sess, hist=hist, err=err, rel=err / scale, times=[])
         rows.append(row)

@@ -35,10 +35,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper
-from tqdm.auto import tqdm
 
 from quantkit.calibrate.base import Calibrator, CalibratorFactory, get_calibrator
 from quantkit.errors import CalibrationError, DataError, RecipeError
+from quantkit.progress import tqdm
 
 __all__ = ["CalibrationDataset", "TensorRequest", "collect_statistics"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +26,8 @@ def _fmt_loc(loc: tuple[Any, ...]) -> str:
 
 
 def _format_errors(exc: ValidationError, where: str) -> str:
+    from quantkit.recipe.reference import reference_link
+
     lines = [f"invalid recipe {where}:"]
     for err in exc.errors():
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
@@ -33,13 +36,16 @@ def _format_errors(exc: ValidationError, where: str) -> str:
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
             parent = _lookup_fields(loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), parent, n=1) if loc else []
+            if close:
+                msg += f" (did you mean {close[0]!r}?)"
             if parent:
                 msg += f"; allowed keys here: {', '.join(parent)}"
         value = err.get("input")
         shown = "" if err["type"] == "missing" else f" (got {value!r})"
         if len(shown) > 120:
             shown = shown[:117] + "...)"
-        lines.append(f"  - {key}: {msg}{shown}")
+        lines.append(f"  - {key}: {msg}{shown}; see {reference_link(loc)}")
     return "\n".join(lines)
 
 
@@ -258,6 +264,13 @@ def _external_data_files(model: Path) -> list[Path]:
     return sorted(out)
 
 
+def _see(key: str) -> str:
+    """The section of the recipe reference that documents ``key`` (``"quantization.overrides[0].calibrator"``)."""
+    from quantkit.recipe.reference import key_parts, reference_link
+
+    return reference_link(key_parts(key))
+
+
 def _check_registry_names(model: RecipeModel, where: str) -> None:
     from quantkit.calibrate import CALIBRATORS
 
@@ -270,7 +283,8 @@ def _check_registry_names(model: RecipeModel, where: str) -> None:
     known = CALIBRATORS.names()
     for key, name in names:
         if name not in known:
-            raise RecipeError(f"recipe {where}: {key}: unknown calibrator {name!r}; allowed: {', '.join(known)}")
+            raise RecipeError(f"recipe {where}: {key}: unknown calibrator {name!r}; allowed: {', '.join(known)}; "
+                              f"see {_see(key)}")
     from quantkit.algorithms.woq import WEIGHT_ALGORITHMS, get_weight_algorithm
 
     algos = [("quantization.default.algorithm", model.quantization.default.algorithm)] + [
@@ -282,7 +296,8 @@ def _check_registry_names(model: RecipeModel, where: str) -> None:
             get_weight_algorithm(name)
         except QuantkitError:
             raise RecipeError(
-                f"recipe {where}: {key}: unknown weight algorithm {name!r}; allowed: {', '.join(WEIGHT_ALGORITHMS.names())}"
+                f"recipe {where}: {key}: unknown weight algorithm {name!r}; allowed: {', '.join(WEIGHT_ALGORITHMS.names())}; "
+                f"see {_see(key)}"
             ) from None
     schemes = [("quantization.default.activations", model.quantization.default.activations)] + [
         (f"quantization.overrides[{i}].activations", ov.activations)

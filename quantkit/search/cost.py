@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-from tqdm.auto import tqdm
 
 from quantkit.checksum import dumps_checked, loads_checked
+from quantkit.progress import tqdm
 
 log = logging.getLogger("quantkit")
 

@@ -222,6 +222,7 @@ class SearchContext:
     t_start: float
     damage_metric: str = "kl"
     allowed: dict[str, list[str]] = field(default_factory=dict)  # unit -> candidates it can take
+    memory: dict[str, Any] = field(default_factory=dict)  # the report's memory section: the estimate, what is free
 
     def uniform(self, cand: str) -> dict[str, str]:
         """``cand`` on every unit that can take it, the nearest allowed candidate elsewhere."""
@@ -300,6 +301,7 @@ def prepare_search(
     t = time.perf_counter()
     if calibration_data is None and rec.calibration.data is None:
         raise QuantkitError("sweep() needs calibration data: pass calibration_data or set calibration.data")
+    memory = _check_search_memory(model if model is not None else getattr(rec.model, "source", None), rec)
     loaded, float_model, cal = load_inputs(model, calibration_data, rec, example_inputs=example_inputs,
                                            progress=progress, timings=timings)
     inputs = model_inputs(float_model)
@@ -429,6 +431,7 @@ def prepare_search(
             "latency_ms": costs.base["latency_ms"] + sum(costs.latency_ms[(u, "fp32")] for u in units),
         }
     ctx.allowed = allowed
+    ctx.memory = memory
     ctx.uniform_all = {**{c: ctx.predicted(ctx.uniform(c)) for c in cnames}, "fp32": ctx.fp32_pred}
     return ctx
 
@@ -501,7 +504,10 @@ def _sweep_into(
     ray_address: str | None,
 ) -> SweepResult:
     """The sweep itself, writing into ``out_dir`` (a staging folder of :func:`sweep`)."""
+    from quantkit.memory import PeakMeter
     from quantkit.pipeline import save_model
+
+    meter = PeakMeter().start()  # the measured peak, recorded beside the estimate
     from quantkit.search.solver import pareto_front, pareto_mask, solve, spearman
 
     ctx = prepare_search(
@@ -615,17 +621,30 @@ def _sweep_into(
         from quantkit.evaluate.latency import compare_latency, make_session
 
         lat_paths = {"fp32": fp32_path, **{p.id: paths[p.id] for p in points}}
-        sessions = {k: make_session(str(v), threads=lat.threads) for k, v in lat_paths.items()}
-        # 3 interleaved rounds of repeat/3 runs each: switching sessions every few runs measured FP32
-        # EfficientNet at 10-13 ms instead of 4-5 ms (the previous session's intra-op threads keep spinning
-        # and take the 2 cores from the next one)
-        res = compare_latency(sessions, feed, warmup=lat.warmup, repeat=lat.repeat, threads=lat.threads or 0)
-        del sessions
+        # every session held at once when they fit in the memory left, else in groups, each with FP32 beside it
+        groups = latency_groups({k: _files_size(v) for k, v in lat_paths.items()})
+        if len(groups) > 1:
+            log.info("latency: %d models timed in %d groups (all at once would not fit in the memory left), FP32 "
+                     "in each group", len(lat_paths), len(groups))  # fmt: skip
+            timings["latency_groups"] = float(len(groups))
+        res: dict[str, Any] = {}
+        fp32_of: dict[str, float] = {}
+        for group in groups:
+            sessions = {k: make_session(str(lat_paths[k]), threads=lat.threads) for k in group}
+            # 3 interleaved rounds of repeat/3 runs each: switching sessions every few runs measured FP32
+            # EfficientNet at 10-13 ms instead of 4-5 ms (the previous session's intra-op threads keep spinning
+            # and take the 2 cores from the next one)
+            got = compare_latency(sessions, feed, warmup=lat.warmup, repeat=lat.repeat, threads=lat.threads or 0)
+            del sessions
+            res.setdefault("fp32", got["fp32"])
+            for k, v in got.items():
+                if k != "fp32":
+                    res[k], fp32_of[k] = v, got["fp32"].median_ms
         fp32_ms = res["fp32"].median_ms
         for p in points:
             p.measured["latency_ms"] = res[p.id].median_ms
             p.measured["latency_p90_ms"] = res[p.id].p90_ms
-            p.measured["speedup_vs_fp32"] = fp32_ms / max(res[p.id].median_ms, 1e-9)
+            p.measured["speedup_vs_fp32"] = fp32_of[p.id] / max(res[p.id].median_ms, 1e-9)
         fp32_size = fp32_path.stat().st_size + sum(
             f.stat().st_size for f in fp32_path.parent.iterdir() if f.name.startswith("fp32.onnx.")
         )
@@ -673,9 +692,62 @@ def _sweep_into(
         "sensitivity": [{"unit": u, "candidate": c, "damage": v} for (u, c), v in sorted(damage.items())],
         "assignments": {p.id: space.assignment_table(p.assignment) for p in points},
         "timings": timings,
+        "memory": {**ctx.memory, "measured_peak_bytes": int(meter.stop())},
     }
     from quantkit.report.sweep import write_sweep_report
 
     out_paths = write_sweep_report(report, out_dir)
     front_rows = [{"damage": s.damage, **s.costs, "status": s.status} for s in front]
     return SweepResult(points, front_rows, report, out_paths)
+
+
+def _files_size(path: Path) -> int:
+    """Bytes of an emitted model: the ``.onnx`` file and its external-data files beside it."""
+    return sum(f.stat().st_size for f in path.parent.iterdir() if f.is_file() and f.name.startswith(path.name))
+
+
+def latency_groups(sizes: Mapping[str, int], budget: int | None = None) -> list[list[str]]:
+    """Split the models timed for latency (name -> bytes; ``"fp32"`` first) into groups whose ONNX Runtime sessions
+    fit together in ``budget`` bytes (default: what is free now, :func:`quantkit.memory.available_memory` less
+    what the process holds); every group holds ``"fp32"``, so each point is timed beside FP32.  One group when all
+    fit (the usual case: every session interleaved in one run)."""
+    from quantkit.memory import EVAL_SESSION_COPIES, available_memory, process_tree_rss
+
+    if budget is None:
+        budget = available_memory().bytes - process_tree_rss()
+    need = {k: int(EVAL_SESSION_COPIES * v) for k, v in sizes.items()}
+    others = [k for k in sizes if k != "fp32"]
+    if sum(need.values()) <= budget or not others:
+        return [["fp32", *others]]
+    groups: list[list[str]] = []
+    cur, used = ["fp32"], need["fp32"]
+    for k in others:
+        if len(cur) > 1 and used + need[k] > budget:
+            groups.append(cur)
+            cur, used = ["fp32"], need["fp32"]
+        cur.append(k)
+        used += need[k]
+    groups.append(cur)
+    return groups
+
+
+def _check_search_memory(source: Any, rec: Any) -> dict[str, Any]:
+    """Refuse, before any work, a search whose whole-graph peak is estimated above the memory available (a
+    search measures the whole graph: it never streams).  Returns the report's memory section."""
+    from quantkit.llm_run import LARGE_MODEL_BYTES, decoder_folder, memory_section, whole_graph_memory
+    from quantkit.memory import announce, available_memory, check_fits
+
+    folder = decoder_folder(source)
+    got = whole_graph_memory(source, rec, folder)
+    if got is None:
+        return memory_section(None, None)
+    est, is_lm = got
+    avail = available_memory()
+    if not (is_lm or est.weights_bytes >= LARGE_MODEL_BYTES):  # small: recorded, not guarded (see llm_run)
+        return memory_section(est, avail)
+    announce(est, avail)
+    instead = ("a recipe without a search section, with formats int4 / int8_weight / fp32, streams this checkpoint "
+               "block by block (calibration.layerwise: auto, the default)" if folder is not None else
+               "this model is quantized whole; run the search where more memory is available")  # fmt: skip
+    check_fits(est, avail, what="the search (it measures the whole graph)", instead=instead)
+    return memory_section(est, avail)
