@@ -18,7 +18,19 @@ Given a :class:`~quantkit.lowering.select.QuantPlan` and calibrated ranges, edit
 * folded ``Relu``/``Clip(lo, hi)`` outputs use a range inside ``[lo, hi]``; when the
   float32 product ``scale * (qmax - zp)`` would exceed ``hi`` by rounding, the scale is
   stepped down one ulp at a time, since ONNX Runtime removes the activation only if the
-  quantized range lies within the clip range (to 1 float epsilon).
+  quantized range lies within the clip range (to 1 float epsilon);
+* a constant operand of a quantized ``Add`` / ``Mul`` becomes an integer initializer (the grid of the
+  node's activation input) read by its own DequantizeLinear (:func:`quantized_constant`), so that
+  ONNX Runtime fuses the node into ``QLinearAdd`` / ``QLinearMul``;
+* a quantized ``HardSigmoid(x; a, b)`` becomes ``Add(x, b/a)`` (same node name) whose QuantizeLinear has
+  the scale ``s/a`` while its consumers' DequantizeLinear keep the scale ``s`` of the planned output
+  (a *relabel*: ``a * DQ(q; s/a, z) == DQ(q; s, z)``); the zero point sits at the grid minimum, so Q's
+  saturation is ``clip(x + b/a, 0, 1/a)`` and the group is one ``QLinearAdd``
+  (:func:`_hard_sigmoids_as_add`); a HardSigmoid folded into the Conv / Gemm before it
+  (:attr:`QuantPlan.folded_gates`, a squeeze-excite gate) is removed instead: ``b/a`` joins the layer's
+  bias and the layer's own QuantizeLinear (scale ``s/a``) writes the gate's codes - one ``QLinearConv``;
+* a rescale (``Mul`` / ``Div`` by a positive scalar, :attr:`QuantPlan.rescales`) is removed: its consumers
+  read its input's QuantizeLinear through a DequantizeLinear whose scale is multiplied by the factor.
 """
 
 from __future__ import annotations
@@ -200,7 +212,14 @@ def lower_int8(
         for name, tq in list(pending.items()):
             src = result.tensors.get(tq.inherit_from or "")
             if src is not None:
-                result.tensors[name] = TensorParams(name, src.scale, src.zero_point, src.dtype, f"inherits {src.name}")
+                if tq.factor != 1.0:
+                    result.tensors[name] = TensorParams(
+                        name, float(np.float32(src.scale) * np.float32(tq.factor)), src.zero_point, src.dtype,
+                        f"rescale of {src.name} by {tq.factor:g}: its codes, read with the scale times {tq.factor:g} "
+                        "(no node)")
+                else:
+                    result.tensors[name] = TensorParams(name, src.scale, src.zero_point, src.dtype,
+                                                        f"inherits {src.name}")
                 del pending[name]
                 progressed = True
         if not progressed:
@@ -229,8 +248,10 @@ def lower_int8(
         if n.name in plan.layers and n.op_type in WEIGHTED and n.inputs[0] is not None
     }
 
-    # 2. activation Q / DQ
-    _insert_activation_qdq(graph, plan, result, namer, const, values)
+    # 2. HardSigmoid as a relabelled Add, integer constants of glue ops, activation Q / DQ, rescales dropped
+    q_scales = _hard_sigmoids_as_add(graph, plan, result, const, namer, values)
+    _quantize_glue_constants(graph, plan, result, namer, const)
+    _insert_activation_qdq(graph, plan, result, namer, const, values, q_scales)
     # 3. weights and biases
     _lower_weights(graph, plan, result, namer, const, act_inputs, input_means, target, hessians, pair_cache)
 
@@ -242,9 +263,132 @@ def lower_int8(
     return result
 
 
+def quantized_constant(c: np.ndarray, dtype: str) -> tuple[np.ndarray, np.float32, int]:
+    """``(codes, scale, zero_point)`` of a float constant operand on an 8-bit grid of ``dtype``.
+
+    A scalar is stored as one code, with the zero point at 0 (int8) or at the end of the grid away from the
+    value's sign (uint8: 0 for a positive value, 255 for a negative one) and the scale, of ``|c| / steps`` and
+    the power of two that represents it exactly when there is one (``3 = 192 * 2**-6``), whichever dequantizes
+    closer to ``c``.  A tensor gets the asymmetric per-tensor grid of its range (0 included): ``QLinearAdd`` /
+    ``QLinearMul`` take one scale per input."""
+    it = int_type(dtype)
+    c = np.asarray(c, np.float32)
+    if c.size == 1:
+        v = float(c.reshape(()))
+        zp = 0 if it.qmin < 0 else (it.qmin if v >= 0 else it.qmax)
+        if v == 0.0:
+            return np.full(c.shape, zp, it.numpy_dtype), np.float32(1.0), zp
+        steps = (it.qmax - zp) if v > 0 else (zp - it.qmin)
+        options = []
+        for scale in (np.float32(abs(v) / steps), np.float32(2.0 ** np.ceil(np.log2(abs(v) / steps)))):
+            code = int(np.clip(zp + np.rint(v / float(scale)), it.qmin, it.qmax))
+            options.append((abs(float(np.float32((code - zp) * scale)) - v), code, scale))
+        _, code, scale = min(options, key=lambda o: o[0])
+        return np.full(c.shape, code, it.numpy_dtype), np.float32(scale), zp
+    scale_arr, zp_arr = compute_qparams(np.float32(c.min()), np.float32(c.max()), dtype, symmetric=False)
+    scale = np.float32(scale_arr)
+    return quantize(c, scale, zp_arr), scale, int(zp_arr)
+
+
+def _hard_sigmoids_as_add(graph: ir.Graph, plan: QuantPlan, result: LoweringResult, const: Any, namer: _Namer,
+                          values: dict[str, ir.Value]) -> dict[str, float]:
+    """Rewrite every quantized ``HardSigmoid(x; a, b)`` as ``Add(x, b/a)`` in place (same node, same output
+    value), or fold it into the Conv / Gemm before it (``plan.folded_gates``: the layer's bias grows by
+    ``b/a``, the node goes, ``values`` maps the gate's tensor to the layer's output); returns
+    ``tensor -> scale of its QuantizeLinear`` (``s/a``, the consumers keep ``s``).
+
+    Math: with the zero point at the grid minimum ``z``, ``Q(x + b/a; s/a, z)`` saturates exactly where
+    ``a*x + b`` leaves ``[0, 1]`` (``255 * s <= 1``, rule 4 of :mod:`quantkit.lowering.select`), and
+    ``DQ(q; s, z) = a * DQ(q; s/a, z)``: the codes are those of ``Q(HardSigmoid(x); s, z)``."""
+    q_scales: dict[str, float] = {}
+    for node in list(graph):
+        folded = (node.name or "") in plan.folded_gates
+        if node.op_type != "HardSigmoid" or node.domain not in ("", "ai.onnx") or not (
+                node.name in plan.layers or folded):
+            continue
+        out = node.outputs[0]
+        tp = result.tensors.get(out.name or "")
+        if tp is None:
+            raise CalibrationError(f"HardSigmoid {node.name!r}: its output {out.name!r} has no quantization parameters")
+        a_attr, b_attr = node.attributes.get("alpha"), node.attributes.get("beta")
+        alpha = np.float32(a_attr.as_float() if a_attr is not None else 0.2)
+        beta = np.float32(b_attr.as_float() if b_attr is not None else 0.5)
+        q_scale = float(np.float32(np.float64(tp.scale) / np.float64(alpha)))
+        if folded:
+            x = node.inputs[0]
+            layer = x.producer() if x is not None else None
+            if x is None or layer is None or layer.name not in plan.layers:
+                raise CalibrationError(f"HardSigmoid {node.name!r} is planned folded but its layer is not int8")
+            spec = WEIGHTED[layer.op_type]
+            w = constant_array(layer.inputs[spec.weight_input])
+            assert w is not None and spec.bias_input is not None
+            tb = layer.attributes.get("transB")
+            n = int(w.shape[0] if layer.op_type == "Conv" or (tb is not None and tb.as_int() == 1) else w.shape[1])
+            shift = np.full(n, -np.float64(beta) / np.float64(alpha))
+            _apply_bias_shift(graph, layer, spec.bias_input, shift, const)
+            name = out.name or ""
+            out.replace_all_uses_with(x)
+            graph.remove(node, safe=True)
+            x.name = namer(f"{x.name}_plus_{node.name}_offset")  # it now holds a*x + b (scaled), not x
+            values[name] = x
+            q_scales[name] = q_scale
+            result.notes[layer.name or ""] = (
+                f"HardSigmoid {node.name!r} folded: bias + {float(beta / alpha):g}, output Q scale {q_scale:.4g} read "
+                f"with scale {tp.scale:.4g} (Q's saturation is the clip; no node)")
+            continue
+        offset = const(f"{node.name}_offset", np.array(np.float64(beta) / np.float64(alpha), np.float32))
+        node.op_type = "Add"
+        node.attributes.clear()
+        node.resize_inputs(2)
+        node.replace_input_with(1, offset)
+        name = out.name or ""
+        out.name = namer(f"{name}_plus_offset")  # it holds x + b/a; the gate's name goes to its dequantized value
+        values[name] = out
+        q_scales[name] = q_scale
+        result.notes[node.name or ""] = (
+            f"HardSigmoid emitted as Add(x, {float(beta / alpha):g}) -> Q(scale {tp.scale / float(alpha):.4g}), read with "
+            f"scale {tp.scale:.4g} (QLinearAdd; Q's saturation is the clip)")
+    return q_scales
+
+
+def _quantize_glue_constants(graph: ir.Graph, plan: QuantPlan, result: LoweringResult, namer: _Namer,
+                             const: Any) -> None:
+    """Give every float constant operand of a quantized ``Add`` / ``Mul`` an integer initializer and a
+    DequantizeLinear of its own, on the grid type of the node's activation input."""
+    for node in list(graph):
+        if node.op_type not in ("Add", "Mul") or node.name not in plan.layers:
+            continue
+        acts = [result.tensors[v.name or ""] for v in node.inputs if v is not None and (v.name or "") in result.tensors]
+        dtype = acts[0].dtype if acts else "uint8"
+        for idx, v in enumerate(list(node.inputs)):
+            c = constant_array(v) if v is not None and (v.name or "") not in result.tensors else None
+            if c is None or c.dtype != np.float32:
+                continue
+            codes, scale, zp = quantized_constant(c, dtype)
+            base = f"{node.name}_const{idx}"
+            it = int_type(dtype)
+            dq = ir.node(
+                "DequantizeLinear",
+                [const(f"{base}_quantized", codes), const(f"{base}_scale", np.array(scale, np.float32)),
+                 const(f"{base}_zero_point", np.array(zp, it.numpy_dtype))],
+                name=namer(f"{base}_DequantizeLinear"), outputs=[ir.Value(name=namer(f"{base}_dequantized"))],
+            )
+            graph.insert_before(node, dq)
+            node.replace_input_with(idx, dq.outputs[0])
+            err = float(np.max(np.abs(dequantize(codes, scale, zp) - c)))
+            prev = result.notes.get(node.name or "")
+            result.notes[node.name or ""] = (prev + "; " if prev else "") + (
+                f"constant input {idx} stored as {dtype} (scale {float(scale):.4g}, max error {err:.3g})")
+
+
 def _insert_activation_qdq(graph: ir.Graph, plan: QuantPlan, result: LoweringResult, namer: _Namer,
-                           const: Any, values: dict[str, ir.Value]) -> None:
-    """One QuantizeLinear per planned tensor and a DequantizeLinear per consumer (see the module doc)."""
+                           const: Any, values: dict[str, ir.Value], q_scales: Mapping[str, float] | None = None,
+                           ) -> None:
+    """One QuantizeLinear per planned tensor and a DequantizeLinear per consumer (see the module doc);
+    ``q_scales``: tensors whose QuantizeLinear has another scale than their DequantizeLinears (a relabel).
+    A rescale's output reuses its input's QuantizeLinear, and the rescale node is removed."""
+    q_outs: dict[str, ir.Value] = {}
+    rescale_nodes: list[ir.Node] = []
     for name, tp in result.tensors.items():
         found = values.get(name)
         if found is None:
@@ -254,21 +398,40 @@ def _insert_activation_qdq(graph: ir.Graph, plan: QuantPlan, result: LoweringRes
         scale_v = const(f"{name}_scale", np.array(tp.scale, dtype=np.float32))
         zp_v = const(f"{name}_zero_point", np.array(tp.zero_point, dtype=it.numpy_dtype))
         producer = v.producer()
-        producer_quantized = producer is not None and (producer.name in plan.layers or _folded(producer, plan))
+        rescale = producer is not None and (producer.name or "") in plan.rescales
+        producer_quantized = producer is not None and (
+            producer.name in plan.layers or rescale or _folded(producer, plan))
         uses = list(v.uses())
-        readers = [u for u in uses if producer_quantized or u.node.name in plan.layers]
-        q_node = ir.node(
-            "QuantizeLinear", [v, scale_v, zp_v], name=namer(f"{name}_QuantizeLinear"),
-            outputs=[ir.Value(name=namer(f"{name}_quantized"))],
-        )
-        if producer is not None:
-            graph.insert_after(producer, q_node)
+        readers = [u for u in uses if (producer_quantized or u.node.name in plan.layers)
+                   and (u.node.name or "") not in plan.rescales]
+        if rescale:
+            assert producer is not None
+            src = plan.tensors[name].inherit_from or ""
+            if src not in q_outs or v.is_graph_output():
+                raise CalibrationError(f"rescale {producer.name!r}: its input {src!r} is not quantized")
+            q_out = q_outs[src]
+            rescale_nodes.append(producer)
         else:
-            graph.insert_before(next(iter(graph)), q_node)
+            q_scale_v = scale_v
+            if name in (q_scales or {}):
+                q_scale_v = const(f"{name}_quantize_scale", np.array((q_scales or {})[name], dtype=np.float32))
+            q_node = ir.node(
+                "QuantizeLinear", [v, q_scale_v, zp_v], name=namer(f"{name}_QuantizeLinear"),
+                outputs=[ir.Value(name=namer(f"{name}_quantized"))],
+            )
+            if producer is not None:
+                graph.insert_after(producer, q_node)
+            else:
+                graph.insert_before(next(iter(graph)), q_node)
+            q_out = q_node.outputs[0]
+        q_outs[name] = q_out
         per_channel_dq: dict[tuple[int, int], tuple[ir.Value, ir.Value]] = {}
+        # a relabelled tensor's value no longer holds it (an Add's or a layer's output, before the clip): its
+        # name goes to the first dequantized copy, so what the float graph calls it is still found by name
+        keep_name = name if name in (q_scales or {}) and v.name != name else None
         for use in readers:
             consumer, idx = use.node, use.idx
-            dq_inputs, dq_attrs = [q_node.outputs[0], scale_v, zp_v], {}
+            dq_inputs, dq_attrs = [q_out, scale_v, zp_v], {}
             float_reader = None if consumer.name in plan.layers else float_weighted_reader(consumer, idx)
             if float_reader is not None:
                 # A float Conv/Gemm reading a per-tensor DQ: give it a per-axis DQ (same scale and zero
@@ -279,24 +442,27 @@ def _insert_activation_qdq(graph: ir.Graph, plan: QuantPlan, result: LoweringRes
                         const(f"{name}_scale_per_channel", np.full(n, tp.scale, np.float32)),
                         const(f"{name}_zero_point_per_channel", np.full(n, tp.zero_point, it.numpy_dtype)),
                     )
-                dq_inputs = [q_node.outputs[0], *per_channel_dq[(axis, n)]]
+                dq_inputs = [q_out, *per_channel_dq[(axis, n)]]
                 dq_attrs = {"axis": axis}
                 result.notes[consumer.name or ""] = (
                     f"stays float: reads {name} through a per-channel DequantizeLinear (ONNX Runtime would "
                     "otherwise quantize its weight per tensor)"
                 )
             dq = ir.node(
-                "DequantizeLinear", dq_inputs, attributes=dq_attrs,
-                name=namer(f"{name}_DequantizeLinear"), outputs=[ir.Value(name=namer(f"{name}_dequantized"))],
+                "DequantizeLinear", dq_inputs, attributes=dq_attrs, name=namer(f"{name}_DequantizeLinear"),
+                outputs=[ir.Value(name=keep_name or namer(f"{name}_dequantized"))],
             )
+            keep_name = None
             graph.insert_before(consumer, dq)
             consumer.replace_input_with(idx, dq.outputs[0])
         if v.is_graph_output() and producer_quantized:
             dq = ir.node(
-                "DequantizeLinear", [q_node.outputs[0], scale_v, zp_v],
+                "DequantizeLinear", [q_out, scale_v, zp_v],
                 name=namer(f"{name}_DequantizeLinear_output"), outputs=[ir.Value(name=None)],
             )
-            graph.insert_after(q_node, dq)
+            q_prod = q_out.producer()
+            assert q_prod is not None
+            graph.insert_after(q_prod, dq)
             for i, out in enumerate(graph.outputs):
                 if out is v:
                     v.name = namer(f"{name}_prequant")
@@ -304,6 +470,10 @@ def _insert_activation_qdq(graph: ir.Graph, plan: QuantPlan, result: LoweringRes
                     dq.outputs[0].type = v.type
                     dq.outputs[0].shape = v.shape
                     graph.outputs[i] = dq.outputs[0]
+    for node in rescale_nodes:  # every reader now reads the source's codes through its own DQ
+        if list(node.outputs[0].uses()) or node.outputs[0].is_graph_output():
+            raise CalibrationError(f"rescale {node.name!r}: its output still has float readers")
+        graph.remove(node, safe=True)
 
 
 def _pair_safe(node: ir.Node, lp: Any, w: np.ndarray, wq: np.ndarray, w_scale: Any, w_zp: Any,

@@ -24,7 +24,16 @@ Rules (see :mod:`quantkit.ops` for the op roles):
 4. A quantized output whose only consumer is ``Relu``/``Clip(lo, hi)`` is not quantized
    itself; the activation's output is, on a range clipped to ``[lo, hi]`` with the zero
    point at the grid minimum when ``lo == 0`` (so Q's saturation *is* the activation and
-   ONNX Runtime removes it: exact).
+   ONNX Runtime removes it: exact).  A ``HardSigmoid`` output is always quantized on a range
+   clipped to ``[0, 1]`` (zero point at the grid minimum): the lowering emits it as an ``Add`` whose
+   Q saturation is the clip (:mod:`quantkit.ops`), and never folds a following activation.  A
+   ``HardSigmoid(a, b)`` that is the only consumer of a quantized Conv / Gemm (a squeeze-excite gate) is
+   folded into it like a Relu (:attr:`QuantPlan.folded_gates`): the lowering adds ``b/a`` to the layer's
+   bias and writes the gate's codes with the layer's own QuantizeLinear (scale ``s/a``) - no node at all.
+5. A *rescale* (``Mul`` / ``Div`` by a positive scalar constant ``c``) is kept like a passthrough
+   (quantized input, every consumer quantized, no activation folded after it); its output inherits
+   its input's quantization with the scale multiplied by ``c`` (``1/c`` for ``Div``) and the node
+   itself is dropped by the lowering (:attr:`QuantPlan.rescales`).
 """
 
 from __future__ import annotations
@@ -37,9 +46,10 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from quantkit.ops import ABSORBABLE, GLUE, PASSTHROUGH, QUANTIZABLE_OPS, WEIGHTED, module_path
+from quantkit.ops import ABSORBABLE, GLUE, PASSTHROUGH, QUANTIZABLE_OPS, RESCALE, WEIGHTED, module_path
 from quantkit.recipe.plan import LayerPlan, PrecisionPlan, as_plan
 from quantkit.recipe.schema import RecipeModel
+from quantkit.scheme.qparams import compute_qparams, dequantize, quantize
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,7 @@ class TensorQuant:
     consumers: tuple[str, ...] = ()
     producer: str | None = None
     note: str = ""
+    factor: float = 1.0  # rescale output: the inherited scale times this (a positive constant)
 
 
 @dataclass
@@ -64,6 +75,8 @@ class QuantPlan:
     layers: dict[str, LayerPlan] = field(default_factory=dict)
     tensors: dict[str, TensorQuant] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)  # node name -> reason it stays float
+    rescales: dict[str, float] = field(default_factory=dict)  # rescale node -> factor (no node emitted)
+    folded_gates: dict[str, str] = field(default_factory=dict)  # HardSigmoid -> the Conv/Gemm it is folded into
 
     def calibrated_tensors(self) -> dict[str, TensorQuant]:
         """Tensors whose range comes from calibration (not inherited)."""
@@ -133,6 +146,65 @@ def _activation_inputs(node: ir.Node) -> list[int]:
     return [i for i, v in enumerate(node.inputs) if v is not None and constant_array(v) is None]
 
 
+def rescale_factor(node: ir.Node) -> float | None:
+    """``c`` when ``node`` is ``Mul(x, c)`` / ``Mul(c, x)`` (``1/c`` for ``Div(x, c)``) with ``c`` a positive, finite
+    float32 scalar constant (one element, of a rank no larger than ``x``'s so it cannot broadcast ``x`` up),
+    else None.  Such a node is a *rescale*: ``c * DQ(q; s, z) == DQ(q; c*s, z)``, so no node is needed."""
+    if node.op_type not in RESCALE or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return None
+    a, b = node.inputs
+    ca, cb = constant_array(a), constant_array(b)
+    if node.op_type == "Div":
+        x, c = (a, cb) if ca is None else (None, None)
+    elif (ca is None) == (cb is None):
+        return None
+    else:
+        x, c = (a, cb) if ca is None else (b, ca)
+    if x is None or c is None or c.dtype != np.float32 or c.size != 1:
+        return None
+    if c.ndim > 0 and (x.shape is None or len(x.shape) < c.ndim):
+        return None
+    v = float(c.reshape(()))
+    if not np.isfinite(v) or v <= 0.0:
+        return None
+    return 1.0 / v if node.op_type == "Div" else v
+
+
+def _glue_ok(node: ir.Node) -> str | None:
+    """None if a glue / rescale candidate can be quantized, else the reason it cannot."""
+    if node.op_type == "Div" and rescale_factor(node) is None:
+        return "Div by a non-constant or a non-positive / non-scalar value (no int8 kernel)"
+    if node.op_type == "HardSigmoid":
+        a = node.attributes.get("alpha")
+        alpha = a.as_float() if a is not None else 0.2
+        if not (np.isfinite(alpha) and alpha > 0.0):
+            return f"HardSigmoid with alpha {alpha:g} <= 0 (decreasing: the Add form needs alpha > 0)"
+    if node.op_type in ("Add", "Mul"):
+        for v in node.inputs:
+            c = constant_array(v)
+            if c is not None and c.dtype != np.float32:
+                return f"constant operand of dtype {c.dtype} (only float32 constants are quantized)"
+            if c is not None and node.op_type == "Mul" and c.size > 1 and rescale_factor(node) is None:
+                err = _per_tensor_relative_error(c)
+                if err > MAX_CONSTANT_FACTOR_ERROR:
+                    return (f"constant factor loses {100 * err:.0f}% on one 8-bit per-tensor grid (QLinearMul takes "
+                            f"one scale per input; allowed: {100 * MAX_CONSTANT_FACTOR_ERROR:.0f}%)")
+    return None
+
+
+MAX_CONSTANT_FACTOR_ERROR = 0.02
+"""The largest relative error a ``Mul``'s constant tensor (a per-channel scale) may take on the 8-bit per-tensor
+grid ``QLinearMul`` reads it with; a scale spanning decades (a layer scale of 1e-6 .. 1) stays float instead."""
+
+
+def _per_tensor_relative_error(c: np.ndarray) -> float:
+    """Max ``|DQ(Q(c)) - c| / |c|`` over the non-zero elements of ``c`` on its asymmetric 8-bit grid."""
+    scale, zp = compute_qparams(np.float32(c.min()), np.float32(c.max()), "uint8", symmetric=False)
+    back = dequantize(quantize(c.astype(np.float32), scale, zp), scale, zp)
+    nz = np.abs(c) > 0
+    return float(np.max(np.abs(back - c)[nz] / np.abs(c)[nz])) if np.any(nz) else 0.0
+
+
 def _weighted_ok(node: ir.Node) -> str | None:
     """None if the weighted node can be quantized, else the reason it cannot."""
     spec = WEIGHTED[node.op_type]
@@ -180,13 +252,51 @@ def _int8_candidates(model: ir.Model, precision: PrecisionPlan, plan: QuantPlan)
         if lp.format != "int8":
             plan.skipped[name] = f"the plan keeps it {lp.format} ({lp.rule})"
             continue
-        if node.op_type in WEIGHTED:
-            why = _weighted_ok(node)
-            if why:
-                plan.skipped[name] = why
-                continue
+        why = _weighted_ok(node) if node.op_type in WEIGHTED else _glue_ok(node)
+        if why:
+            plan.skipped[name] = why
+            continue
+        gate_of = _gate_producer(node, model) if q.fold_clip_ranges else None
+        if gate_of is not None:  # folded if its producer ends up int8 (rule 4), else it stays float
+            plan.folded_gates[name] = gate_of.name or ""
+            continue
         plan.layers[name] = lp
     return nodes
+
+
+def _gate_producer(node: ir.Node, model: ir.Model) -> ir.Node | None:
+    """The Conv / Gemm a ``HardSigmoid`` can be folded into (it is that layer's only consumer, the layer has a
+    bias slot of one value per output channel, nothing is a graph output), else None."""
+    if node.op_type != "HardSigmoid" or node.inputs[0] is None:
+        return None
+    x = node.inputs[0]
+    p = x.producer()
+    if p is None or p.op_type not in ("Conv", "Gemm") or p.domain not in ("", "ai.onnx") or _weighted_ok(p):
+        return None
+    if len(_consumers(x)) != 1 or x.is_graph_output() or node.outputs[0].is_graph_output():
+        return None
+    if _bias_channels(p) is None:
+        return None
+    return p
+
+
+def _bias_channels(node: ir.Node) -> int | None:
+    """Output channels of a Conv / Gemm whose bias (if any) is one value per channel, else None."""
+    spec = WEIGHTED[node.op_type]
+    w = constant_array(node.inputs[spec.weight_input])
+    if w is None:
+        return None
+    if node.op_type == "Conv":
+        n = int(w.shape[0])
+    else:
+        tb = node.attributes.get("transB")
+        n = int(w.shape[0] if tb is not None and tb.as_int() == 1 else w.shape[1])
+    ins = list(node.inputs)
+    if spec.bias_input is not None and len(ins) > spec.bias_input and ins[spec.bias_input] is not None:
+        b = constant_array(ins[spec.bias_input])
+        if b is None or b.shape != (n,):
+            return None
+    return n
 
 
 REDUCING = frozenset({"GlobalAveragePool", "AveragePool"})
@@ -209,6 +319,8 @@ def _q_producer(plan: QuantPlan, v: ir.Value) -> ir.Node | None:
         pp = p.inputs[0].producer()
         if pp is not None and pp.name in plan.layers and len(_consumers(p.inputs[0])) == 1:
             return pp
+    if (p.name or "") in plan.folded_gates and plan.folded_gates[p.name or ""] in plan.layers:
+        return p.inputs[0].producer() if p.inputs[0] is not None else None
     return None
 
 
@@ -220,7 +332,25 @@ def select(model: ir.Model, recipe: RecipeModel | PrecisionPlan) -> QuantPlan:
     nodes = _int8_candidates(model, precision, plan)
     _keep_int8_chains(model, plan, nodes)
     _place_tensors(model, plan, precision.recipe.quantization)
+    for gate, prod in list(plan.folded_gates.items()):  # rule 4: only gates whose layer is int8 and quantized
+        if prod not in plan.layers or (nodes[gate].outputs[0].name or "") not in plan.tensors:
+            del plan.folded_gates[gate]
+            plan.skipped[gate] = "HardSigmoid after a layer that stays float (or keeps a float output)"
+    for name in list(plan.layers):  # rule 5: a rescale is not a layer - the lowering drops it
+        f = rescale_factor(nodes[name])
+        if f is not None:
+            plan.rescales[name] = f
+            del plan.layers[name]
     return plan
+
+
+_NO_FOLD = frozenset({"HardSigmoid"})
+"""Glue ops whose output quantization is fixed by the op itself (rule 4): no activation is folded after them."""
+
+
+def _folds_after(node: ir.Node) -> bool:
+    """Whether a Relu/Clip consuming ``node``'s output may be folded into its output quantization."""
+    return node.op_type not in _NO_FOLD and rescale_factor(node) is None
 
 
 def _keep_int8_chains(model: ir.Model, plan: QuantPlan, nodes: Mapping[str, ir.Node]) -> None:
@@ -231,7 +361,7 @@ def _keep_int8_chains(model: ir.Model, plan: QuantPlan, nodes: Mapping[str, ir.N
         changed = False
         for name in list(plan.layers):
             node = nodes[name]
-            if node.op_type not in GLUE and node.op_type not in PASSTHROUGH:
+            if node.op_type not in GLUE and node.op_type not in PASSTHROUGH and node.op_type not in RESCALE:
                 continue
             reason = None
             for i in _activation_inputs(node):
@@ -244,7 +374,7 @@ def _keep_int8_chains(model: ir.Model, plan: QuantPlan, nodes: Mapping[str, ir.N
                     users = _consumers(out)
                     folded: list[ir.Node] = []
                     for u in users:
-                        if u.op_type in ABSORBABLE and len(users) == 1:
+                        if u.op_type in ABSORBABLE and len(users) == 1 and _folds_after(node):
                             folded.extend(_consumers(u.outputs[0]))
                         else:
                             folded.append(u)
@@ -272,12 +402,18 @@ def _add_tensor(plan: QuantPlan, v: ir.Value, lp: LayerPlan, consumer: str | Non
                                      producer=prod.name if prod is not None else None, **kw)  # type: ignore[arg-type]
 
 
-def _output_target(node: ir.Node, q: Any, graph_outputs: set[int]) -> tuple[ir.Value, tuple[float, float] | None]:
+def _output_target(node: ir.Node, q: Any, graph_outputs: set[int], plan_gates: Mapping[str, str] | None = None,
+                   ) -> tuple[ir.Value, tuple[float, float] | None]:
     """The tensor that carries this quantized node's output Q (after a folded activation)."""
     out = node.outputs[0]
+    if node.op_type == "HardSigmoid":
+        return out, (0.0, 1.0)
+    plan_gates = plan_gates or {}
     users = _consumers(out)
-    if q.fold_clip_ranges and len(users) == 1 and id(out) not in graph_outputs:
+    if q.fold_clip_ranges and len(users) == 1 and id(out) not in graph_outputs and _folds_after(node):
         act = users[0]
+        if (act.name or "") in plan_gates and node.op_type in WEIGHTED:
+            return act.outputs[0], (0.0, 1.0)
         bounds = clip_bounds(act)
         if act.op_type in ABSORBABLE and bounds is not None and bounds[0] <= 0.0 <= bounds[1]:
             return act.outputs[0], bounds
@@ -289,31 +425,35 @@ def _place_tensors(model: ir.Model, plan: QuantPlan, q: Any) -> None:
     graph_outputs = {id(v) for v in model.graph.outputs}
     for node in [n for n in model.graph if n.name in plan.layers]:
         lp = plan.layers[node.name or ""]
+        factor = rescale_factor(node)
         for i in _activation_inputs(node):
             v = node.inputs[i]
-            if v is None or node.op_type in PASSTHROUGH:
-                continue  # a passthrough's input is quantized by its producer (it is in an int8 chain)
+            if v is None or node.op_type in PASSTHROUGH or factor is not None:
+                continue  # a passthrough's / rescale's input is quantized by its producer (it is in an int8 chain)
             p = v.producer()
             qp = _q_producer(plan, v)
             if p is not None and p.op_type in ABSORBABLE and qp is not None and q.fold_clip_ranges:
                 _add_tensor(plan, v, plan.layers[qp.name or ""], node.name, clip=clip_bounds(p))
+            elif p is not None and (p.name or "") in plan.folded_gates and qp is not None and q.fold_clip_ranges:
+                _add_tensor(plan, v, plan.layers[qp.name or ""], node.name, clip=(0.0, 1.0))
             else:
                 _add_tensor(plan, v, lp, node.name)
-        target, bounds = _output_target(node, q, graph_outputs)
+        target, bounds = _output_target(node, q, graph_outputs, plan.folded_gates)
         users = _consumers(target)
         needs = node.op_type not in WEIGHTED or not WEIGHTED[node.op_type].float_output_ok
         feeds_q = any(u.name in plan.layers for u in users)
         is_out = id(target) in graph_outputs
         if not (needs or (feeds_q and not (is_out and not q.quantize_outputs)) or (is_out and q.quantize_outputs)):
             continue
-        if node.op_type in PASSTHROUGH:
-            src = node.inputs[0]
+        if node.op_type in PASSTHROUGH or factor is not None:
+            src = node.inputs[_activation_inputs(node)[0]] if factor is not None else node.inputs[0]
             src_name = src.name if src is not None else None
             src_tq = plan.tensors.get(src_name or "")
             if src_tq is not None:  # same grid and range as its source: same calibrator too
                 lp = dataclasses.replace(lp, calibrator=src_tq.calibrator, act_dtype=src_tq.dtype,
                                          act_symmetric=src_tq.symmetric)
-            _add_tensor(plan, target, lp, None, inherit_from=src_name)
+            extra = {} if factor is None else {"factor": factor, "note": f"rescale by {factor:g} (no node)"}
+            _add_tensor(plan, target, lp, None, inherit_from=src_name, **extra)
         else:
             _add_tensor(plan, target, lp, None, clip=bounds)
 

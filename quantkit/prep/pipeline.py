@@ -16,7 +16,9 @@ Rule
    then ``fold_pad`` — a zero ``Pad`` folded into the ``Conv`` it feeds
    (:mod:`quantkit.prep.fold_pad`), so no Pad sits between a DQ and its Conv; then ``global_pool`` — a
    spatial ``ReduceMean`` becomes ``GlobalAveragePool`` (:mod:`quantkit.prep.global_pool`), which
-   ONNX Runtime fuses in int8 (it leaves a QDQ ReduceMean in float).
+   ONNX Runtime fuses in int8 (it leaves a QDQ ReduceMean in float); then ``hard_swish`` — ``HardSwish(x)``
+   becomes ``x * HardSigmoid(x)``, its definition (:mod:`quantkit.prep.hard_swish`), two nodes that lower to
+   ``QLinearAdd`` + ``QLinearMul`` (ONNX Runtime has no QDQ fusion for ``HardSwish``).
 5. ``identity_elimination``, ``unused_removal`` (dead nodes and initializers).
 6. ``topological_sort``, ``name_nodes`` again (for nodes created above), value
    names made unique, and a last shape inference so every value a calibrator
@@ -48,6 +50,7 @@ from quantkit.errors import ModelError
 from quantkit.prep.fold_batchnorm import fold_batchnorm_rules
 from quantkit.prep.fold_pad import fold_pad_rules
 from quantkit.prep.global_pool import global_pool_rules
+from quantkit.prep.hard_swish import hard_swish_rules
 from quantkit.prep.name_nodes import NameNodesPass
 
 __all__ = ["MIN_OPSET", "PrepResult", "check_weights", "prepare", "upgrade_opset"]
@@ -229,6 +232,10 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
         applied["global_pool"] = global_pool_rules().apply_to_model(model)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ModelError(f"graph preparation step 'global_pool' failed: {exc}") from exc
+    try:
+        applied["hard_swish"] = hard_swish_rules().apply_to_model(model)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ModelError(f"graph preparation step 'hard_swish' failed: {exc}") from exc
 
     applied["identity_elimination"] = _run_counting_nodes(
         "identity_elimination", common_passes.IdentityEliminationPass(), model
