@@ -175,6 +175,7 @@ def _env() -> dict[str, Any]:
 
     info = detect_cpu()
     return {"cpu": info.model_name, "cpu_class": info.cpu_class, "onnxruntime": ort.__version__,
+            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
             "python": platform.python_version(), "cores": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "eval/zoo/run.py", *sys.argv[1:]])}
 
@@ -224,6 +225,7 @@ def main() -> None:
         print(_table(rows[-1:], env).splitlines()[-1], flush=True)
     text = _table(rows, env)
     print(text)
+    env["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     if args.out:
         out = Path(args.out)
         out.write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
