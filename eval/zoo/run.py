@@ -4,8 +4,9 @@
 For each model (``eval/zoo/zoo_models.py``: ONNX file + ``.npz`` calibration / evaluation crops):
 
 * **quantkit** as a user runs it: ``quantkit calibrate --recipe r.yaml`` with a minimal recipe (the model,
-  the calibration ``.npz``, the evaluation ``.npz``; every other key at its default), in its own process:
-  wall time and peak RSS are its own.
+  the calibration ``.npz``, the evaluation ``.npz``; every other key at its default, so the run measures
+  its own latency and its latency guard may keep slow layers in float), in its own process: wall time and
+  peak RSS are its own; the table also gives the calibrate + lower stages alone.
 * **ORT** ``quantize_static`` (QDQ, per-channel int8 weights, uint8 activations, MinMax) with
   ``reduce_range`` off and on, each in its own process; the better of the two by output SQNR is ORT's row.
 * For every model: the census of ONNX Runtime's optimized graph (quantized kernels / float GEMM-like ops
@@ -130,7 +131,7 @@ def run_model(name: str, work: Path, *, repeat: int) -> dict[str, Any]:
     models: dict[str, Path] = {"fp32": paths["model"]}
     row: dict[str, Any] = {"model": name, "methods": {}}
     qk_out = folder / "quantkit"
-    r = _timed([sys.executable, "-m", "quantkit.cli", "calibrate", "-q", "--no-latency", "--overwrite", "--recipe",
+    r = _timed([sys.executable, "-m", "quantkit.cli", "calibrate", "-q", "--overwrite", "--recipe",
                 str(_recipe(folder, paths)), "--output", str(qk_out)], env)
     row["methods"]["quantkit"] = r
     if r["rc"] == 0:
@@ -184,8 +185,8 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
     lines = [f"CPU: {env['cpu']} ({env['cpu_class']}), {env['cores']} cores; onnxruntime {env['onnxruntime']}; "
              f"{env['date']}; `{env['command']}`", "",
              "| model | quantkit fused/float/stray | ORT | SQNR dB qk / ORT | top-1 qk / ORT | kernel-vs-math dB qk / ORT "
-             "| x FP32 qk / ORT | x ORT | wall s qk / ORT | x ORT time | RSS MiB qk / ORT |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| x FP32 qk / ORT | x ORT | wall s qk / ORT | x ORT time | qk calibrate+lower s (x ORT) | RSS MiB qk / ORT |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(v: Any, fmt: str = ".1f") -> str:
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
@@ -195,6 +196,8 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         o = row["methods"].get(row.get("ort_best", "ort"), {})
         c = q.get("census", {})
         co = o.get("census", {})
+        st = q.get("stages_s", {})  # quantization proper; the rest of the wall time is verification and evaluation
+        core = sum(st.get(k, 0.0) for k in ("load_s", "prepare_s", "calibrate_s", "lower_s")) or None
         lines.append(
             f"| {row['model']} | {c.get('fused', '-')}/{c.get('float_gemm', '-')}/{c.get('stray', '-')} "
             f"| {co.get('fused', '-')}/{co.get('float_gemm', '-')}/{co.get('stray', '-')} ({row.get('ort_best', '-')}) "
@@ -205,6 +208,7 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
             f"| {f(q.get('x_fp32', 0) / o['x_fp32'] if o.get('x_fp32') else None, '.2f')} "
             f"| {f(q.get('wall_s'))} / {f(o.get('wall_s'))} "
             f"| {f(q['wall_s'] / o['wall_s'] if q.get('wall_s') and o.get('wall_s') else None, '.2f')} "
+            f"| {f(core)} ({f(core / o['wall_s'] if core and o.get('wall_s') else None, '.2f')}) "
             f"| {f(q.get('peak_rss_mb'), '.0f')} / {f(o.get('peak_rss_mb'), '.0f')} |")
     return "\n".join(lines)
 
@@ -214,7 +218,15 @@ def main() -> None:
     ap.add_argument("--models", default="ci", help=f"ci, all, or a comma list of: {', '.join(ALL)}")
     ap.add_argument("--repeat", type=int, default=60, help="latency runs per model (interleaved rounds)")
     ap.add_argument("--out", help="write the rows and the environment as JSON here (and a .md beside it)")
+    ap.add_argument("--table", help="print (and with --out rewrite) the table of an earlier --out JSON; no runs")
     args = ap.parse_args()
+    if args.table:
+        data = json.loads(Path(args.table).read_text())
+        text = _table(data["rows"], data["environment"])
+        print(text)
+        if args.out:
+            Path(args.out).with_suffix(".md").write_text(text + "\n")
+        return
     names = CI_SUBSET if args.models == "ci" else ALL if args.models == "all" else tuple(args.models.split(","))
     work = cache_root() / "runs"
     env = _env()

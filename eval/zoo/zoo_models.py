@@ -128,8 +128,15 @@ def build_torch(name: str, size: int) -> Any:
     if name == "vit_6l":
         from torchvision.models.vision_transformer import VisionTransformer
 
-        return VisionTransformer(image_size=size, patch_size=16, num_layers=6, num_heads=12, hidden_dim=768,
-                                 mlp_dim=3072, num_classes=1000).eval()
+        import torch
+
+        torch.manual_seed(0)
+        vit = VisionTransformer(image_size=size, patch_size=16, num_layers=6, num_heads=12, hidden_dim=768,
+                                mlp_dim=3072, num_classes=1000).eval()
+        # torchvision zero-initialises the classification head (all logits 0 for any input): give it the scale
+        # of a trained head so the output carries the network's signal
+        torch.nn.init.normal_(vit.heads.head.weight, std=0.02)
+        return vit
     ctor: Callable[..., Any] = getattr(tvm, name)
     return warm_batchnorm(ctor(weights=None, **TORCHVISION_MODELS[name]), size)
 

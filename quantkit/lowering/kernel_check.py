@@ -254,7 +254,21 @@ def _float_layer_rows(model: onnx.ModelProto, codes: set[str], env: dict[str, np
         feed = {i: np.asarray(env[i]) for i in entry[2]}
         rows.append((n.output[0], n.name or n.output[0], entry[0].run(None, feed)[0],
                      _matmul_integer_to_float_math(n, feed[n.input[0]], {**entry[1], **feed})))
-    for t, layer in _float_int8_layers(model, codes):
+    layers = _float_int8_layers(model, codes)
+    if "::float" not in cache:  # every float-output layer alone, side by side: one session per level
+        iso = _isolation_model(model, [t for t, _ in layers], codes, env, max_nodes=_MAX_LAYER_NODES)
+        cache["::float"] = None if iso is None else (
+            make_session(iso[0], level="all"), make_session(iso[0], level="disabled"), iso[1])
+    combined = cache["::float"]
+    if combined is not None:
+        fused, ref, mapping = combined
+        feed = {name: env[src] for v in mapping.values() for name, src in v[1].items()}
+        outs = [v[0] for v in mapping.values()]
+        got, want = fused.run(outs, feed), ref.run(outs, feed)
+        names = dict(layers)
+        rows.extend((t, names[t], g, w) for t, g, w in zip(mapping, got, want, strict=True))
+        return rows
+    for t, layer in layers:
         if t not in cache:
             lm = _layer_model(model, t, codes, env)
             if lm is not None and len(onnx.load_from_string(lm).graph.node) > _MAX_LAYER_NODES:
@@ -374,8 +388,8 @@ def _layer_model(model: onnx.ModelProto, target: str, codes: set[str], ref: dict
     return m.SerializeToString()
 
 
-def _isolation_model(model: onnx.ModelProto, targets: list[str], codes: set[str], ref: dict[str, np.ndarray]
-                     ) -> tuple[bytes, dict[str, tuple[str, dict[str, str]]]] | None:
+def _isolation_model(model: onnx.ModelProto, targets: list[str], codes: set[str], ref: dict[str, np.ndarray],
+                     max_nodes: int | None = None) -> tuple[bytes, dict[str, tuple[str, dict[str, str]]]] | None:
     """Every layer of :func:`_layer_model` side by side in one model (one session instead of one per layer).
 
     Copy ``k`` renames each of its tensors ``x`` (not the initializers, which the copies share) to
@@ -395,6 +409,8 @@ def _isolation_model(model: onnx.ModelProto, targets: list[str], codes: set[str]
         keep, inputs = part
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in keep for a in n.attribute):
             return None
+        if max_nodes is not None and len(keep) > max_nodes:
+            continue
 
         def rn(x: str, k: int = k) -> str:
             return x if (x == "" or x in inits) else f"{x}::{k}"
