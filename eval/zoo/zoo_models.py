@@ -126,9 +126,8 @@ def build_torch(name: str, size: int) -> Any:
         return warm_batchnorm(SECNN.make(), size)
     tvm = torchvision_models()
     if name == "vit_6l":
-        from torchvision.models.vision_transformer import VisionTransformer
-
         import torch
+        from torchvision.models.vision_transformer import VisionTransformer
 
         torch.manual_seed(0)
         vit = VisionTransformer(image_size=size, patch_size=16, num_layers=6, num_heads=12, hidden_dim=768,
