@@ -79,6 +79,9 @@ DOCUMENTED: dict[str, dict[str, str]] = {
         "date": "2026-12-01",
         "source": "eval/results/llm_graph.md",
     },
+    "memory_estimate.json": {
+        "title": "The memory guard's estimate vs the measured peak (SmolLM2, synthetic 1.1B / 7B LLaMA shapes)",
+    },
     "llm_layerwise.json": {
         "title": "Layer-wise INT4 of synthetic LLaMA-shaped checkpoints (random bf16 weights): peak memory",
         "cpu_class": "x86-vnni",
@@ -297,6 +300,31 @@ def _llm_builder(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _memory_estimate(data: dict[str, Any]) -> list[str]:
+    rows = [r for r in data["memory_estimate"] if "refused" not in r]
+    cols: list[Column] = [
+        ("path", lambda r: (r.get("path") or "").split(",")[0].split(":")[0], "{}"),
+        ("checkpoint GB", lambda r: r.get("checkpoint_GB") or r.get("fp32_GB"), "{:.2f}"),
+        ("estimated GB", lambda r: r.get("estimated_GB"), "{:.2f}"),
+        ("largest at", lambda r: r.get("peak_phase"), "{}"),
+        ("measured GB (report)", lambda r: r.get("measured_GB"), "{:.2f}"),
+        ("measured GB (outside)", lambda r: r.get("tree_peak_GB"), "{:.2f}"),
+        ("estimate vs measured", lambda r: r.get("estimate_over_measured"), "{:+.0%}"),
+        ("wall s", lambda r: r.get("wall_s"), "{:.0f}"),
+        ("load (1 min) at start", lambda r: (r.get("load_start") or [None])[0], "{:.1f}"),
+    ]
+    lines = ["Estimated: printed at the start of the run (`memory.estimated_peak_bytes`); measured (report): "
+             "quantkit's own (`memory.measured_peak_bytes`, the process tree during `quantize()`); measured "
+             "(outside): the command's process tree sampled every 0.1 s (the save included). Checkpoint: bf16 "
+             "bytes of a synthetic folder, FP32 bytes otherwise.", "",
+             *_table(["case"], [(f"`{r['case']}`", r) for r in rows], cols)]  # fmt: skip
+    for r in data["memory_estimate"]:
+        if "refused" in r:
+            lines += ["", f"`{r['case']}`: exit {r['returncode']} after {r['wall_s']:.1f} s (interpreter start "
+                      "included), before any work:", "", "```", r.get("announced") or "", r.get("error", ""), "```"]
+    return lines
+
+
 def _flat(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
     if isinstance(data, dict):
         return [kv for k, v in data.items() if k != "environment" for kv in _flat(v, f"{prefix}{k}.")]
@@ -305,10 +333,25 @@ def _flat(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return [(prefix.rstrip("."), data)]
 
 
+def _zoo(data: dict[str, Any]) -> list[str]:
+    """The conformance zoo (eval/zoo/run.py): its own table, rendered by the script that wrote the file."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent / "zoo" / "run.py"
+    spec = importlib.util.spec_from_file_location("zoo_run", path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return list(mod._table(data["rows"], data["environment"]).splitlines()[2:])
+
+
 def body(name: str, data: Any) -> list[str]:
     """The tables of one results file, by its shape (a key/value list for a shape not known here)."""
     if isinstance(data, dict) and isinstance(data.get("results"), dict):
         return _methods_table(data["results"])
+    if isinstance(data, dict) and isinstance(data.get("memory_estimate"), list):
+        return _memory_estimate(data)
+    if isinstance(data, dict) and isinstance(data.get("rows"), list) and data["rows"] and "methods" in data["rows"][0]:
+        return _zoo(data)
     if isinstance(data, dict) and isinstance(data.get("rows"), list):
         return _residual_cnn(data)
     if isinstance(data, dict) and "quantkit_loop_alone" in data:
