@@ -58,9 +58,15 @@ def quantize(
     (``quantization.overrides``) is one precision plan, executed by one pipeline; with
     ``search.target`` the search chooses the plan.
 
-    With ``calibration.layerwise: true`` (LLaMA-family LLMs built block by block, :mod:`quantkit.layerwise`) the
-    result is a :class:`quantkit.llm_run.LayerwiseQuantizeResult`: the model is on disk (``.path``), with the same
-    ``.report`` and ``.save(folder)``; ``calibration_data`` may then be omitted when every layer is RTN.
+    A decoder LLM that quantkit's builder supports (a Hugging Face folder, the ``smollm2-135m`` built-in) is built,
+    calibrated and quantized block by block while its checkpoint streams (:mod:`quantkit.layerwise`) whenever the
+    recipe can be built that way - ``calibration.layerwise: auto``, the default; ``true`` insists - and the result
+    is a :class:`quantkit.llm_run.LayerwiseQuantizeResult`: the model is on disk (``.path``), with the same
+    ``.report`` and ``.save(folder)``; ``calibration_data`` may then be omitted when every layer is RTN.  The
+    whole-graph path (``calibration.layerwise: false``, or a recipe that needs it: static / dynamic INT8, 16-bit
+    formats, a search) runs only when its estimated peak memory fits (:mod:`quantkit.memory`); otherwise a
+    :class:`~quantkit.errors.MemoryBudgetError` before any work.  Every report holds ``memory``: the estimate
+    and the measured peak of the process tree.
 
     ``use_cache=False`` ignores the statistics cache (``calibration.cache`` in the recipe too).
     ``evaluate=False`` skips the fidelity evaluation; ``measure_latency`` overrides the
@@ -74,12 +80,36 @@ def quantize(
     rec = load_recipe(recipe if recipe is not None else {"version": 1, "name": "api"})
     if model is None and rec.model is None:
         raise QuantkitError("quantize() needs a model: pass one, or name it in the recipe's model.source")
-    if rec.calibration.layerwise:  # an LLM built, calibrated and quantized block by block (bounded memory)
-        from quantkit.llm_run import check_layerwise_plan, run_layerwise
+    from quantkit.llm_run import check_layerwise_plan, choose_route, memory_section, run_layerwise
+    from quantkit.memory import PeakMeter, gb
 
-        check_layerwise_plan(rec)
-        return run_layerwise(model, calibration_data, rec, evaluation_data=evaluation_data,  # type: ignore[return-value]
-                             evaluate=evaluate, measure_latency=measure_latency, progress=progress, t_start=t_start)
+    meter = PeakMeter().start()  # the measured peak of this run (process and children), beside the estimate
+    try:
+        if rec.calibration.layerwise is True:
+            check_layerwise_plan(rec)
+        # streamed block by block (bounded memory) or the whole graph, whose estimate must fit: before any work
+        route = choose_route(model, rec, check_memory=rec.search is None)
+        if route.layerwise:
+            result: Any = run_layerwise(model, calibration_data, rec, evaluation_data=evaluation_data,
+                                        evaluate=evaluate, measure_latency=measure_latency, progress=progress,
+                                        t_start=t_start)  # fmt: skip
+        else:
+            result = _quantize_whole(model, calibration_data, rec, evaluation_data, evaluate, measure_latency,
+                                     progress, use_cache, example_inputs, t_start)  # fmt: skip
+            result.report.setdefault("memory", memory_section(route.estimate, route.available))
+    finally:
+        peak = meter.stop()
+    mem = result.report.setdefault("memory", memory_section(None, None))
+    mem["measured_peak_bytes"] = int(peak)
+    if mem.get("estimated_peak_bytes"):
+        log.info("memory: measured peak %s (estimated ~%s)", gb(peak), gb(mem["estimated_peak_bytes"]))
+    return result
+
+
+def _quantize_whole(model: Any, calibration_data: Any, rec: RecipeModel, evaluation_data: Any, evaluate: bool,
+                    measure_latency: bool | None, progress: bool, use_cache: bool, example_inputs: Any,
+                    t_start: float) -> QuantizeResult:
+    """The whole-graph path: load and prepare the model, execute the plan (or the search's), report."""
     if calibration_data is None and rec.calibration.data is None:
         raise QuantkitError(
             "quantize() needs calibration data: pass calibration_data, or set the recipe's calibration.data"
@@ -90,9 +120,22 @@ def quantize(
     timings: dict[str, float] = {}
     loaded, float_model, cal = load_inputs(model, calibration_data, rec, example_inputs=example_inputs,
                                            progress=progress, timings=timings)
-    return run_plan(loaded, float_model, PrecisionPlan.from_recipe(rec), cal, evaluation_data=evaluation_data,
-                    evaluate=evaluate, measure_latency=measure_latency, progress=progress, use_cache=use_cache,
-                    timings=timings, t_start=t_start)
+
+    def run(plan: PrecisionPlan) -> QuantizeResult:
+        return run_plan(loaded, float_model, plan, cal, evaluation_data=evaluation_data, evaluate=evaluate,
+                        measure_latency=measure_latency, progress=progress, use_cache=use_cache,
+                        timings=dict(timings), t_start=t_start)
+
+    result = run(PrecisionPlan.from_recipe(rec))
+    if (result.report.get("latency") or {}).get("speedup", 1.0) < 1.0 and rec.report.latency.guard:
+        import onnx_ir as ir
+
+        from quantkit.guard import apply_latency_guard
+        from quantkit.pipeline import first_feed
+
+        result = apply_latency_guard(result, run, first_feed(cal, rec.report.latency.batch_size),
+                                     float_bytes=ir.to_proto(result.float_model).SerializeToString())
+    return result
 
 
 def check_flags(func: str, **flags: Any) -> None:
@@ -125,10 +168,12 @@ def _quantize_searched(
     search = {"target": dict(srch.target), "status": sol.status, "predicted": ctx.predicted(sol.assignment),
               "assignment": ctx.space.assignment_table(sol.assignment), "pinned": list(ctx.space.pinned),
               "uniform_predicted": ctx.uniform_all}
-    return run_plan(ctx.loaded, ctx.space.model, ctx.space.plan_of(sol.assignment), ctx.cal,
-                    evaluation_data=ctx.ev, evaluate=evaluate, measure_latency=measure_latency, progress=progress,
-                    use_cache=use_cache, timings=ctx.timings, t_start=ctx.t_start, artifacts=ctx.space.artifacts,
-                    search=search)
+    res = run_plan(ctx.loaded, ctx.space.model, ctx.space.plan_of(sol.assignment), ctx.cal,
+                   evaluation_data=ctx.ev, evaluate=evaluate, measure_latency=measure_latency, progress=progress,
+                   use_cache=use_cache, timings=ctx.timings, t_start=ctx.t_start, artifacts=ctx.space.artifacts,
+                   search=search)
+    res.report["memory"] = dict(ctx.memory)  # the search's estimate (measured peak: quantize())
+    return res
 
 
 __all__ = ["QuantizeResult", "quantize", "save_model", "sqnr_db", "Iterable"]

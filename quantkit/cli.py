@@ -20,6 +20,7 @@ def _common_args(p: argparse.ArgumentParser, recipe_help: str, default_out: str)
     p.add_argument("--calibration-data", default=None, help="override calibration.data.path")
     p.add_argument("--evaluation-data", default=None, help="override evaluation.data.path")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    p.add_argument("--verbose", "-v", action="store_true", help="debug messages too (logger 'quantkit' at DEBUG)")
     p.add_argument("--overwrite", action="store_true",
                    help="write into an --output folder that holds files quantkit did not write")
 
@@ -99,8 +100,8 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise _Terminated()
 
 
-def _setup_logging() -> None:
-    """One stderr handler however often :func:`main` is called (tests, notebooks)."""
+def _setup_logging(verbose: bool = False) -> None:
+    """One stderr handler however often :func:`main` is called (tests, notebooks); DEBUG with ``--verbose``."""
     qlog = logging.getLogger("quantkit")
     for h in list(qlog.handlers):
         if getattr(h, "_quantkit_cli", False):
@@ -109,7 +110,7 @@ def _setup_logging() -> None:
     handler.setFormatter(logging.Formatter("quantkit: %(message)s"))
     handler._quantkit_cli = True  # type: ignore[attr-defined]
     qlog.addHandler(handler)
-    qlog.setLevel(logging.INFO)
+    qlog.setLevel(logging.DEBUG if verbose else logging.INFO)
     qlog.propagate = False
 
 
@@ -128,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import signal
 
     args = _build_parser().parse_args(argv)
-    _setup_logging()
+    _setup_logging(bool(getattr(args, "verbose", False)))
     previous = None
     try:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)

@@ -37,6 +37,11 @@ class LoweringError(QuantkitError):
     """The emitted graph failed verification."""
 
 
+class MemoryBudgetError(QuantkitError):
+    """A run whose estimated peak memory exceeds the memory available, refused before any work
+    (:mod:`quantkit.memory`); the message names the estimate, the memory available and the setting that fits."""
+
+
 class UnknownNameError(QuantkitError, KeyError):
     """A registry lookup with a name that is not registered."""
 

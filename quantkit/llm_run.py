@@ -1,5 +1,6 @@
-"""A recipe with ``calibration.layerwise: true``: build, calibrate and quantize an LLM block by block, then
-evaluate and report it.
+"""A decoder LLM streamed block by block (``calibration.layerwise``: ``auto``, the default, or ``true``): build,
+calibrate and quantize it block by block, then evaluate and report it; and the choice between that path and the
+whole-graph one (:func:`choose_route`), guarded by an estimate of the whole graph's peak memory.
 
 The weights never exist as one FP32 model in memory (see :mod:`quantkit.layerwise`): the checkpoint streams
 through the builder, each decoder block is calibrated alone on the cached hidden states and written as
@@ -28,6 +29,18 @@ from quantkit.data import InputInfo, as_dataset, make_dataset
 from quantkit.errors import DataError, ModelError, QuantkitError, RecipeError
 from quantkit.frontends.cache import cache_dir
 from quantkit.layerwise import LAYERWISE_FORMATS, quantize_llm_layerwise
+from quantkit.memory import (
+    Available,
+    Estimate,
+    announce,
+    available_memory,
+    check_fits,
+    decoder_sizes,
+    gb,
+    layerwise_estimate,
+    onnx_weight_bytes,
+    whole_graph_estimate,
+)
 from quantkit.pipeline import check_context, check_not_empty, extra_perplexities
 from quantkit.progress import stage
 from quantkit.recipe import RecipeModel
@@ -37,7 +50,8 @@ from quantkit.tempdirs import MARKER, clean_stale, owned_tempdir
 
 log = logging.getLogger("quantkit")
 
-__all__ = ["LayerwiseQuantizeResult", "check_layerwise_plan", "resolve_llm_folder", "run_layerwise"]
+__all__ = ["LayerwiseQuantizeResult", "Route", "check_layerwise_plan", "choose_route", "decoder_folder",
+           "layerwise_blockers", "resolve_llm_folder", "run_layerwise"]
 
 _LM_INPUTS = [InputInfo("input_ids", np.dtype(np.int64), (None, None)),
               InputInfo("attention_mask", np.dtype(np.int64), (None, None))]  # fmt: skip
@@ -124,21 +138,43 @@ def _windows(rec: RecipeModel, calibration_data: Any, tokenizer: Any) -> np.ndar
     return np.concatenate([r.reshape(-1, r.shape[-1]) for r in rows])
 
 
-def _fp32_bytes(folder: Path) -> int:
-    """What the checkpoint takes in FP32 (from the safetensors headers, checked; no tensor is read)."""
-    from quantkit.frontends.checkpoint import checkpoint_tensors
+def _longest(ds: Any) -> int:
+    """The longest token sequence of a dataset (0 when it holds no token ids)."""
+    longest = 0
+    for feed in ds.batches(64):
+        ids = feed.get("input_ids")
+        if ids is not None and getattr(ids, "ndim", 0) == 2:
+            longest = max(longest, int(ids.shape[1]))
+    return longest
 
-    return sum(4 * math.prod(t.shape) for t in checkpoint_tensors(folder).values())
+
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj")  # how recipes name a block's layers (plan lookups for the estimate)
 
 
-def _available_ram() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
+def _layerwise_estimate(rec: RecipeModel, plan: PrecisionPlan, sizes: Any, cfg: Any, windows: np.ndarray | None,
+                        evaluation: dict[str, Any] | None) -> Estimate:
+    """:func:`quantkit.memory.layerwise_estimate` for this recipe's plan (formats and algorithms by layer)."""
+    lps = [plan.layer(f"model.layers.0.{s}", "MatMul", f"model.layers.0.{s}") for s in _LINEARS]
+    head = plan.layer("lm_head", "MatMul", "lm_head")
+    bits = max([LAYERWISE_FORMATS.get(lp.format) or 0 for lp in [*lps, head]] + [4])
+    return layerwise_estimate(
+        sizes, bits=bits, algorithms=[lp.algorithm for lp in lps if LAYERWISE_FORMATS.get(lp.format)] or ["rtn"],
+        head_algorithm=head.algorithm, head_quantized=LAYERWISE_FORMATS.get(head.format) is not None,
+        tied=bool(getattr(cfg, "tie_word_embeddings", False)) or not sizes.head,
+        windows=None if windows is None else (int(windows.shape[0]), int(windows.shape[1])),
+        max_rows=rec.calibration.max_rows, evaluation=evaluation,
+    )  # fmt: skip
+
+
+def memory_section(est: Estimate | None, avail: Available | None) -> dict[str, Any]:
+    """The report's ``memory`` section: the estimate made before the run (the measured peak is added after it)."""
+    out: dict[str, Any] = {"estimated_peak_bytes": None, "measured_peak_bytes": None}
+    if est is not None:
+        out.update(est.as_dict())
+    if avail is not None:
+        out["available_bytes"], out["available_source"] = int(avail.bytes), avail.source
+    return out
 
 
 def _census(path: Path) -> dict[str, Any]:
@@ -196,6 +232,34 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
         log.info("calibration set: %d windows x %d tokens (%s)", windows.shape[0], windows.shape[1],
                  ", ".join(f"{k}={v}" for k, v in spec.items()) if spec else "given through the API")
     plan = PrecisionPlan.from_recipe(rec)
+    # what the evaluation will run, decided now: the estimate covers it, and it is refused before the work
+    latency_on = bool(rec.report.latency.enabled if measure_latency is None else measure_latency)
+    avail = available_memory()
+    sizes = decoder_sizes(folder)
+    fp32_bytes = sizes.fp32_bytes
+    warnings: list[str] = []
+    wants_fp32 = ev is not None or latency_on
+    fp32_fits = fp32_bytes <= FP32_BASELINE_RAM_FRACTION * avail.bytes
+    eval_seq = _longest(ev) if ev is not None else 0
+    prefill = max(rec.report.latency.seq_len or 128, rec.report.latency.long_prefill or 0) if latency_on else 0
+    prefill = min(prefill, cfg.context_length)
+
+    def estimate(fp32: bool) -> Estimate:
+        evaluation = {"fp32": fp32, "seq_len": eval_seq, "prefill": prefill} if (ev is not None or fp32) else None
+        return _layerwise_estimate(rec, plan, sizes, cfg, windows, evaluation)
+
+    est = estimate(wants_fp32 and fp32_fits)
+    if wants_fp32 and not fp32_fits:
+        warnings.append(f"FP32 baseline not evaluated: the FP32 weights ({fp32_bytes / 2**30:.1f} GiB) exceed "
+                        f"{FP32_BASELINE_RAM_FRACTION:.0%} of the available memory ({gb(avail.bytes)})")  # fmt: skip
+    elif wants_fp32 and est.peak_bytes > avail.bytes:
+        with_fp32, est, fp32_fits = est, estimate(False), False
+        warnings.append(f"FP32 baseline not evaluated: with it the run would peak at ~{gb(with_fp32.peak_bytes)}, "
+                        f"more than the {gb(avail.bytes)} available")  # fmt: skip
+    announce(est, avail)
+    check_fits(est, avail, what="this layer-wise run", instead=(
+        "it streams already; fewer or shorter calibration windows (calibration.data count / seq_len), a lower "
+        "calibration.max_rows, algorithm rtn or a machine with more memory lower it"))
     root = cache_dir()
     work = root / "layerwise" / hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
     # the build folder is marked as this process's: one left by a killed run is removed here, never a live one
@@ -213,13 +277,8 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
     if res.resumed_blocks:
         log.info("resumed: %d finished blocks reused from %s", res.resumed_blocks, work)
     q_path = res.path
-    fp32_bytes = _fp32_bytes(folder)
-    warnings: list[str] = []
     fp32_path: Path | None = None
-    if fp32_bytes > FP32_BASELINE_RAM_FRACTION * _available_ram():
-        warnings.append(f"FP32 baseline not evaluated: the FP32 weights ({fp32_bytes / 2**30:.1f} GiB) exceed "
-                        f"{FP32_BASELINE_RAM_FRACTION:.0%} of the available memory")  # fmt: skip
-    elif evaluate or measure_latency is not False:
+    if wants_fp32 and fp32_fits:  # only when something uses it (perplexity, latency) and it fits
         from quantkit.frontends.llm import built_decoder_path
 
         with stage("build the FP32 baseline decoder (cached)", enabled=progress):
@@ -250,7 +309,7 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
         timings["evaluate_s"] = time.perf_counter() - t
     latency: dict[str, Any] = {}
     load: dict[str, Any] | None = None
-    if (rec.report.latency.enabled if measure_latency is None else measure_latency) and fp32_path is not None:
+    if latency_on and fp32_path is not None:
         from quantkit.evaluate.decode import llm_latency
 
         t = time.perf_counter()
@@ -278,6 +337,7 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
         "latency": latency, "fidelity": {}, "quality": quality, "timings": timings, "census": _census(q_path),
         "layers": res.rows, "weight_only": res.rows, "linear_formats": [], "unfused": [], "float_layers": [],
         "notes": dict(res.notes), "search": None, "kernels": {}, "warnings": warnings,
+        "memory": memory_section(est, avail),  # the measured peak is added by quantize() when the run ends
         # q/k/v computed by one MatMulNBits: which layers share a kernel of the emitted graph
         "kernel_sharing": map_layer_kernels(onnx.load(str(q_path), load_external_data=False), res.rows),
     }  # fmt: skip
@@ -295,3 +355,186 @@ def check_layerwise_plan(rec: RecipeModel) -> None:
     if rec.search is not None:
         raise RecipeError("calibration.layerwise and search cannot be combined (the search measures the whole "
                             "graph); set calibration.layerwise: false")  # fmt: skip
+
+
+# -- which path: streamed block by block, or the whole graph (guarded by its memory estimate) -----------------
+
+
+@dataclass
+class Route:
+    """What :func:`choose_route` decided for a recipe and a model."""
+
+    layerwise: bool
+    folder: Path | None = None  # the decoder's Hugging Face folder, when the model is one the builder supports
+    estimate: Estimate | None = None  # the whole graph's, when it runs
+    available: Available | None = None
+    reason: str = ""
+
+
+LARGE_MODEL_BYTES = 1 << 30
+"""A model with at least this many bytes of weights (FP32) is guarded and its estimate printed, whatever it is (an
+ONNX file with external data, an exported folder); an LLM always is.  Below it the estimate is only recorded: a
+small model's peak is its activations, which the calibration bounds itself (``max_batch_output_bytes``)."""
+
+
+def _weights_large(est: Estimate) -> bool:
+    return est.weights_bytes >= LARGE_MODEL_BYTES
+
+
+def decoder_folder(source: Any) -> Path | None:
+    """The Hugging Face folder of ``source`` when it is a decoder that the layer-wise builder supports - a folder
+    or a built-in decoder (converted once and cached) - else None.  The builder itself is asked
+    (:func:`quantkit.frontends.llm_builder.read_decoder_config`: its families, from ``config.json`` alone), so a
+    family added there streams here too.  A folder the builder refuses is left to the whole-graph path, which
+    reports what is wrong with it."""
+    from quantkit.frontends.llm import BUILT_DECODERS
+    from quantkit.frontends.llm_builder import read_decoder_config
+
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    path = Path(source).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        folder = path
+    elif not path.exists() and str(source) in BUILT_DECODERS:
+        folder = BUILT_DECODERS[str(source)]()
+    else:
+        return None
+    try:
+        read_decoder_config(folder)
+    except ModelError:
+        return None
+    return folder
+
+
+def layerwise_blockers(rec: RecipeModel) -> list[str]:
+    """The recipe settings that need the whole graph (each as ``key: value``); empty when it can stream."""
+    out = []
+    fmt = rec.quantization.default.format
+    if fmt not in LAYERWISE_FORMATS:
+        out.append(f"quantization.default.format: {fmt}")
+    for i, o in enumerate(rec.quantization.overrides):
+        if o.format is not None and o.format not in LAYERWISE_FORMATS:
+            out.append(f"quantization.overrides[{i}].format: {o.format}")
+    if rec.search is not None:
+        out.append("a search section")
+    if rec.export.weight_only_form != "matmulnbits":
+        out.append(f"export.weight_only_form: {rec.export.weight_only_form}")
+    if rec.model is not None and rec.model.graph == "full_sequence":
+        out.append("model.graph: full_sequence")
+    return out
+
+
+def _recipe_windows(rec: RecipeModel) -> tuple[int, int] | None:
+    """``(count, seq_len)`` of the recipe's calibration windows when it says them, for an estimate."""
+    spec = rec.calibration.data.model_dump() if rec.calibration.data is not None else {}
+    n, seq = spec.get("count"), spec.get("seq_len")
+    return (int(n), int(seq)) if isinstance(n, int) and isinstance(seq, int) else None
+
+
+def _stream_estimate(rec: RecipeModel, folder: Path) -> Estimate | None:
+    """What the same checkpoint would need streamed (quantization only), for a refusal's message."""
+    from quantkit.frontends.llm_builder import read_decoder_config
+
+    try:
+        cfg, sizes = read_decoder_config(folder), decoder_sizes(folder)
+        win = _recipe_windows(rec)
+        alg = rec.quantization.default.algorithm
+        return layerwise_estimate(sizes, bits=4 if rec.quantization.default.format != "int8_weight" else 8,
+                                  algorithms=[alg], head_algorithm=alg, head_quantized=True,
+                                  tied=bool(getattr(cfg, "tie_word_embeddings", False)) or not sizes.head,
+                                  windows=win if alg != "rtn" else None, max_rows=rec.calibration.max_rows)  # fmt: skip
+    except QuantkitError:
+        return None
+
+
+def whole_graph_memory(source: Any, rec: RecipeModel, folder: Path | None = None) -> tuple[Estimate, bool] | None:
+    """The whole-graph path's estimate for ``source`` and whether it is an LLM, from file sizes and headers (no
+    weight is read); None for a source whose size is not known before loading (an object, a small built-in)."""
+    from quantkit.frontends.checkpoint import checkpoint_tensors
+
+    act = rec.calibration.max_batch_output_bytes if _needs_activations(rec) else 0
+    if folder is not None:
+        s = decoder_sizes(folder)
+        basis = (f"config.json and the safetensors headers: {s.params / 1e9:.2f}B parameters, "
+                 f"{gb(s.fp32_bytes)} in FP32")  # fmt: skip
+        return whole_graph_estimate(s.fp32_bytes, what="the FP32 decoder held and run whole", basis=basis,
+                                    activation_bytes=act), True
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    path = Path(source).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        try:
+            fp32 = sum(4 * math.prod(t.shape) for t in checkpoint_tensors(path).values())
+        except QuantkitError:
+            return None  # the loader says what is wrong with the folder
+        if fp32 == 0:
+            fp32 = sum(f.stat().st_size for f in path.glob("*.bin"))
+        basis = f"the checkpoint's headers: {gb(fp32)} of weights in FP32"
+        causal = "ForCausalLM" in (path / "config.json").read_text(errors="replace")
+        return whole_graph_estimate(fp32, what="the model exported and held whole", basis=basis,
+                                    activation_bytes=act), causal
+    onnx_path = path / "model.onnx" if path.is_dir() else path
+    if onnx_path.is_file() and onnx_path.suffix == ".onnx":
+        size = onnx_weight_bytes(onnx_path)
+        return whole_graph_estimate(size, what="an ONNX model held whole", basis=(
+            f"the file sizes: {gb(size)} of ONNX model and external data"), activation_bytes=act), False
+    return None
+
+
+def _needs_activations(rec: RecipeModel) -> bool:
+    """Whether the whole-graph path collects activation statistics (static INT8, SmoothQuant, GPTQ / AWQ / ...)."""
+    from quantkit.weight_only import STATS_ALGORITHMS
+
+    schemes = [rec.quantization.default, *rec.quantization.overrides]
+    return rec.search is not None or any(
+        getattr(s, "format", None) in ("int8", "int8_dynamic") or getattr(s, "algorithm", None) in STATS_ALGORITHMS
+        for s in schemes)  # fmt: skip
+
+
+def choose_route(model: Any, rec: RecipeModel, *, check_memory: bool = True) -> Route:
+    """Stream a decoder block by block, or run the whole graph - decided before any work.
+
+    ``calibration.layerwise: true`` streams (the recipe is checked by :func:`check_layerwise_plan`).  ``auto``
+    (the default) streams a decoder the builder supports whenever the recipe can be built that way (formats int4 /
+    int8_weight / fp32, no search section, MatMulNBits, the KV-cache decoder).  Everything else - ``false``, a
+    recipe that needs the whole graph, a model that is no such decoder - takes the whole-graph path, and only after
+    :func:`whole_graph_memory`'s estimate fits in the memory available (a large ONNX file with external data, an
+    exported folder, a decoder held in FP32); otherwise a :class:`~quantkit.errors.MemoryBudgetError` naming the
+    estimate, the memory and the setting that streams instead.  ``check_memory=False`` leaves the guard to the
+    caller (the search estimates its own)."""
+    mode = rec.calibration.layerwise
+    if mode is True:
+        return Route(True, reason="calibration.layerwise: true")
+    source = model if model is not None else (rec.model.source if rec.model is not None else None)
+    blockers = layerwise_blockers(rec)
+    folder = decoder_folder(source)
+    if folder is not None and mode == "auto" and not blockers:
+        return Route(True, folder, reason="calibration.layerwise: auto: a decoder the layer-wise builder supports "
+                                          "and a recipe it can build")  # fmt: skip
+    reason = ("calibration.layerwise: false" if mode is False else
+              f"needs the whole graph: {', '.join(blockers)}" if folder is not None else "not a streamed decoder")
+    if not check_memory:
+        return Route(False, folder, reason=reason)
+    got = whole_graph_memory(source, rec, folder)
+    if got is None:
+        return Route(False, folder, reason=reason)
+    est, is_lm = got
+    avail = available_memory()
+    if not (is_lm or _weights_large(est)):  # a small model: recorded, not guarded (its activations dominate)
+        return Route(False, folder, est, avail, reason)
+    announce(est, avail)
+    if folder is not None:
+        lw = _stream_estimate(rec, folder)
+        streamed = f" (expected peak ~{gb(lw.peak_bytes)})" if lw is not None else ""
+        if blockers:
+            instead = (f"{', '.join(blockers)} need(s) the whole graph; with formats int4 / int8_weight / fp32 only "
+                       f"and no search section, calibration.layerwise: auto (the default) or true streams this "
+                       f"checkpoint block by block{streamed}")  # fmt: skip
+        else:
+            instead = (f"calibration.layerwise: auto (the default) or true streams this checkpoint block by block"
+                       f"{streamed}")  # fmt: skip
+    else:
+        instead = ("this model is quantized whole (only a decoder's Hugging Face folder streams block by block); "
+                   "run it where more memory is available")  # fmt: skip
+    check_fits(est, avail, what=f"the whole-graph path ({reason})", instead=instead)
+    return Route(False, folder, est, avail, reason)

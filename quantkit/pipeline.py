@@ -321,6 +321,11 @@ def _has_quantized_ops(proto: onnx.ModelProto) -> bool:
     return any(n.op_type in _QUANTIZED_OPS or n.op_type.startswith("QLinear") for n in nodes)
 
 
+def first_feed(ds: Dataset, batch_size: int) -> dict[str, np.ndarray]:
+    """The first ``batch_size`` samples of ``ds`` as one feed (the latency feed)."""
+    return _first_feed(ds, batch_size)
+
+
 def _first_feed(ds: Dataset, batch_size: int) -> dict[str, np.ndarray]:
     for feed in ds.batches(batch_size):
         return {k: np.ascontiguousarray(v[:batch_size]) for k, v in feed.items()}

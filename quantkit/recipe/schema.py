@@ -120,10 +120,12 @@ class CalibrationSection(_Strict):
     max_rows: int = Field(
         4096, ge=64, le=1 << 16, description="weight-only: activation rows kept per layer input for AWQ"
     )
-    layerwise: bool = Field(
-        False,
-        description="LLaMA-family LLMs: build, calibrate and quantize block by block while the checkpoint "
-        "streams (bounded memory; formats int4 / int8_weight / fp32; resumable)",
+    layerwise: bool | Literal["auto"] = Field(
+        "auto",
+        description="decoder LLMs (the families quantkit's builder supports): true = build, calibrate and quantize "
+        "block by block while the checkpoint streams (bounded memory; formats int4 / int8_weight / fp32; "
+        "resumable); false = the whole-graph path (FP32 model in memory; every format, search), run only when its "
+        "estimated peak memory fits; auto = streamed whenever the recipe can be, else the whole graph when it fits",
     )
     histogram_bins: int = Field(8192, ge=256, le=1 << 16, description="streaming histogram bins per tensor")
     cache: bool = Field(True, description="reuse collected statistics from the on-disk cache")
@@ -138,6 +140,16 @@ class WeightScheme(_Strict):
 class ActivationScheme(_Strict):
     dtype: ActDType = "uint8"
     symmetric: bool = False
+
+
+def _smoothquant_bool(v: Any, off: Any) -> Any:
+    """YAML reads an unquoted ``off`` / ``no`` / ``false`` as False (and ``on`` / ``yes`` as True): False means
+    no smoothing, never alpha 0.0 by way of bool -> float; True says nothing about alpha and is refused."""
+    if v is False:
+        return off
+    if v is True:
+        raise ValueError("smoothquant: true is ambiguous; allowed: a number in [0, 1], 'auto' or 'off'")
+    return v
 
 
 def _smoothquant_alpha(v: Any) -> Any:
@@ -168,6 +180,7 @@ class LayerScheme(_Strict):
         "activations cast to 16 bits around the layer")
 
     _alpha_range = field_validator("smoothquant")(classmethod(lambda cls, v: _smoothquant_alpha(v)))
+    _alpha_bool = field_validator("smoothquant", mode="before")(classmethod(lambda cls, v: _smoothquant_bool(v, "off")))
 
     @field_validator("group_size")
     @classmethod
@@ -195,6 +208,7 @@ class Override(_Strict):
     compute: Literal["storage", "native"] | None = None
 
     _alpha_range = field_validator("smoothquant")(classmethod(lambda cls, v: _smoothquant_alpha(v)))
+    _alpha_bool = field_validator("smoothquant", mode="before")(classmethod(lambda cls, v: _smoothquant_bool(v, "off")))
 
     @model_validator(mode="after")
     def _one_selector(self) -> Override:
@@ -258,6 +272,13 @@ class LatencySection(_Strict):
     long_prefill: int | None = Field(
         1024, ge=1, le=MAX_TOKENS,
         description="causal LMs with a KV cache: also time a prefill this long (None: skip)",
+    )
+    guard: bool = Field(
+        False,
+        description="static INT8: when the quantized model measures slower than FP32, profile it per layer, "
+        "keep the layers whose int8 kernel is slower than float in float, and ship whichever model measured "
+        "faster (both figures in the report's latency_guard). Off by default: the choice follows this "
+        "machine's timing noise, so two runs may ship different models",
     )
 
 
@@ -329,6 +350,11 @@ class Candidate(_Strict):
     @classmethod
     def _pow2(cls, v: int | None) -> int | None:
         return _power_of_two_group(v)
+
+    @field_validator("smoothquant", mode="before")
+    @classmethod
+    def _alpha_bool(cls, v: Any) -> Any:
+        return _smoothquant_bool(v, None)
 
     @field_validator("smoothquant")
     @classmethod

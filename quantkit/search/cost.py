@@ -124,7 +124,7 @@ def _plain_median_ms(blob: bytes, feed: Mapping[str, np.ndarray], *, runs: int, 
     return float(np.median(ts)) * 1e3
 
 
-def _output_aliases(model: Any, layers: list[str]) -> dict[str, str]:
+def output_aliases(model: Any, layers: list[str]) -> dict[str, str]:
     """Output tensor of each layer, and of the single-consumer activation / Add chain fused into it
     (ORT names some fused kernels after that tensor) -> layer."""
     wanted = set(layers)
@@ -218,7 +218,7 @@ def measure_costs(
             profiles[c] = {"same_as": "fp32"}
             continue
         prof = profile_model(blob, feed, runs=runs, warmup=warmup, threads=threads, level="all")
-        per_layer = prof.by_layer(layer_names, aliases=_output_aliases(space.model, layer_names))
+        per_layer = prof.by_layer(layer_names, aliases=output_aliases(space.model, layer_names))
         # the profiler's own overhead inflates every kernel: rescale this model's kernel times so that they
         # sum (with the rest) to its wall time measured WITHOUT profiling on the same feed
         plain_ms = _plain_median_ms(blob, feed, runs=max(5, runs // 2), warmup=warmup, threads=threads)

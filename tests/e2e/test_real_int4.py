@@ -50,6 +50,7 @@ def test_int4_gptq_awq_rtn_on_real_smollm2_blocks(reduced_smollm2: Path, tmp_pat
     results = {}
     for algo in ("rtn", "gptq", "awq", "awq+gptq"):
         rec = _recipe(algo.split("+")[0])
+        rec["calibration"]["layerwise"] = False  # the whole-graph path (streamed: the test below)
         if algo == "awq+gptq":  # the shipped recipe's algorithm: AWQ scales, then GPTQ rounding
             rec["quantization"]["default"]["algorithm_options"] = {"gptq": True}
         res = quantize(str(reduced_smollm2), None, rec, progress=False)

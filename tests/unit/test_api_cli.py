@@ -115,3 +115,15 @@ def test_cli_model_override_and_errors(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["calibrate", "--recipe", str(bad)]) == 2
     assert "calibration.batch_size" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # nothing written on failure
+
+
+def test_verbose_turns_on_debug_messages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    from quantkit.cli import main
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    rc = main(["calibrate", "-v", "--recipe", str(tmp_path / "missing.yaml")])
+    assert rc == 2 and logging.getLogger("quantkit").level == logging.DEBUG
+    main(["calibrate", "--recipe", str(tmp_path / "missing.yaml")])
+    assert logging.getLogger("quantkit").level == logging.INFO

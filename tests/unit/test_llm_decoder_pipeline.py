@@ -98,7 +98,7 @@ def _recipe(folder: Path, algorithm: str, **opts: Any) -> dict[str, Any]:
     return {
         "version": 1, "name": f"decoder-{algorithm}",
         "model": {"source": str(folder), "graph": "decoder"},
-        "calibration": {"sequential": True, "stages": 2},
+        "calibration": {"sequential": True, "stages": 2, "layerwise": False},  # the whole-graph path
         "quantization": {
             "default": {"format": "int4", "group_size": 32, "algorithm": algorithm, "algorithm_options": opts},
             "overrides": [{"layer": "lm_head", "format": "int8_weight", "algorithm": "rtn", "algorithm_options": {}}],

@@ -140,3 +140,15 @@ def test_weight_only_override_options_do_not_leak_across_algorithms() -> None:
         load_recipe(_base(quantization={"default": {"format": "int4", "algorithm": "hqq"}}))
     with pytest.raises(RecipeError, match="power of two"):
         load_recipe(_base(quantization={"default": {"format": "int4", "group_size": 96}}))
+
+
+def test_unquoted_yaml_off_means_no_smoothing_not_alpha_zero() -> None:
+    import yaml
+
+    from quantkit.errors import RecipeError
+    from quantkit.recipe import load_recipe
+
+    rec = load_recipe(yaml.safe_load("version: 1\nquantization: {default: {format: int8_dynamic, smoothquant: off}}"))
+    assert rec.quantization.default.smoothquant == "off"
+    with pytest.raises(RecipeError, match="smoothquant: true is ambiguous"):
+        load_recipe(yaml.safe_load("version: 1\nquantization: {default: {format: int8_dynamic, smoothquant: yes}}"))
