@@ -195,15 +195,23 @@ def pair_safe_codes(
     return best_q.astype(np.int8), best_s.astype(np.float32), bad
 
 
+def _padded(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int], pads: tuple[int, int, int, int],
+            dilations: tuple[int, int], pad_value: float) -> tuple[np.ndarray, int, int]:
+    """``x [N, C, H, W]`` padded with ``pad_value``, and the convolution's output height and width."""
+    n, c, h, w = x.shape
+    xp = np.full((n, c, h + pads[0] + pads[2], w + pads[1] + pads[3]), pad_value, x.dtype)
+    xp[:, :, pads[0] : pads[0] + h, pads[1] : pads[1] + w] = x
+    oh = (xp.shape[2] - dilations[0] * (kernel[0] - 1) - 1) // strides[0] + 1
+    ow = (xp.shape[3] - dilations[1] * (kernel[1] - 1) - 1) // strides[1] + 1
+    return xp, oh, ow
+
+
 def im2col_nhwc(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int], pads: tuple[int, int, int, int],
                  dilations: tuple[int, int], pad_value: float) -> tuple[np.ndarray, int, int]:
     """``x [N, C, H, W]`` -> ``[N*OH*OW, KH*KW*C]`` (channels fastest), and OH, OW."""
-    n, c, h, w = x.shape
+    n, c = x.shape[:2]
     kh, kw = kernel
-    xp = np.full((n, c, h + pads[0] + pads[2], w + pads[1] + pads[3]), pad_value, x.dtype)
-    xp[:, :, pads[0] : pads[0] + h, pads[1] : pads[1] + w] = x
-    oh = (xp.shape[2] - dilations[0] * (kh - 1) - 1) // strides[0] + 1
-    ow = (xp.shape[3] - dilations[1] * (kw - 1) - 1) // strides[1] + 1
+    xp, oh, ow = _padded(x, kernel, strides, pads, dilations, pad_value)
     cols = np.empty((n, oh, ow, kh, kw, c), x.dtype)
     for i in range(kh):
         for j in range(kw):
@@ -218,12 +226,9 @@ def im2col_rows_nhwc(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int,
                      rows: np.ndarray) -> np.ndarray:
     """The rows ``rows`` (flat indices into ``N*OH*OW``) of :func:`im2col_nhwc`, built without the others:
     ``[len(rows), KH*KW*C]`` (channels fastest).  Equal to ``im2col_nhwc(...)[0][rows]``."""
-    n, c, h, w = x.shape
+    n, c = x.shape[:2]
     kh, kw = kernel
-    xp = np.full((n, c, h + pads[0] + pads[2], w + pads[1] + pads[3]), pad_value, x.dtype)
-    xp[:, :, pads[0] : pads[0] + h, pads[1] : pads[1] + w] = x
-    oh = (xp.shape[2] - dilations[0] * (kh - 1) - 1) // strides[0] + 1
-    ow = (xp.shape[3] - dilations[1] * (kw - 1) - 1) // strides[1] + 1
+    xp, oh, ow = _padded(x, kernel, strides, pads, dilations, pad_value)
     b, rem = np.divmod(np.asarray(rows, np.int64), oh * ow)
     r, q = np.divmod(rem, ow)
     hi = r[:, None] * strides[0] + np.arange(kh)[None, :] * dilations[0]  # [R, KH]
