@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 TORCHVISION = "torchvision==0.28.0"
-ZOO_VERSION = "zoo-v1"  # bump when a builder, the BatchNorm warm-up or the export changes
+ZOO_VERSION = "zoo-v2"  # bump when a builder, the BatchNorm warm-up or the export changes
 
 TORCHVISION_MODELS = {
     "resnet18": {},
@@ -122,14 +122,15 @@ class SECNN:
 
 
 def build_torch(name: str, size: int) -> Any:
+    import torch
+
+    torch.manual_seed(0)  # the random weights are the same in every build (zoo-v1 was not seeded)
     if name == "se_cnn":
         return warm_batchnorm(SECNN.make(), size)
     tvm = torchvision_models()
     if name == "vit_6l":
-        import torch
         from torchvision.models.vision_transformer import VisionTransformer
 
-        torch.manual_seed(0)
         vit = VisionTransformer(image_size=size, patch_size=16, num_layers=6, num_heads=12, hidden_dim=768,
                                 mlp_dim=3072, num_classes=1000).eval()
         # torchvision zero-initialises the classification head (all logits 0 for any input): give it the scale
