@@ -82,6 +82,10 @@ DOCUMENTED: dict[str, dict[str, str]] = {
     "memory_estimate.json": {
         "title": "The memory guard's estimate vs the measured peak (SmolLM2, synthetic 1.1B / 7B LLaMA shapes)",
     },
+    "families_x86-vnni.json": {
+        "title": "Every decoder family layer-wise (INT4 RTN, random bf16 weights at published widths): peak memory "
+                 "and time at two depths; an unsupported family's refusal",
+    },
     "llm_layerwise.json": {
         "title": "Layer-wise INT4 of synthetic LLaMA-shaped checkpoints (random bf16 weights): peak memory",
         "cpu_class": "x86-vnni",
@@ -89,6 +93,9 @@ DOCUMENTED: dict[str, dict[str, str]] = {
                    "python eval/bench_llm_builder.py --part layerwise --shape 1.1b --layers 22 11 --algorithm gptq "
                    "--windows 8 512",
         "source": "README.md at commit bdaae52",
+    },
+    "int4_rotation_x86-vnni.json": {
+        "title": "INT4 SmolLM2-135M with and without the randomized Hadamard rotation (quantization.rotation)",
     },
 }
 
@@ -301,12 +308,13 @@ def _llm_builder(data: dict[str, Any]) -> list[str]:
 
 
 def _memory_estimate(data: dict[str, Any]) -> list[str]:
-    rows = [r for r in data["memory_estimate"] if "refused" not in r]
+    rows = [r for r in data["memory_estimate"] if "refused" not in r and not r.get("phase_only")]
     cols: list[Column] = [
         ("path", lambda r: (r.get("path") or "").split(",")[0].split(":")[0], "{}"),
         ("checkpoint GB", lambda r: r.get("checkpoint_GB") or r.get("fp32_GB"), "{:.2f}"),
         ("estimated GB", lambda r: r.get("estimated_GB"), "{:.2f}"),
         ("largest at", lambda r: r.get("peak_phase"), "{}"),
+        ("FP32 baseline", lambda r: _baseline_cell(r.get("fp32_baseline") or {}), "{}"),
         ("measured GB (report)", lambda r: r.get("measured_GB"), "{:.2f}"),
         ("measured GB (outside)", lambda r: r.get("tree_peak_GB"), "{:.2f}"),
         ("estimate vs measured", lambda r: r.get("estimate_over_measured"), "{:+.0%}"),
@@ -318,10 +326,143 @@ def _memory_estimate(data: dict[str, Any]) -> list[str]:
              "(outside): the command's process tree sampled every 0.1 s (the save included). Checkpoint: bf16 "
              "bytes of a synthetic folder, FP32 bytes otherwise.", "",
              *_table(["case"], [(f"`{r['case']}`", r) for r in rows], cols)]  # fmt: skip
+    for r in rows:
+        fb, lat = r.get("fp32_baseline") or {}, r.get("latency") or {}
+        if fb:
+            lines += ["", f"`{r['case']}`: FP32 baseline {fb.get('mode')} ({fb.get('why')})" + (
+                "; latency " + ", ".join(f"{k} {v['speedup']:.2f}x ({v['scope']})" for k, v in lat.items())
+                if lat else "; latency not measured") + "."]
+        ik = r.get("int4_kernel") or {}
+        if ik.get("how") == "measured":  # export.accuracy_level auto (quantkit.int4_kernel): its own sessions
+            lines[-1] += (f" The accuracy level was chosen by timing levels 4 and 0 on two sessions of the whole "
+                          f"quantized model ({(r.get('timings_s') or {}).get('accuracy_level_s', '?')} s); "
+                          f"phases estimated: {', '.join(r.get('phases_GB') or {})}.")
+        same = r.get("same_model_as_layerwise_true")
+        if same:
+            lines += ["", f"`{r['case']}` built again with `calibration.layerwise: true` ({same['wall_s']:.0f} s): "
+                      + ("the same model (sha256 of model.onnx and model.onnx.data)" if same["same"] else
+                         f"same weights: {same['same_weights']}, same graph up to the accuracy level: "
+                         f"{same['same_graph_up_to_accuracy_level']}") + "."]
     for r in data["memory_estimate"]:
+        if r.get("phase_only"):  # one phase measured alone (eval/bench_memory_estimate.py's docstring)
+            lines += ["", f"`{r['case']}` ({r.get('model')}): the streamed FP32 baseline's latency phase alone, in a "
+                      "fresh process per k:", "", "| k | estimated GB | measured GB | estimate vs measured | wall s |",
+                      "|---|---|---|---|---|"]
+            lines += [f"| {m['k']} of {m['blocks']} | {m['estimated_GB']:.2f} | {m['measured_GB']:.2f} | "
+                      f"{m['estimate_over_measured']:+.0%} | {m['wall_s']:.0f} |" for m in r["measurements"]]
         if "refused" in r:
             lines += ["", f"`{r['case']}`: exit {r['returncode']} after {r['wall_s']:.1f} s (interpreter start "
                       "included), before any work:", "", "```", r.get("announced") or "", r.get("error", ""), "```"]
+    return lines
+
+
+def _baseline_cell(fb: dict[str, Any]) -> str:
+    """``whole``, ``streamed (latency on k of L blocks)``, ``off`` - or empty for rows measured before the key."""
+    if not fb:
+        return ""
+    k = fb.get("latency_blocks")
+    return f"{fb.get('mode')}" + (f" (latency on {k} of {fb.get('blocks')} blocks)" if k else "")
+
+
+def _int4_rotation(data: dict[str, Any]) -> list[str]:
+    """eval/bench_rotation.py: FP32 exactness of the rotation, then INT4 runs with and without it."""
+    lines: list[str] = []
+    ex = data.get("fp32_exactness")
+    if ex:
+        pp = ex.get("perplexity", {})
+        lines += [f"FP32, built with the rotation vs without, {ex.get('tokens')} tokens of *Emma*: max |logit diff| "
+                  f"{_num(ex.get('max_abs_logit_diff'), '{:.2e}')} (logits up to {_num(ex.get('max_abs_logit'), '{:.1f}')}), "
+                  f"greedy tokens equal {_num(ex.get('greedy_agreement'), '{:.2%}')}, perplexity "
+                  f"{_num(pp.get('rotated'), '{:.4f}')} vs {_num(pp.get('plain'), '{:.4f}')}; the rotated FP32 model "
+                  f"built in {_num(ex.get('build_s'), '{:.0f}')} s.", "", f"Rotation: {ex.get('rotation_note')}.", ""]
+    runs = data.get("runs") or []
+    texts = [t for t in ("emma", "pydoc", "northangerabbey") if any(t in (r.get("perplexity") or {}) for r in runs)]
+
+    def ppl(text: str, which: str) -> Callable[[dict[str, Any]], Any]:
+        return lambda r: _get(r, "perplexity", text, which)
+
+    def increase(text: str) -> Callable[[dict[str, Any]], Any]:
+        def f(r: dict[str, Any]) -> Any:
+            q, f32 = _get(r, "perplexity", text, "quantized"), _get(r, "perplexity", text, "fp32")
+            return q / f32 - 1 if q is not None and f32 else None
+        return f
+
+    cols: list[Column] = [("algorithm", lambda r: r.get("algorithm"), "{}"),
+                          ("rotation", lambda r: r.get("rotation"), "{}"), ("seed", lambda r: r.get("seed"), "{}")]
+    for t in texts:
+        cols += [(f"{t} FP32", ppl(t, "fp32"), "{:.3f}"), (f"{t} INT4", ppl(t, "quantized"), "{:.3f}"),
+                 (f"{t} vs FP32", increase(t), "{:+.1%}")]
+    cols += [("size x FP32", lambda r: r.get("size_ratio"), "{:.3f}"),
+             ("decode ms/token INT4", lambda r: _get(r, "latency_ms", "decode", "quantized"), "{:.2f}"),
+             ("decode ms/token FP32 (same run)", lambda r: _get(r, "latency_ms", "decode", "fp32"), "{:.2f}"),
+             ("quantize s", lambda r: r.get("quantize_s"), "{:.0f}"),
+             ("wall s", lambda r: r.get("wall_s"), "{:.0f}"),
+             ("load (1 min) before / after", lambda r: f"{(r.get('load_before') or [0])[0]:.1f} / "
+                                                      f"{(r.get('load_after') or [0])[0]:.1f}", "{}")]
+    if runs:
+        lines += _table(["run"], [(f"`{r.get('run')}`", r) for r in runs], cols)
+    kinds = [k for k in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+             if any(k in (r.get("output_sqnr_db") or {}) for r in runs)]
+    if kinds:
+        lines += ["", "Mean output SQNR of each kind of layer on its calibration inputs (dB; the report's per-layer "
+                  "`output_sqnr_db`, runs with statistics):", "",
+                  *_table(["run"], [(f"`{r.get('run')}`", r) for r in runs if r.get("output_sqnr_db")],
+                          [(k, lambda r, k=k: _get(r, "output_sqnr_db", k), "{:.2f}") for k in kinds])]  # fmt: skip
+    online = data.get("online_rotation_cost")
+    if online:
+        lines += ["", f"An online Hadamard transform of every down_proj's input, inserted into the `{online.get('model')}` "
+                  f"model for timing only ({online.get('threads')} threads, median of {online.get('rounds')} "
+                  f"interleaved rounds; prefill of {online.get('prompt')} tokens, then {online.get('tokens')} decoded; "
+                  f"load {(online.get('load') or [0])[0]:.1f}):", "", "| graph | prefill ms | decode ms/token |",
+                  "|---|---|---|"]  # fmt: skip
+        for k, v in online.items():
+            if isinstance(v, dict) and "decode_ms" in v:
+                lines.append(f"| {k} | {_num(v.get('prefill_ms'), '{:.1f}')} | {_num(v.get('decode_ms'), '{:.2f}')} |")
+    return lines
+
+
+def _families(data: dict[str, Any]) -> list[str]:
+    """eval/bench_families.py: one row per family and depth; the refusal of an unsupported family."""
+    rows = data.get("families") or []
+    smallest = {}
+    for r in rows:
+        if r["family"] not in smallest or r["layers"] < smallest[r["family"]]["layers"]:
+            smallest[r["family"]] = r
+
+    def vs_small(r: dict[str, Any]) -> Any:
+        base = smallest[r["family"]]
+        return None if base is r else r["tree_peak_GB"] / base["tree_peak_GB"] - 1
+
+    cols: list[Column] = [
+        ("shape of", lambda r: r.get("from"), "{}"),
+        ("layers", lambda r: r.get("layers"), "{}"),
+        ("params M", lambda r: r.get("params_M"), "{:.0f}"),
+        ("bf16 checkpoint GB", lambda r: r.get("checkpoint_GB"), "{:.2f}"),
+        ("INT4 output GB", lambda r: r.get("output_GB"), "{:.2f}"),
+        ("wall s", lambda r: r.get("wall_s"), "{:.0f}"),
+        ("peak GB (outside)", lambda r: r.get("tree_peak_GB"), "{:.2f}"),
+        ("peak vs fewer layers", vs_small, "{:+.0%}"),
+        ("measured GB (report)", lambda r: r.get("measured_GB"), "{:.2f}"),
+        ("estimated GB", lambda r: r.get("estimated_GB"), "{:.2f}"),
+        ("largest at", lambda r: r.get("peak_phase"), "{}"),
+        ("estimate vs measured", lambda r: r.get("estimate_over_measured"), "{:+.0%}"),
+        ("load (1 min) at start", lambda r: (r.get("load_start") or [None])[0], "{:.1f}"),
+    ]
+    lines = ["`quantkit calibrate --no-latency` with `calibration.layerwise: true`, int4, RTN, group 128, two 64-token "
+             "windows of random token ids, no perplexity; a folder of random bf16 weights at the width of the "
+             "published checkpoint named (its config.json values), at two depths. Wall: the whole command (start, "
+             "build, quantization, save). Peak (outside): the command's process tree sampled every 0.1 s; measured "
+             "(report): quantkit's own (`memory.measured_peak_bytes`); estimated: printed at the start "
+             "(`memory.estimated_peak_bytes`). Random weights: the tokens are meaningless, the memory and time are "
+             "not.", "", *_table(["family"], [(f"`{r['family']}`", r) for r in rows], cols)]  # fmt: skip
+    ref = data.get("refusal")
+    if ref:
+        lines += ["", f"Refusal of an unsupported family: `{ref['command']}` exits {ref['returncodes']} in "
+                  f"{ref['median_s']:.2f} s (median of {len(ref['wall_s'])} runs of the whole command: "
+                  f"{', '.join(f'{w:.2f}' for w in ref['wall_s'])} s; load {ref['load_start'][0]:.1f} at the "
+                  f"start, {ref['date']}); heavy modules imported before it: "
+                  f"{', '.join(ref['heavy_modules_imported']) or 'none'} (of {', '.join(ref['heavy_checked'])}):", "",
+                  "```", ref["error"], "```"]  # fmt: skip
     return lines
 
 
@@ -350,10 +491,15 @@ def body(name: str, data: Any) -> list[str]:
         return _methods_table(data["results"])
     if isinstance(data, dict) and isinstance(data.get("memory_estimate"), list):
         return _memory_estimate(data)
+    if isinstance(data, dict) and isinstance(data.get("families"), list):
+        return _families(data)
     if isinstance(data, dict) and isinstance(data.get("rows"), list) and data["rows"] and "methods" in data["rows"][0]:
         return _zoo(data)
     if isinstance(data, dict) and isinstance(data.get("rows"), list):
         return _residual_cnn(data)
+    if isinstance(data, dict) and ("fp32_exactness" in data or (
+            isinstance(data.get("runs"), list) and data["runs"] and "rotation" in data["runs"][0])):
+        return _int4_rotation(data)
     if isinstance(data, dict) and "quantkit_loop_alone" in data:
         return _decode_vs_genai(data)
     if isinstance(data, dict) and ("smollm2" in data or "synthetic" in data):

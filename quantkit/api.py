@@ -89,6 +89,11 @@ def quantize(
             check_layerwise_plan(rec)
         # streamed block by block (bounded memory) or the whole graph, whose estimate must fit: before any work
         route = choose_route(model, rec, check_memory=rec.search is None)
+        if not route.layerwise and rec.quantization.rotation != "none":
+            raise RecipeError(f"quantization.rotation {rec.quantization.rotation!r} is folded into a decoder's weights "
+                              f"as they stream block by block, and this run takes the whole-graph path "
+                              f"({route.reason}); allowed here: quantization.rotation: none (or a decoder of a "
+                              "rotation-invariant family, calibration.layerwise: auto or true)")  # fmt: skip
         if route.layerwise:
             result: Any = run_layerwise(model, calibration_data, rec, evaluation_data=evaluation_data,
                                         evaluate=evaluate, measure_latency=measure_latency, progress=progress,
@@ -121,20 +126,33 @@ def _quantize_whole(model: Any, calibration_data: Any, rec: RecipeModel, evaluat
     loaded, float_model, cal = load_inputs(model, calibration_data, rec, example_inputs=example_inputs,
                                            progress=progress, timings=timings)
 
+    decided: dict[str, Any] = {}  # the MatMulNBits accuracy_level of the first run: a guard's re-run keeps it
+    from quantkit.formats.base import Artifacts
+
+    artifacts = Artifacts()  # a second plan (the latency guard's) reuses the calibrated ranges in memory
+
     def run(plan: PrecisionPlan) -> QuantizeResult:
         return run_plan(loaded, float_model, plan, cal, evaluation_data=evaluation_data, evaluate=evaluate,
                         measure_latency=measure_latency, progress=progress, use_cache=use_cache,
-                        timings=dict(timings), t_start=t_start)
+                        timings=dict(timings), t_start=t_start, int4_decided=decided.get("int4_kernel"),
+                        artifacts=artifacts)
 
     result = run(PrecisionPlan.from_recipe(rec))
-    if (result.report.get("latency") or {}).get("speedup", 1.0) < 1.0 and rec.report.latency.guard:
+    decided["int4_kernel"] = result.report.get("int4_kernel")
+    if rec.report.latency.guard and result.report.get("latency"):  # the guard times what the run timed
         import onnx_ir as ir
 
         from quantkit.guard import apply_latency_guard
         from quantkit.pipeline import first_feed
+        from quantkit.run import execute
+
+        def lower(plan: PrecisionPlan) -> bytes:  # the guard's candidate, lowered only (a winner is re-run in full)
+            return ir.to_proto(execute(float_model, plan, cal, progress=False, use_cache=use_cache,
+                                       artifacts=artifacts)[1].model).SerializeToString()
 
         result = apply_latency_guard(result, run, first_feed(cal, rec.report.latency.batch_size),
-                                     float_bytes=ir.to_proto(result.float_model).SerializeToString())
+                                     float_bytes=ir.to_proto(result.float_model).SerializeToString(),
+                                     use_cache=use_cache and rec.calibration.cache, lower=lower)
     return result
 
 

@@ -204,10 +204,45 @@ def _load(args: argparse.Namespace) -> Any:
     return rec
 
 
+def _refuse_unbuildable_decoder(args: argparse.Namespace) -> None:
+    """``calibration.layerwise: true`` on a Hugging Face folder: its ``config.json`` is checked against the decoder
+    families (:func:`quantkit.frontends.families.read_config`: the ``model_type`` and every value the builder relies
+    on) before onnx, onnx_ir, onnxruntime, torch or transformers are imported and before any tokenization or
+    calibration, so an unsupported family is refused at once (exit 2), naming the supported ``model_type`` values and
+    what to try instead.  It reports only what the full run would refuse anyway (the same check, the same message);
+    anything it cannot decide from the recipe file alone - an unreadable recipe, another source, ``layerwise`` not
+    literally true - is left to the full run."""
+    from quantkit.frontends.families import read_config
+    from quantkit.recipe.load import _resolve_one, safe_load_yaml
+
+    path = Path(args.recipe)
+    try:
+        data = safe_load_yaml(path.read_text(encoding="utf-8"), str(path))
+    except (OSError, UnicodeDecodeError, QuantkitError):
+        return
+    if not isinstance(data, dict):
+        return
+    cal, model = data.get("calibration"), data.get("model")
+    if not isinstance(cal, dict) or cal.get("layerwise") is not True:
+        return
+    if args.model:
+        source = args.model  # as _override sets it: relative to the working directory
+    elif isinstance(model, dict) and isinstance(model.get("source"), str):
+        try:
+            source = _resolve_one(model["source"], path.resolve().parent, "model.source", str(path))
+        except QuantkitError:
+            return
+    else:
+        return
+    if Path(source).is_dir():  # as quantkit.llm_run.resolve_llm_folder finds the folder
+        read_config(source)
+
+
 def _calibrate(args: argparse.Namespace) -> int:
+    _refuse_unbuildable_decoder(args)  # before the imports below (about 1.5 s of them)
     from quantkit.api import quantize
     from quantkit.recipe.load import recipe_inputs
-    from quantkit.report.build import latency_per
+    from quantkit.report.build import greedy_line, int4_kernel_line, latency_per, w4a8_line
     from quantkit.report.output import check_output_dir
 
     rec = _load(args)
@@ -255,6 +290,12 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"size: {rep['size']['fp32_bytes'] / 2**20:.1f} MiB -> {rep['size']['quantized_bytes'] / 2**20:.1f} MiB "
         f"({rep['size']['ratio']:.3f})"
     )
+    if rep.get("int4_kernel"):
+        print(int4_kernel_line(rep["int4_kernel"]))
+    if rep.get("w4a8_check"):
+        print(w4a8_line(rep["w4a8_check"], rep.get("int4_kernel")))
+    if "greedy_agreement" in q:
+        print(greedy_line(q["greedy_agreement"]))
     kern = rep.get("kernels") or {}
     if kern:
         tgt, cpu, chk = kern.get("target", {}), kern.get("cpu", {}), kern.get("check")

@@ -1,95 +1,463 @@
-"""Never slower than FP32: float islands chosen by measured latency.
+"""Never slower than FP32: float islands chosen by measured latency, robustly.
 
-An int8 kernel is not always faster than its float twin on a given CPU: ONNX Runtime's int8 depthwise
-convolutions, a stem convolution over 3 input channels, or a convolution whose float version absorbs its
-activation for free can each cost more than FP32 (see ``docs/int8-lowering.md``).  When the emitted model
-*measures* slower than FP32 in the run's own latency comparison, this guard:
+An int8 kernel is not always faster than its float twin on a given CPU: ONNX Runtime's int8 convolution over
+3 input channels (a CNN's stem) runs ~4x slower than the float NCHWc one on x86 (AVX512-VNNI: 311 vs 82 us on
+MobileNetV3-Small), int8 depthwise convolutions are often slower than float ones, and a float convolution
+absorbs its activation for free where the int8 chain pays a ``QLinearAdd`` + ``QLinearMul`` per HardSwish
+(see ``docs/int8-lowering.md``).  For a static-INT8 plan with GEMM-like int8 layers (Conv, Gemm, MatMul) this
+guard, on by default (``report.latency.guard``):
 
-1. profiles the FP32 and the quantized model on the latency feed (ONNX Runtime's profiler, per node,
-   attributed to the model's layers: :mod:`quantkit.search.profile`);
-2. takes every static-int8 GEMM-like layer (Conv, Gemm, MatMul) whose int8 kernel time exceeds its
-   float time, and re-runs the same plan with exactly those layers kept in float (the calibration
-   statistics come from the cache);
-3. ships whichever of the two models measured faster against FP32, and records both measurements, the
-   per-layer times and the layers kept in float in the report (``latency_guard``).
+1. **profiles per region**, FP32 against int8, in :data:`PROFILE_ROUNDS` interleaved rounds (ONNX Runtime's
+   profiler, per node: :mod:`quantkit.search.profile`).  A layer's *region* is the layer, the nodes after it
+   that read only its output (its activation, a HardSwish's ``Add`` + ``Mul``, a pool) up to the next
+   GEMM-like node, and the ``QuantizeLinear`` that feeds it from a float producer or a graph input
+   (:func:`layer_regions`): what keeping the layer in float would remove.  A region is *slower in int8* only
+   when its int8 time exceeds its float time in **every** round (:func:`slow_regions`);
+2. builds at most two candidates - the slower regions where an int8 chain *starts* (their region holds the
+   QuantizeLinear of their input: in float they also drop that Q, and the Q of their output replaces it, so
+   they add no float island inside a chain; typically the stem), then all slower regions - each only when it
+   removes at least :data:`AB_MARGIN` of the int8 model's kernel time (less could not pass the A/B below).
+   Each candidate is the same plan with those layers kept in float (lowered only, reusing the calibrated ranges
+   in memory; chain rules keep the float island's glue in float too), plus the int8 chains that this leaves
+   *stranded* and that measured no faster in int8 than in float (:func:`stranded_layers`: a squeeze-excite
+   branch between float convolutions); a candidate whose ONNX Runtime graph holds more stray Q/DQ than the
+   all-int8 model's is dropped.  The rest are **timed against the all-int8
+   model** in one A/B of :data:`AB_ROUNDS` interleaved rounds (:func:`ab_compare`); a candidate is faster only
+   when it wins at least :data:`AB_MIN_WINS` of the rounds *and* its median time is at least :data:`AB_MARGIN`
+   below the all-int8 one; the smaller winner ships unless the larger one beats it by the same rule (ties go
+   to fewer float layers); it is re-run in full (census, kernel check, evaluation) and ships; a tie with the
+   all-int8 model keeps the all-int8 model (the default);
+3. records everything in the report (``latency_guard``: per-region times and ratios, the A/B rounds, the
+   decision and why).
 
-Nothing is decided by model name or by a constant tuned to one model: the decision is the measured
-per-layer comparison on this CPU.  It is opt-in (``report.latency.guard: true``): a decision by measured
-time follows the machine's timing noise, so two runs near the threshold may ship different models.
+Determinism: what ships is decided by measurements, so the rules are built to give the same answer on every
+run in normal conditions (an unloaded or evenly loaded machine).  A region is a candidate only on a
+unanimous per-round verdict, and the A/B takes a sign test plus a margin, so a layer whose int8 and float
+times are within the noise is never flipped back and forth - ties go to the all-int8 model.  The decision is
+also cached (``<cache>/guard/``), keyed by the sha256 of the all-int8 model, the CPU, the ONNX Runtime version,
+the thread count and the feed shape: a rerun on the same machine that builds the same int8 model ships the
+same float layers without measuring again (``--no-cache`` measures afresh).  Nothing is decided by model name
+or by a constant tuned to one model: the verdict is this CPU's measured per-region comparison.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
-from collections.abc import Callable
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+import numpy as np
 
 log = logging.getLogger("quantkit")
 
-__all__ = ["GEMM_LIKE", "apply_latency_guard", "layer_times", "slow_int8_layers"]
+__all__ = [
+    "AB_MARGIN", "AB_MIN_WINS", "AB_ROUNDS", "GEMM_LIKE", "PROFILE_ROUNDS", "TOTAL", "ab_compare",
+    "apply_latency_guard", "layer_regions", "layer_times", "slow_int8_layers", "slow_regions", "stranded_layers",
+]
 
 GEMM_LIKE = ("Conv", "Gemm", "MatMul")
+
+PROFILE_ROUNDS = 3
+"""Interleaved profile rounds (FP32, int8, FP32, int8, ...): a region is slower in int8 only when it is in every
+round (a one-sided sign test at 1/8 for a region whose two times are equal, before the A/B confirms it)."""
+PROFILE_RUNS = 10
+"""Measured runs per profile (after 3 warm-up runs); each round's node time is the median over them."""
+AB_ROUNDS = 10
+"""Interleaved rounds of the final A/B (all-int8 against guarded, FP32 timed alongside for the report)."""
+AB_MIN_WINS = 8
+"""Rounds of :data:`AB_ROUNDS` the guarded model must win (sign test: 8 of 10 happens by chance with
+probability 0.055 when the two models are equally fast)."""
+AB_MARGIN = 0.02
+"""... and its median time must be at least this fraction below the all-int8 model's."""
+
+
+def layer_regions(model: Any, layers: Iterable[str], int8_nodes: Iterable[str] = ()) -> dict[str, list[str]]:
+    """``layer -> names of the nodes whose cost goes with it`` in ``model`` (the prepared float graph, whose node
+    names the quantized model keeps): the layer itself, every node downstream whose activation inputs all come
+    from the layer's region (its activation, HardSwish's ``HardSigmoid`` + ``Mul``, a pool, a reshape), up to the
+    next GEMM-like node; and ``<tensor>_QuantizeLinear``, the quantization of its input when the int8 chain starts
+    at the layer (the input is a graph input, or its producer is not one of ``int8_nodes`` nor a Relu/Clip
+    after one)."""
+    from quantkit.lowering.select import constant_array
+    from quantkit.ops import ABSORBABLE
+
+    wanted = set(layers)
+    quantized = set(int8_nodes) | wanted
+    regions: dict[str, list[str]] = {name: [name] for name in wanted}
+    owner: dict[int, str] = {}
+    for node in model.graph:
+        name = node.name or ""
+        if name in wanted:
+            x = node.inputs[0] if node.inputs else None
+            p = x.producer() if x is not None else None
+            if p is not None and p.op_type in ABSORBABLE and p.inputs and p.inputs[0] is not None:
+                p = p.inputs[0].producer() or p
+            if x is not None and x.name and (p is None or (p.name or "") not in quantized):
+                regions[name].append(f"{x.name}_QuantizeLinear")
+            for v in node.outputs:
+                owner[id(v)] = name
+            continue
+        if node.op_type in GEMM_LIKE:
+            continue
+        owners = {owner.get(id(v)) for v in node.inputs if v is not None and constant_array(v) is None}
+        if len(owners) == 1 and None not in owners:
+            o = owners.pop()
+            assert o is not None
+            regions[o].append(name)
+            for v in node.outputs:
+                owner[id(v)] = o
+    return regions
+
+
+def _region_ms(prof: Any, regions: Mapping[str, list[str]], aliases: Mapping[str, str] | None) -> dict[str, float]:
+    names = sorted({n for r in regions.values() for n in r})
+    by_node = prof.by_layer(names, aliases=aliases)
+    return {layer: sum(by_node.get(n, 0.0) for n in nodes) for layer, nodes in regions.items()}
+
+
+TOTAL = "<int8 model>"
+"""Key of :func:`region_times` for the quantized model's whole kernel time (the sum of its node medians)."""
+
+
+def region_times(float_bytes: bytes, quant_bytes: bytes, float_model: Any, layers: list[str],
+                 feed: dict[str, Any], *, threads: int | None, rounds: int = PROFILE_ROUNDS,
+                 runs: int = PROFILE_RUNS, int8_nodes: Iterable[str] = ()) -> dict[str, list[tuple[float, float]]]:
+    """``layer -> [(fp32 ms, int8 ms) per round]``: each round profiles the float and the quantized model once
+    (interleaved) and sums the median kernel times of each layer's region (:func:`layer_regions`); under
+    :data:`TOTAL`, both models' whole kernel time."""
+    from quantkit.search.cost import output_aliases
+    from quantkit.search.profile import profile_model
+
+    regions = layer_regions(float_model, layers, int8_nodes)
+    aliases = output_aliases(float_model, sorted({n for r in regions.values() for n in r}))
+    out: dict[str, list[tuple[float, float]]] = {name: [] for name in [*layers, TOTAL]}
+    for _ in range(rounds):
+        pf = profile_model(float_bytes, feed, runs=runs, warmup=3, threads=threads)
+        pq = profile_model(quant_bytes, feed, runs=runs, warmup=3, threads=threads)
+        f, q = _region_ms(pf, regions, aliases), _region_ms(pq, regions, None)
+        for name in layers:
+            out[name].append((f[name], q[name]))
+        out[TOTAL].append((pf.node_sum_ms, pq.node_sum_ms))
+    return out
+
+
+def slow_regions(times: Mapping[str, list[tuple[float, float]]]) -> dict[str, tuple[float, float]]:
+    """The layers whose region took longer in int8 than in float in every round, with the median times."""
+    slow = {}
+    for name, rows in times.items():
+        if name != TOTAL and rows and all(f > 0.0 and q > f for f, q in rows):
+            slow[name] = (float(np.median([f for f, _ in rows])), float(np.median([q for _, q in rows])))
+    return slow
 
 
 def layer_times(float_bytes: bytes, quant_bytes: bytes, float_model: Any, layers: list[str],
                 feed: dict[str, Any], *, threads: int | None, runs: int = 20) -> dict[str, tuple[float, float]]:
-    """``layer -> (fp32 ms, int8 ms)``: the median kernel time of each layer's node(s) in the float model and
-    of its int8 kernel (the fused node and the helper nodes named after it) in the quantized one."""
-    from quantkit.search.cost import output_aliases
-    from quantkit.search.profile import profile_model
-
-    f = profile_model(float_bytes, feed, runs=runs, warmup=5, threads=threads)
-    q = profile_model(quant_bytes, feed, runs=runs, warmup=5, threads=threads)
-    fb = f.by_layer(layers, aliases=output_aliases(float_model, layers))
-    qb = q.by_layer(layers)
-    return {name: (fb[name], qb[name]) for name in layers}
+    """``layer -> (fp32 ms, int8 ms)``: the median time of each layer's region (:func:`layer_regions`) in the
+    float and in the quantized model, one profile each."""
+    times = region_times(float_bytes, quant_bytes, float_model, layers, feed, threads=threads, rounds=1, runs=runs)
+    return {name: rows[0] for name, rows in times.items() if name != TOTAL}
 
 
 def slow_int8_layers(float_bytes: bytes, quant_bytes: bytes, float_model: Any, layers: list[str],
-                     feed: dict[str, Any], *, threads: int | None, runs: int = 20) -> dict[str, tuple[float, float]]:
-    """The entries of :func:`layer_times` whose int8 kernel took longer than the float node(s)."""
-    times = layer_times(float_bytes, quant_bytes, float_model, layers, feed, threads=threads, runs=runs)
-    return {name: (f, q) for name, (f, q) in times.items() if f > 0.0 and q > f}
+                     feed: dict[str, Any], *, threads: int | None, runs: int = PROFILE_RUNS,
+                     rounds: int = PROFILE_ROUNDS) -> dict[str, tuple[float, float]]:
+    """The layers whose region is slower in int8 than in float in every one of ``rounds`` profiles
+    (:func:`region_times`, :func:`slow_regions`), with their median ``(fp32 ms, int8 ms)``."""
+    return slow_regions(region_times(float_bytes, quant_bytes, float_model, layers, feed, threads=threads,
+                                     rounds=rounds, runs=runs))
+
+
+def ab_compare(blobs: Mapping[str, bytes], feed: dict[str, Any], *, threads: int | None, rounds: int = AB_ROUNDS,
+               per_round: int = 3, warmup: int = 3) -> dict[str, list[float]]:
+    """``name -> [median ms of each round]``: every model run ``per_round`` times per round, the models
+    interleaved in each round (so that machine noise hits them alike) and their order rotated between rounds."""
+    from quantkit.evaluate.latency import make_session
+
+    sessions = {k: make_session(b, threads=threads) for k, b in blobs.items()}
+    for s in sessions.values():
+        for _ in range(warmup):
+            s.run(None, dict(feed))
+    names = list(sessions)
+    out: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for k in order:
+            ts = []
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                sessions[k].run(None, dict(feed))
+                ts.append((time.perf_counter() - t0) * 1e3)
+            out[k].append(float(np.median(ts)))
+    return out
+
+
+def ab_verdict(int8_ms: list[float], guarded_ms: list[float]) -> tuple[bool, int, float]:
+    """``(guarded is faster, rounds it won, median of its per-round time ratios to all-int8)``: faster means at
+    least :data:`AB_MIN_WINS` wins of :data:`AB_ROUNDS` (scaled to the rounds run) and a median ratio at most
+    ``1 - AB_MARGIN``."""
+    ratios = [g / i for i, g in zip(int8_ms, guarded_ms, strict=True) if i > 0]
+    wins = sum(1 for r in ratios if r < 1.0)
+    need = int(np.ceil(AB_MIN_WINS * len(ratios) / AB_ROUNDS))
+    med = float(np.median(ratios)) if ratios else 1.0
+    return bool(ratios) and wins >= need and med <= 1.0 - AB_MARGIN, wins, med
+
+
+def _cache_path(quant_bytes: bytes, feed: Mapping[str, Any], threads: int | None) -> Any:
+    import onnxruntime as ort
+
+    from quantkit.frontends.cache import cache_dir
+    from quantkit.search.cost import _cpu
+
+    key = json.dumps({"model": hashlib.sha256(quant_bytes).hexdigest(), "cpu": _cpu(), "cores": os.cpu_count(),
+                      "ort": ort.__version__, "threads": threads,
+                      "feed": {k: list(np.shape(v)) for k, v in sorted(feed.items())}, "version": 1},
+                     sort_keys=True)
+    return cache_dir() / "guard" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def _load_decision(path: Any) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("float_layers"), list) else None
+
+
+def _save_decision(path: Any, record: Mapping[str, Any]) -> None:
+    from quantkit.frontends.cache import atomic_write_bytes
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, json.dumps(record, sort_keys=True, default=str).encode())
+    except OSError as exc:
+        log.warning("cannot write the latency guard's decision to %s (%s); carrying on", path, exc)
+
+
+def _ms(rows: list[float]) -> float:
+    return float(np.median(rows)) if rows else float("nan")
 
 
 def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str, Any], *,
-                        float_bytes: bytes) -> Any:
-    """The guard of the module doc.  ``result``: a :class:`quantkit.run.QuantizeResult` whose report holds
-    the run's latency; ``rerun(plan)`` executes another plan the same way; ``feed``: the latency feed."""
-    rep = result.report
-    lat = rep.get("latency") or {}
+                        float_bytes: bytes, use_cache: bool = True,
+                        lower: Callable[[Any], bytes] | None = None) -> Any:
+    """The guard of the module doc.  ``result``: a :class:`quantkit.run.QuantizeResult` of the recipe's plan;
+    ``rerun(plan)`` executes another plan the same way (lowering, census, kernel check, evaluation, report);
+    ``lower(plan)``, when given, only lowers it (the serialized model): the A/B times that candidate and only
+    a winner is re-run in full; ``feed``: the latency feed.  Returns the result to ship (``result`` itself, or
+    the rerun with the slower layers in float), with ``latency_guard`` in its report."""
     rec = result.recipe
-    speedup = lat.get("speedup")
-    if not rec.report.latency.guard or speedup is None or speedup >= 1.0 or result.precision is None:
+    if not rec.report.latency.guard or result.precision is None:
         return result
     layers = [n for n, lp in result.plan.layers.items() if lp.op_type in GEMM_LIKE and lp.format == "int8"]
     if not layers:
         return result
     import onnx_ir as ir
 
-    slow = slow_int8_layers(float_bytes, ir.to_proto(result.model).SerializeToString(), result.float_model,
-                            layers, feed, threads=rec.report.latency.threads)
-    record: dict[str, Any] = {"first_speedup": speedup, "slower_int8_layers": {
-        k: {"fp32_ms": v[0], "int8_ms": v[1]} for k, v in sorted(slow.items())}}
-    if not slow:
-        record["decision"] = "no int8 layer measured slower than its float version: the model is kept as built"
-        rep["latency_guard"] = record
+    threads = rec.report.latency.threads
+    quant_bytes = ir.to_proto(result.model).SerializeToString()
+    path = _cache_path(quant_bytes, feed, threads)
+    cached = _load_decision(path) if use_cache else None
+    record: dict[str, Any]
+    if cached is not None and set(cached["float_layers"]) <= set(layers):
+        record = {**cached, "cached": str(path)}
+        float_layers = list(cached["float_layers"])
+        log.info("latency guard: the decision for this int8 model on this machine is cached (%s): %s", path,
+                 f"{len(float_layers)} layer(s) in float" if float_layers else "all layers int8")
+        if not float_layers:
+            result.report["latency_guard"] = record
+            return result
+        second = rerun(_float_plan(result, float_layers))
+        second.report["latency_guard"] = record
+        return second
+
+    t0 = time.perf_counter()
+    int8_nodes = _int8_nodes(result.plan)
+    times = region_times(float_bytes, quant_bytes, result.float_model, layers, feed, threads=threads,
+                         int8_nodes=int8_nodes)
+    slow = slow_regions(times)
+    record = {
+        "rule": (f"region slower in int8 than in float in all {PROFILE_RUNS}-run profiles of {PROFILE_ROUNDS} "
+                 f"rounds; a candidate (the slower regions where an int8 chain starts, then all slower regions) is "
+                 f"tried when it removes >= {AB_MARGIN:.0%} of the int8 kernel time, and ships when it wins >= "
+                 f"{AB_MIN_WINS} of {AB_ROUNDS} interleaved rounds against the all-int8 model by a median margin "
+                 f">= {AB_MARGIN:.0%}"),
+        "slower_int8_layers": {k: {"fp32_ms": v[0], "int8_ms": v[1],
+                                   "rounds": [[round(f, 4), round(q, 4)] for f, q in times[k]]}
+                               for k, v in sorted(slow.items())},
+        "first_speedup": (result.report.get("latency") or {}).get("speedup"),
+    }
+    total = float(np.median([q for _, q in times[TOTAL]]))
+    record["int8_kernel_ms"] = total
+    regions = layer_regions(result.float_model, sorted(slow), int8_nodes)
+    entry = sorted(k for k in slow if any(n.endswith("_QuantizeLinear") for n in regions[k]))
+    medians = {k: (float(np.median([f for f, _ in v])), float(np.median([q for _, q in v])))
+               for k, v in times.items() if k != TOTAL}
+    candidates: dict[str, list[str]] = {}
+    stranded: dict[str, list[str]] = {}
+    for key, names in (("chain_entry", entry), ("all_slower", sorted(slow))):
+        excess = sum(slow[k][1] - slow[k][0] for k in names)
+        if not names or excess < AB_MARGIN * total:
+            continue
+        extra = stranded_layers(result.float_model, _float_plan(result, names), medians)
+        full = sorted({*names, *extra})
+        if full not in candidates.values():
+            candidates[key] = full
+            stranded[key] = sorted(extra)
+    record["candidates"] = {k: {"float_layers": v, "stranded": stranded[k],
+                                "excess_ms": sum(slow[n][1] - slow[n][0] for n in v if n in slow)}
+                            for k, v in candidates.items()}
+    if not candidates:
+        excess = sum(q - f for f, q in slow.values())
+        record.update(float_layers=[], decision=(
+            "no layer's region measured slower in int8 than in float in every round: the model is kept as built"
+            if not slow else
+            f"kept all layers int8: the {len(slow)} region(s) slower in int8 add {excess:.3f} ms to the int8 model's "
+            f"{total:.3f} ms of kernels, less than the A/B margin ({AB_MARGIN:.0%}) - nothing to try"))
+        record["guard_s"] = round(time.perf_counter() - t0, 2)
+        result.report["latency_guard"] = record
+        if use_cache:
+            _save_decision(path, record)
         return result
-    log.info("latency guard: the int8 model measured %.2fx FP32; %d layer(s) whose int8 kernel is slower than "
-             "float are tried in float: %s", speedup, len(slow), ", ".join(sorted(slow)[:8]))
-    plan = result.precision.choose({k: dataclasses.replace(result.plan.layers[k], format="fp32") for k in slow})
-    second = rerun(plan)
-    s2 = (second.report.get("latency") or {}).get("speedup")
-    record["second_speedup"] = s2
-    chosen = second if s2 is not None and s2 > speedup else result
-    record["decision"] = (f"shipped with {len(slow)} layer(s) in float ({s2:.2f}x FP32 instead of {speedup:.2f}x)"
-                          if chosen is second else
-                          f"kept all layers int8: keeping the slower layers in float measured {s2:.2f}x FP32, "
-                          f"no better than {speedup:.2f}x")
+    log.info("latency guard: %d layer region(s) measured slower in int8 than in float in every round; trying in "
+             "float: %s", len(slow), "; ".join(f"{k}: {', '.join(v[:6])}" for k, v in candidates.items()))
+    built: dict[str, Any] = {}
+    blobs = {"fp32": float_bytes, "int8": quant_bytes}
+    base_stray = _stray_count(quant_bytes)
+    for key, names in list(candidates.items()):
+        plan = _float_plan(result, names)
+        if lower is not None:
+            blob = lower(plan)
+        else:
+            built[key] = rerun(plan)
+            blob = ir.to_proto(built[key].model).SerializeToString()
+        n_stray = _stray_count(blob)
+        if n_stray > base_stray:  # ORT's graph around the float layers would hold Q/DQ round trips: not shipped
+            record["candidates"][key]["rejected"] = (f"{n_stray} stray Q/DQ in ONNX Runtime's graph (the all-int8 "
+                                                     f"model has {base_stray})")
+            del candidates[key]
+            continue
+        blobs[key] = blob
+    if not candidates:
+        record.update(float_layers=[], decision="kept all layers int8: every candidate left stray Q/DQ in ONNX "
+                                                "Runtime's graph")
+        record["guard_s"] = round(time.perf_counter() - t0, 2)
+        result.report["latency_guard"] = record
+        if use_cache:
+            _save_decision(path, record)
+        return result
+    ab = ab_compare(blobs, feed, threads=threads)
+    f32, i8 = _ms(ab["fp32"]), _ms(ab["int8"])
+    record["ab"] = {"rounds_ms": {k: [round(x, 4) for x in v] for k, v in ab.items()}, "fp32_ms": f32,
+                    "int8_ms": i8, "int8_speedup": f32 / i8 if i8 > 0 else None}
+    best: tuple[float, str] | None = None
+    for key in candidates:
+        faster, wins, ratio = ab_verdict(ab["int8"], ab[key])
+        gd = _ms(ab[key])
+        record["ab"][key] = {"wins": wins, "median_ratio_to_int8": ratio, "ms": gd,
+                             "speedup": f32 / gd if gd > 0 else None, "faster": faster}
+        if not faster:
+            continue
+        if best is None:
+            best = (ratio, key)
+        else:  # a larger candidate replaces a smaller winner only when it beats it by the same rule
+            beats, b_wins, b_ratio = ab_verdict(ab[best[1]], ab[key])
+            record["ab"][key]["vs_" + best[1]] = {"wins": b_wins, "median_ratio": b_ratio, "faster": beats}
+            if beats:
+                best = (ratio, key)
+    chosen = result
+    if best is not None:
+        key = best[1]
+        names = candidates[key]
+        chosen = built.get(key) or rerun(_float_plan(result, names))  # the full run (census, kernel check, ...)
+        if ir.to_proto(chosen.model).SerializeToString() != blobs[key]:
+            log.warning("latency guard: the re-run built another model than the one timed (lowering is expected "
+                        "to be deterministic); shipping the re-run, which is the one verified")
+            record["rerun_differs_from_timed"] = True
+        row = record["ab"][key]
+        record["float_layers"] = names
+        record["decision"] = (
+            f"shipped with {len(names)} layer(s) in float ({key}): faster than all-int8 in {row['wins']} of "
+            f"{len(ab['int8'])} rounds, median {row['median_ratio_to_int8']:.3f}x its time ({row['speedup']:.2f}x "
+            f"FP32 instead of {f32 / i8:.2f}x)")
+    else:
+        record["float_layers"] = []
+        record["decision"] = "kept all layers int8: " + "; ".join(
+            f"{k} ({len(candidates[k])} layer(s) in float) won {record['ab'][k]['wins']} of {len(ab['int8'])} rounds, "
+            f"median {record['ab'][k]['median_ratio_to_int8']:.3f}x the all-int8 time" for k in candidates
+        ) + " - not faster by the rule"
+    record["guard_s"] = round(time.perf_counter() - t0, 2)
     chosen.report["latency_guard"] = record
-    if (chosen.report.get("latency") or {}).get("speedup", 1.0) < 1.0:
+    if use_cache:
+        _save_decision(path, record)
+    shipped = record["ab"][best[1]]["ms"] if best is not None else i8
+    if shipped > f32:
         chosen.report.setdefault("warnings", []).append(
-            f"latency guard: {record['decision']}; still slower than FP32 on this CPU (see latency_guard)")
+            f"latency guard: {record['decision']}; still slower than FP32 on this CPU in its A/B "
+            f"({f32 / shipped:.2f}x, see latency_guard)")
     log.info("latency guard: %s", record["decision"])
     return chosen
+
+
+def stranded_layers(float_model: Any, plan: Any, medians: Mapping[str, tuple[float, float]]) -> list[str]:
+    """The GEMM-like layers still int8 under ``plan`` (a precision plan with some layers kept in float) whose
+    int8 chain - the int8 nodes connected to them, directly or through a folded Relu/Clip - holds no layer that
+    measured faster in int8 than in float (``medians``: layer -> (fp32 ms, int8 ms) of its region, in the
+    all-int8 model): a chain that keeping its neighbours in float left stranded (a squeeze-excite branch
+    between float convolutions) pays its QuantizeLinear and DequantizeLinear for nothing."""
+    from quantkit.lowering.select import select
+    from quantkit.ops import ABSORBABLE
+
+    qplan = select(float_model, plan)
+    int8 = _int8_nodes(qplan)
+    parent: dict[str, str] = {n: n for n in int8}
+
+    def find(n: str) -> str:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for node in float_model.graph:
+        name = node.name or ""
+        if name not in int8:
+            continue
+        for v in node.inputs:
+            p = v.producer() if v is not None else None
+            if p is not None and p.op_type in ABSORBABLE and p.inputs and p.inputs[0] is not None:
+                p = p.inputs[0].producer() or p
+            if p is not None and (p.name or "") in int8:
+                parent[find(name)] = find(p.name or "")
+    chains: dict[str, list[str]] = {}
+    for name, lp in qplan.layers.items():
+        if lp.op_type in GEMM_LIKE:
+            chains.setdefault(find(name), []).append(name)
+    out = []
+    for members in chains.values():
+        if all(m in medians and medians[m][1] >= medians[m][0] for m in members):
+            out.extend(members)
+    return sorted(out)
+
+
+def _stray_count(blob: bytes) -> int:
+    """Stray Q/DQ (:func:`quantkit.report.build.classify_leftovers`) in ONNX Runtime's optimized graph."""
+    import onnx
+
+    from quantkit.lowering.verify import census
+    from quantkit.report.build import classify_leftovers
+
+    return sum(1 for _, kind in classify_leftovers(census(onnx.load_from_string(blob))) if kind == "stray")
+
+
+def _int8_nodes(plan: Any) -> set[str]:
+    """Every node the static-INT8 plan runs in int8 (layers, glue, rescales dropped, gates folded)."""
+    return set(plan.layers) | set(plan.rescales) | set(plan.folded_gates)
+
+
+def _float_plan(result: Any, layers: list[str]) -> Any:
+    """The result's precision plan with ``layers`` kept in float."""
+    return result.precision.choose({k: dataclasses.replace(result.plan.layers[k], format="fp32") for k in layers})

@@ -25,6 +25,12 @@ packed weights go into the work folder with the hidden states after it; a run in
 restarts from there (the key: the checkpoint's files, the plan and the calibration tokens).  Layers
 whose algorithm needs no statistics (RTN) need no calibration data at all: then no block is ever run.
 
+W4A8 verified: with ``accuracy_level`` 4 and calibration data, every 4-bit layer is also run at level 4 and at
+level 0 on rows of its calibration input (:func:`quantkit.lowering.w4a8.level4_check`, right after its group is
+quantized); where one layer's level-4 error exceeds ``w4a8_max_error_ratio`` times its weight-only error, the
+layers reading that input are packed at level 0 (one level per input: q/k/v stay one fused kernel).  The levels
+are stored with each block (and the threshold is part of the key), so a resumed block ships the same levels.
+
 Resume state is verified before it is reused, never trusted because it parses.  ``state.json`` carries its
 own checksum, the run's key and the sha256 of every file of the work folder (``block_<i>.npz``: block
 ``i``'s packed layers; ``hidden_<done + 1>.npy``: the hidden states after the last finished block),
@@ -49,13 +55,14 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from quantkit.algorithms.rotation import rotation_for
 from quantkit.algorithms.woq import WOQResult, get_weight_algorithm
 from quantkit.calibrate.layer_stats import LayerStats
 from quantkit.checksum import dumps_checked, file_digest, loads_checked
@@ -73,6 +80,7 @@ from quantkit.frontends.llm_builder import (
     read_decoder_config,
 )
 from quantkit.lowering.nbits import matmul_nbits_arrays
+from quantkit.lowering.w4a8 import level4_check, w4a8_summary
 from quantkit.progress import tqdm
 from quantkit.recipe.plan import LayerPlan, PrecisionPlan
 from quantkit.weight_only import STATS_ALGORITHMS
@@ -95,6 +103,7 @@ class LayerwiseResult:
     timings: dict[str, float] = field(default_factory=dict)
     resumed_blocks: int = 0
     calibration_tokens: int = 0
+    w4a8: dict[str, Any] = field(default_factory=dict)  # the W4A8 check's summary (quantkit.lowering.w4a8)
 
 
 def _f32(t: Any) -> np.ndarray:
@@ -156,9 +165,12 @@ def _layer_row(name: str, lp: LayerPlan, algo: str, w: np.ndarray, res: WOQResul
 
 class _Hook(BuildHook):
     def __init__(self, cfg: DecoderConfig, plan: PrecisionPlan, windows: np.ndarray | None, work: Path,
-                 key: str, *, accuracy_level: int, max_rows: int, progress: bool, resume: bool) -> None:
+                 key: str, *, accuracy_level: int, max_rows: int, progress: bool, resume: bool,
+                 w4a8_max_error_ratio: float | None = None) -> None:
         self.cfg, self.plan, self.windows, self.work, self.key = cfg, plan, windows, work, key
         self.accuracy_level, self.max_rows, self.progress = accuracy_level, max_rows, progress
+        self.w4a8_max_ratio = w4a8_max_error_ratio
+        self.w4a8_s = 0.0  # seconds spent in the W4A8 check
         self.result_rows: list[dict[str, Any]] = []
         self.notes: dict[str, str] = {}
         self.resumed = 0
@@ -172,9 +184,13 @@ class _Hook(BuildHook):
         # so rounded to the nearest level (its own plan entry, format / group as the recipe says)
         emb = self._layer_plan(self.embed)
         self.plans[self.embed] = dataclasses.replace(emb, algorithm="rtn", algorithm_options=())
-        self.needs_stats = windows is not None and any(
+        # the W4A8 check (quantkit.lowering.w4a8): 4-bit layers built at accuracy_level 4, on their calibration inputs
+        self.checks = (windows is not None and accuracy_level == 4 and w4a8_max_error_ratio is not None
+                       and any(LAYERWISE_FORMATS[lp.format] == 4 for lp in self.plans.values()))  # fmt: skip
+        # whether the blocks run on the calibration windows (statistics for an algorithm, inputs for the check)
+        self.needs_stats = windows is not None and (self.checks or any(
             LAYERWISE_FORMATS[lp.format] is not None and lp.algorithm in STATS_ALGORITHMS
-            for lp in self.plans.values())  # fmt: skip
+            for lp in self.plans.values()))  # fmt: skip
         self.files: dict[str, str] = {}  # work-folder file -> sha256 recorded when it was written
         self.reuse = 0  # blocks 0 .. reuse - 1 are reused from the work folder
         self.replay = False  # the hidden states after them must be regenerated (running the reused blocks)
@@ -311,10 +327,14 @@ class _Hook(BuildHook):
         res = parts[0] if len(parts) == 1 else _concat(parts)
         del parts
         self.result_rows.append(_layer_row(name, lp, algo, w, res, stats, block, time.perf_counter() - t0))
+        if name != self.embed:  # a MatMulNBits (the embedding stored apart is a GatherBlockQuantized)
+            self.result_rows[-1]["accuracy_level"] = self.accuracy_level
         return _pack(res, self.accuracy_level)
 
     def _quantize_group(self, names: list[str], ws: dict[str, np.ndarray], stats: LayerStats | None,
-                        block: int) -> dict[str, PackedLinear]:
+                        block: int, sample: np.ndarray | None = None) -> dict[str, PackedLinear]:
+        """The layers ``names`` (reading one input) quantized and packed, at the accuracy level the W4A8 check
+        leaves them (``sample``: rows of their input, None when not checked)."""
         out: dict[str, PackedLinear] = {}
         awq = [n for n in names if LAYERWISE_FORMATS[self.plans[n].format] is not None
                and self.plans[n].algorithm == "awq" and stats is not None]  # fmt: skip
@@ -339,7 +359,82 @@ class _Hook(BuildHook):
                 q = self._quantize(n, ws[n], stats, block)
                 if q is not None:
                     out[n] = q
+        return self._w4a8(out, ws, sample)
+
+    # -- the W4A8 check: accuracy_level 4 against 0 on the layer's calibration inputs ---------------------
+    def _row(self, name: str) -> dict[str, Any]:
+        return next(r for r in reversed(self.result_rows) if r["layer"] == name)
+
+    def _w4a8(self, out: dict[str, PackedLinear], ws: dict[str, np.ndarray], x: np.ndarray | None
+              ) -> dict[str, PackedLinear]:
+        """Check the 4-bit layers of ``out`` (they read one input, rows ``x``) at level 4 against level 0; when one
+        harms more than the threshold, the group is packed at level 0 (layers that read one input get one
+        level: q/k/v stay one fused kernel).  Every packed layer's row gets its ``accuracy_level``."""
+        thr = self.w4a8_max_ratio
+        harmful: list[str] = []
+        for n, q in out.items():
+            row = self._row(n)
+            if not (self.checks and q.bits == 4 and q.accuracy_level == 4) or thr is None:
+                continue
+            if x is None:
+                row["w4a8_error_ratio"] = None
+                continue
+            t0 = time.perf_counter()
+            row.update(level4_check(x, ws[n], q))
+            dt = time.perf_counter() - t0
+            self.w4a8_s += dt
+            row["w4a8_check_s"] = round(dt, 3)
+            if row["w4a8_error_ratio"] > thr:
+                harmful.append(n)
+        if harmful:
+            worst = max(harmful, key=lambda n: self._row(n)["w4a8_error_ratio"])
+            for n, q in list(out.items()):
+                if q.accuracy_level != 4:
+                    continue
+                out[n] = dataclasses.replace(q, accuracy_level=0)
+                r = self._row(n)
+                r["w4a8_level0"] = (f"level-4 error {r['w4a8_error_ratio']:.2f}x the weight-only error (> {thr:g})"
+                                    if n in harmful else f"reads the same input as {worst} (one level per input)")
+        for n, q in out.items():
+            self._row(n)["accuracy_level"] = q.accuracy_level
         return out
+
+    def _gather(self, batches: Iterable[np.ndarray], K: int, want_stats: bool, want_sample: bool, seed: int
+                ) -> tuple[LayerStats | None, np.ndarray | None]:
+        """Statistics (``want_stats``) and / or a sample of at most ``max_rows`` rows (``want_sample``) of one layer
+        input, from its per-window batches.  The sample is the statistics' reservoir when there are statistics,
+        else the same number of rows drawn from every window (seeded: a rerun draws the same rows)."""
+        stats = LayerStats(K, max_rows=self.max_rows) if want_stats else None
+        n = int(self.windows.shape[0]) if self.windows is not None else 1
+        per = -(-self.max_rows // max(n, 1))
+        rng = np.random.default_rng(seed)
+        parts: list[np.ndarray] = []
+        for x in batches:
+            if stats is not None:
+                stats.update(x)
+            elif want_sample:
+                rows = np.asarray(x, np.float32).reshape(-1, K)
+                pick = np.sort(rng.choice(rows.shape[0], min(per, rows.shape[0]), replace=False))
+                parts.append(rows[pick])
+        sample = None
+        if want_sample:
+            sample = stats.samples if stats is not None else (np.concatenate(parts)[: self.max_rows] if parts else None)
+        return stats, sample
+
+    def _final_rows(self, norm_weight: Any, norm_bias: Any = None) -> Iterable[np.ndarray]:
+        """The final norm's output on the hidden states after the last block, window by window: what the lm_head
+        reads."""
+        assert self.hidden is not None  # noqa: S101 - called after the last block
+        gamma = _f32(norm_weight)
+        beta = _f32(norm_bias) if norm_bias is not None else None
+        eps = np.float32(self.cfg.rms_norm_eps)
+        for j in range(self.hidden.shape[0]):
+            x = np.asarray(self.hidden[j], np.float32)
+            if self.cfg.spec.norm == "layer":  # LayerNorm (GPT-2)
+                x = x - np.mean(x, axis=-1, keepdims=True)
+            var = np.mean(x * x, axis=-1, keepdims=True)
+            y = (x / np.sqrt(var + eps)) * gamma
+            yield y + beta if beta is not None else y
 
     # -- running a block on the cached hidden states ----------------------------------------------------
     def _session(self, index: int, weights: dict[str, Any], packed: dict[str, PackedLinear], taps: list[str]) -> Any:
@@ -362,13 +457,12 @@ class _Hook(BuildHook):
             yield j, {"hidden": np.ascontiguousarray(self.hidden[j : j + 1]), "attention_mask": mask,
                       f"past_key_values.{index}.key": empty, f"past_key_values.{index}.value": empty}  # fmt: skip
 
-    def _collect(self, index: int, weights: dict[str, Any], packed: dict[str, PackedLinear], tap: str, K: int
-                 ) -> LayerStats:
+    def _collect(self, index: int, weights: dict[str, Any], packed: dict[str, PackedLinear], tap: str, K: int,
+                 want_stats: bool = True, want_sample: bool = False) -> tuple[LayerStats | None, np.ndarray | None]:
+        """Statistics and / or a row sample (:meth:`_gather`) of the input of layer ``tap`` in block ``index``."""
         sess = self._session(index, weights, packed, [tap])
-        stats = LayerStats(K, max_rows=self.max_rows)
-        for _, feed in self._feeds(index):
-            stats.update(sess.run([f"{tap}/input"], feed)[0])
-        return stats
+        batches = (sess.run([f"{tap}/input"], feed)[0] for _, feed in self._feeds(index))
+        return self._gather(batches, K, want_stats, want_sample, seed=index + 1)
 
     def _advance(self, index: int, weights: dict[str, Any], packed: dict[str, PackedLinear]) -> None:
         """Run the quantized block on the cached states; they become block ``index + 1``'s input."""
@@ -382,9 +476,13 @@ class _Hook(BuildHook):
         os.replace(self.work / f"hidden_{index + 1}.npy.tmp", self.work / f"hidden_{index + 1}.npy")
 
     # -- the BuildHook ----------------------------------------------------------------------------------
+    rotated = False
+    """A rotation (quantization.rotation) rewrites the weights: the lm_head then differs from a tied embedding."""
+
     def untie_head(self) -> bool:
         lp = self.plans["lm_head"]
-        return self.needs_stats and LAYERWISE_FORMATS[lp.format] is not None and lp.algorithm in STATS_ALGORITHMS
+        return self.rotated or (self.needs_stats and LAYERWISE_FORMATS[lp.format] is not None
+                                and lp.algorithm in STATS_ALGORITHMS)  # fmt: skip
 
     def embedding(self, table: Any, tied: bool, positions: Any = None) -> PackedLinear | None:
         q = None
@@ -460,11 +558,13 @@ class _Hook(BuildHook):
             names = [f"{p}.{s}" for s in group]
             wants = [n for n in names if LAYERWISE_FORMATS[self.plans[n].format] is not None
                      and self.plans[n].algorithm in STATS_ALGORITHMS]  # fmt: skip
-            stats = None
-            if wants and self.needs_stats:
-                stats = self._collect(index, weights, packed, names[0], ws[names[0]].shape[0])
-            packed.update(self._quantize_group(names, ws, stats, index))
-            del stats
+            check = self.checks and any(LAYERWISE_FORMATS[self.plans[n].format] == 4 for n in names)
+            stats = sample = None
+            if (wants or check) and self.needs_stats:
+                stats, sample = self._collect(index, weights, packed, names[0], ws[names[0]].shape[0],
+                                              want_stats=bool(wants), want_sample=check)  # fmt: skip
+            packed.update(self._quantize_group(names, ws, stats, index, sample))
+            del stats, sample
         del ws
         if self.needs_stats:
             self._advance(index, weights, packed)
@@ -484,21 +584,29 @@ class _Hook(BuildHook):
             old.unlink()
 
     def lm_head(self, weight: Any, norm_weight: Any, norm_bias: Any = None) -> PackedLinear | None:
-        stats = None
         lp = self.plans["lm_head"]
-        if self.needs_stats and self.hidden is not None and lp.algorithm in STATS_ALGORITHMS and norm_weight is not None:
-            gamma = _f32(norm_weight)
-            beta = _f32(norm_bias) if norm_bias is not None else None
-            eps = np.float32(self.cfg.rms_norm_eps)
-            stats = LayerStats(self.cfg.hidden_size, max_rows=self.max_rows)
-            for j in range(self.hidden.shape[0]):  # the final norm's output: what the lm_head reads
-                x = np.asarray(self.hidden[j], np.float32)
-                if self.cfg.spec.norm == "layer":  # LayerNorm (GPT-2)
-                    x = x - np.mean(x, axis=-1, keepdims=True)
-                var = np.mean(x * x, axis=-1, keepdims=True)
-                y = (x / np.sqrt(var + eps)) * gamma
-                stats.update(y + beta if beta is not None else y)
-        return self._quantize("lm_head", np.ascontiguousarray(_f32(weight).T), stats, self.cfg.num_hidden_layers)
+        want = lp.algorithm in STATS_ALGORITHMS
+        check = self.checks and LAYERWISE_FORMATS[lp.format] == 4
+        stats = sample = None
+        if self.needs_stats and self.hidden is not None and norm_weight is not None and (want or check):
+            stats, sample = self._gather(self._final_rows(norm_weight, norm_bias), self.cfg.hidden_size, want, check,
+                                         seed=self.cfg.num_hidden_layers + 1)  # fmt: skip
+        w = np.ascontiguousarray(_f32(weight).T)
+        q = self._quantize("lm_head", w, stats, self.cfg.num_hidden_layers)
+        if q is None:
+            return None
+        return self._w4a8({"lm_head": q}, {"lm_head": w}, sample)["lm_head"]
+
+    def tied_head(self, q: PackedLinear, read_table: Callable[[], Any], norm_weight: Any,
+                  norm_bias: Any = None) -> PackedLinear:
+        if not (self.checks and q.bits == 4 and q.accuracy_level == 4):
+            return q
+        sample = None
+        if self.needs_stats and self.hidden is not None and norm_weight is not None:
+            _, sample = self._gather(self._final_rows(norm_weight, norm_bias), self.cfg.hidden_size, False, True,
+                                     seed=self.cfg.num_hidden_layers + 1)  # fmt: skip
+        w = _f32(read_table()).T  # [H, V] (a view: the check reads column slices)
+        return self._w4a8({"lm_head": q}, {"lm_head": w}, sample)["lm_head"]
 
     def finish(self) -> None:
         self.bar.close()
@@ -572,6 +680,9 @@ class _Hook(BuildHook):
             rows = meta["rows"]
             if not isinstance(rows, list) or not all(isinstance(r, dict) and r.get("block") == index for r in rows):
                 raise ValueError("its report rows belong to another block")
+            if any(r.get("layer") in packed and r.get("accuracy_level") != packed[r["layer"]].accuracy_level
+                   for r in rows):  # fmt: skip
+                raise ValueError("its report rows and its layers disagree on an accuracy level")
         except _BadEntry:
             raise
         except Exception as exc:  # noqa: BLE001 - zipfile/zlib/numpy/json raise many types: a bad entry
@@ -588,12 +699,15 @@ class _Hook(BuildHook):
                             f"this run quantizes {sorted(want)}")  # fmt: skip
         used: set[str] = set()
         out: dict[str, PackedLinear] = {}
+        # the W4A8 check may have kept a layer at level 0 (its row says why)
+        levels = {self.accuracy_level, 0} if self.checks else {self.accuracy_level}
         for n, (N, K) in want.items():
             bits, bs, k, nn, acc = (int(v) for v in layers[n])
-            if (bits, k, nn, acc) != (LAYERWISE_FORMATS[self.plans[n].format], K, N, self.accuracy_level) \
+            if (bits, k, nn) != (LAYERWISE_FORMATS[self.plans[n].format], K, N) or acc not in levels \
                     or bs < 16 or bs & (bs - 1):
                 raise _BadEntry(f"layer {n} has bits/K/N/accuracy {bits}/{k}/{nn}/{acc}, this run writes "
-                                f"{LAYERWISE_FORMATS[self.plans[n].format]}/{K}/{N}/{self.accuracy_level}")
+                                f"{LAYERWISE_FORMATS[self.plans[n].format]}/{K}/{N}/"
+                                f"{' or '.join(str(v) for v in sorted(levels, reverse=True))}")  # fmt: skip
             kb = -(-K // bs)
             zp_shape = (N, (kb + 1) // 2) if bits == 4 else (N, kb)
             expect = {"B": ((N, kb, bs * bits // 8), np.uint8), "scales": ((N, kb), np.float32),
@@ -613,11 +727,15 @@ class _Hook(BuildHook):
             out[n] = PackedLinear(B, scales, got["zp"], bits, bs, K, N, got["s"], acc)
         if set(arrays) - used:
             raise _BadEntry(f"holds unexpected arrays {sorted(set(arrays) - used)[:3]}")
+        for group in self.groups:  # the layers reading one input have one level (the check decides per input)
+            lv = {out[f"{p}.{s}"].accuracy_level for s in group if f"{p}.{s}" in out}
+            if len(lv) > 1:
+                raise _BadEntry(f"the layers {', '.join(group)} have accuracy levels {sorted(lv)}; one input, one level")
         return out
 
 
 _STATE = "state.json"
-_STATE_FORMAT = 2  # 2: checksummed state and files
+_STATE_FORMAT = 3  # 2: checksummed state and files; 3: per-layer accuracy levels (the W4A8 check)
 
 
 class _BadEntry(Exception):
@@ -650,15 +768,17 @@ def _clear_work(work: Path) -> None:
 
 
 def _key(folder: Path, plan: PrecisionPlan, windows: np.ndarray | None, accuracy_level: int,
-         max_rows: int = 4096) -> str:
+         max_rows: int = 4096, w4a8_max_error_ratio: float | None = None) -> str:
     """What a resumed run must share with the one that wrote the state: the checkpoint's files (names, sizes,
-    mtimes), the quantization section, the accuracy level, AWQ's sample size, the calibration tokens."""
+    mtimes), the quantization section, the accuracy level and the W4A8 check's threshold (they set each layer's
+    level), AWQ's (and the check's) sample size, the calibration tokens."""
     h = hashlib.sha256()
     for f in sorted(folder.glob("*.safetensors")) + [folder / "config.json"]:
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
     h.update(repr(sorted((k, repr(v)) for k, v in plan.recipe.quantization.model_dump().items())).encode())
     h.update(str(accuracy_level).encode())
+    h.update(f"w4a8={w4a8_max_error_ratio!r}".encode())
     h.update(f"max_rows={max_rows};format={_STATE_FORMAT}".encode())
     if windows is not None:
         h.update(np.ascontiguousarray(windows).tobytes())
@@ -676,6 +796,7 @@ def quantize_llm_layerwise(
     max_rows: int = 4096,
     progress: bool = True,
     resume: bool = True,
+    w4a8_max_error_ratio: float | None = None,
 ) -> LayerwiseResult:
     """Build ``out_path`` (an INT4 / INT8 weight-only KV-cache decoder) from the HF ``folder``, block by block.
 
@@ -688,8 +809,12 @@ def quantize_llm_layerwise(
         work_dir: where the hidden states and finished blocks are kept (resumable; quantkit's files in it are
             removed on success, then the folder if nothing else is in it).
         accuracy_level: ``MatMulNBits`` accuracy level (4: int8 activations inside the kernel).
-        max_rows: rows of each layer input kept as a sample (AWQ's search).
+        max_rows: rows of each layer input kept as a sample (AWQ's search, the W4A8 check).
         resume: continue from the blocks an earlier, interrupted run with the same key finished.
+        w4a8_max_error_ratio: with ``accuracy_level`` 4 and calibration ``windows``, every 4-bit layer is run at
+            level 4 and at level 0 on its calibration inputs (:func:`quantkit.lowering.w4a8.level4_check`); the
+            layers reading an input where one has a level-4 error more than this many times its weight-only
+            error are packed at level 0.  ``None``: no check.
 
     Raises:
         RecipeError: a layer's format cannot be built layer-wise.
@@ -697,6 +822,8 @@ def quantize_llm_layerwise(
     """
     folder, out, work = Path(folder), Path(out_path), Path(work_dir)
     cfg = read_decoder_config(folder)
+    q_section = plan.recipe.quantization
+    transform = rotation_for(q_section.rotation, q_section.rotation_seed, cfg)  # refused for a family it cannot fit
     if windows is not None:
         windows = np.asarray(windows, np.int64)
         if windows.ndim != 2 or windows.size == 0:
@@ -704,14 +831,20 @@ def quantize_llm_layerwise(
         if int(windows.max()) >= cfg.vocab_size or int(windows.min()) < 0:
             raise DataError(f"calibration token ids outside the vocabulary [0, {cfg.vocab_size})")
     t0 = time.perf_counter()
-    key = _key(folder, plan, windows, accuracy_level, max_rows)
+    key = _key(folder, plan, windows, accuracy_level, max_rows, w4a8_max_error_ratio)
     hook = _Hook(cfg, plan, windows, work, key, accuracy_level=accuracy_level, max_rows=max_rows,
-                 progress=progress, resume=resume)  # fmt: skip
+                 progress=progress, resume=resume, w4a8_max_error_ratio=w4a8_max_error_ratio)  # fmt: skip
     if any(lp.algorithm in STATS_ALGORITHMS and LAYERWISE_FORMATS[lp.format] for lp in hook.plans.values()) \
             and windows is None:
         raise DataError("GPTQ / AWQ / SignRound need calibration data: set calibration.data")
-    path = build_llm(folder, out, hook=hook)
+    if transform is not None:
+        hook.rotated = True
+        hook.notes["rotation"] = transform.describe()
+    path = build_llm(folder, out, hook=hook, transform=transform)
     _clear_work(work)
     res = LayerwiseResult(path, hook.result_rows, hook.notes, {"build_s": time.perf_counter() - t0},
                           hook.resumed, int(windows.size) if windows is not None else 0)  # fmt: skip
+    res.timings["w4a8_check_s"] = hook.w4a8_s
+    res.w4a8 = w4a8_summary(res.rows, threshold=w4a8_max_error_ratio, accuracy_level=accuracy_level,
+                            calibrated=windows is not None, seconds=hook.w4a8_s)  # fmt: skip
     return res

@@ -6,8 +6,10 @@ The weights never exist as one FP32 model in memory (see :mod:`quantkit.layerwis
 through the builder, each decoder block is calibrated alone on the cached hidden states and written as
 ``MatMulNBits``.  The emitted model is then measured from its files, as users run it: perplexity on the
 evaluation windows, prefill and per-token decode with the KV cache, FP32 against quantized in the same
-run — when the FP32 model fits in memory (at most 40% of the available RAM); otherwise only the quantized
-model is evaluated and the report says why.
+run.  The FP32 baseline follows the same memory principle (``evaluation.fp32_baseline``,
+:mod:`quantkit.evaluate.streamed`): held whole when its weights are no larger than the streamed run's own
+estimated peak, else streamed - its perplexity block by block, its latency on decoders truncated to the blocks
+that fit; the report's ``fp32_baseline`` says which and why.
 """
 
 from __future__ import annotations
@@ -27,14 +29,18 @@ import onnx
 
 from quantkit.data import InputInfo, as_dataset, make_dataset
 from quantkit.errors import DataError, ModelError, QuantkitError, RecipeError
+from quantkit.evaluate.streamed import extra_datasets, merge_extra, streamed_perplexity, truncated_latency
 from quantkit.frontends.cache import cache_dir
+from quantkit.int4_kernel import build_level, choose_for_file
 from quantkit.layerwise import LAYERWISE_FORMATS, quantize_llm_layerwise
+from quantkit.lowering.w4a8 import check_bytes
 from quantkit.memory import (
     Available,
     Estimate,
     announce,
     available_memory,
     check_fits,
+    choose_baseline,
     decoder_sizes,
     gb,
     layerwise_estimate,
@@ -46,6 +52,7 @@ from quantkit.progress import stage
 from quantkit.recipe import RecipeModel
 from quantkit.recipe.plan import PrecisionPlan
 from quantkit.report.build import complete_report, environment, load_average, map_layer_kernels, write_report
+from quantkit.scheme.target import resolve_target
 from quantkit.tempdirs import MARKER, clean_stale, owned_tempdir
 
 log = logging.getLogger("quantkit")
@@ -55,8 +62,6 @@ __all__ = ["LayerwiseQuantizeResult", "Route", "check_layerwise_plan", "choose_r
 
 _LM_INPUTS = [InputInfo("input_ids", np.dtype(np.int64), (None, None)),
               InputInfo("attention_mask", np.dtype(np.int64), (None, None))]  # fmt: skip
-FP32_BASELINE_RAM_FRACTION = 0.4
-"""The FP32 baseline is evaluated only when its weights take at most this share of the available RAM."""
 
 
 @dataclass
@@ -164,6 +169,9 @@ def _layerwise_estimate(rec: RecipeModel, plan: PrecisionPlan, sizes: Any, cfg: 
         tied=bool(getattr(cfg, "tie_word_embeddings", False)) or not sizes.head,
         windows=None if windows is None else (int(windows.shape[0]), int(windows.shape[1])),
         max_rows=rec.calibration.max_rows, evaluation=evaluation,
+        w4a8_bytes=check_bytes() if (build_level(rec.export.accuracy_level) == 4 and windows is not None
+                                     and rec.export.w4a8_max_error_ratio is not None
+                                     and any(LAYERWISE_FORMATS.get(lp.format) == 4 for lp in [*lps, head])) else 0,
     )  # fmt: skip
 
 
@@ -188,6 +196,21 @@ def _census(path: Path) -> dict[str, Any]:
             "leftover_quantize_linear": 0, "leftover_dequantize_linear": 0, "leftover_qdq_nodes": [],
             "leftover_by_kind": {"boundary": 0, "chain_exit": 0, "feeds_fused_kernel": 0, "stray": 0},
             "graph": "emitted (ONNX Runtime adds no fusion to MatMulNBits / GroupQueryAttention)"}  # fmt: skip
+
+
+_MAIN = "\x00evaluation.data"  # the main evaluation windows among the texts of a streamed FP32 perplexity
+
+
+def _streamed_fp32(folder: Path, ev: Any, rec: RecipeModel, tokenizer: Any, inputs: list[InputInfo], root: Path,
+                   progress: bool) -> dict[str, Any]:
+    """The FP32 perplexity of the evaluation windows (key :data:`_MAIN`) and of every ``evaluation.extra`` text
+    (by label), streamed block by block in one pass (:func:`quantkit.evaluate.streamed.streamed_perplexity`)."""
+    work = owned_tempdir(root, "quantkit-fp32-baseline-")
+    try:
+        return streamed_perplexity(folder, {_MAIN: ev, **extra_datasets(rec, tokenizer, inputs)}, work_dir=work,
+                                   progress=progress)  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _files_bytes(path: Path) -> int:
@@ -238,24 +261,21 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
     sizes = decoder_sizes(folder)
     fp32_bytes = sizes.fp32_bytes
     warnings: list[str] = []
-    wants_fp32 = ev is not None or latency_on
-    fp32_fits = fp32_bytes <= FP32_BASELINE_RAM_FRACTION * avail.bytes
     eval_seq = _longest(ev) if ev is not None else 0
     prefill = max(rec.report.latency.seq_len or 128, rec.report.latency.long_prefill or 0) if latency_on else 0
     prefill = min(prefill, cfg.context_length)
 
-    def estimate(fp32: bool) -> Estimate:
-        evaluation = {"fp32": fp32, "seq_len": eval_seq, "prefill": prefill} if (ev is not None or fp32) else None
+    def estimate(fp32: str, blocks: int = 0) -> Estimate:
+        evaluation = {"fp32": fp32, "seq_len": eval_seq, "prefill": prefill, "perplexity": ev is not None,
+                      "latency_blocks": blocks} if (ev is not None or fp32 != "off") else None  # fmt: skip
         return _layerwise_estimate(rec, plan, sizes, cfg, windows, evaluation)
 
-    est = estimate(wants_fp32 and fp32_fits)
-    if wants_fp32 and not fp32_fits:
-        warnings.append(f"FP32 baseline not evaluated: the FP32 weights ({fp32_bytes / 2**30:.1f} GiB) exceed "
-                        f"{FP32_BASELINE_RAM_FRACTION:.0%} of the available memory ({gb(avail.bytes)})")  # fmt: skip
-    elif wants_fp32 and est.peak_bytes > avail.bytes:
-        with_fp32, est, fp32_fits = est, estimate(False), False
-        warnings.append(f"FP32 baseline not evaluated: with it the run would peak at ~{gb(with_fp32.peak_bytes)}, "
-                        f"more than the {gb(avail.bytes)} available")  # fmt: skip
+    # the FP32 baseline: held whole, streamed block by block (memory of about one block) or not evaluated
+    baseline = choose_baseline(rec.evaluation.fp32_baseline, perplexity=ev is not None, latency=latency_on,
+                               fp32_bytes=fp32_bytes, layers=cfg.num_hidden_layers, estimate=estimate, avail=avail)
+    est = baseline.estimate
+    warnings += baseline.warnings
+    log.info("FP32 baseline: %s", baseline.text())
     announce(est, avail)
     check_fits(est, avail, what="this layer-wise run", instead=(
         "it streams already; fewer or shorter calibration windows (calibration.data count / seq_len), a lower "
@@ -264,11 +284,14 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
     work = root / "layerwise" / hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
     # the build folder is marked as this process's: one left by a killed run is removed here, never a live one
     clean_stale(root, "quantkit-layerwise-")
+    clean_stale(root, "quantkit-fp32-baseline-")
     build_dir = owned_tempdir(root, "quantkit-layerwise-")
     t = time.perf_counter()
     try:
         res = quantize_llm_layerwise(folder, build_dir / "model.onnx", plan, windows, work_dir=work,
-                                     accuracy_level=rec.export.accuracy_level, max_rows=rec.calibration.max_rows,
+                                     accuracy_level=build_level(rec.export.accuracy_level),
+                                     max_rows=rec.calibration.max_rows,
+                                     w4a8_max_error_ratio=rec.export.w4a8_max_error_ratio,
                                      progress=progress)  # fmt: skip
     except BaseException:
         shutil.rmtree(build_dir, ignore_errors=True)
@@ -277,8 +300,22 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
     if res.resumed_blocks:
         log.info("resumed: %d finished blocks reused from %s", res.resumed_blocks, work)
     q_path = res.path
+    # the MatMulNBits accuracy_level, decided (and the shipped graph put in place) before anything is measured on it
+    tgt = resolve_target(rec.target.isa, rec.target.device)
+    try:
+        int4 = choose_for_file(q_path, rec.export.accuracy_level, tgt.cpu_class, isa=tgt.isa, latency_on=latency_on,
+                               settings=rec.report.latency, progress=progress)
+    except BaseException:
+        shutil.rmtree(build_dir, ignore_errors=True)
+        raise
+    if int4 is not None and int4["how"] == "measured":
+        timings["accuracy_level_s"] = int4["time_s"]
+    if int4 is not None and len(int4["shipped"]) == 1:  # the layer rows say the level their kernel ships at
+        for r in res.rows:
+            if "accuracy_level" in r:
+                r["accuracy_level"] = int(next(iter(int4["shipped"])))
     fp32_path: Path | None = None
-    if wants_fp32 and fp32_fits:  # only when something uses it (perplexity, latency) and it fits
+    if baseline.mode == "whole":  # only when something uses it (perplexity, latency) and it fits
         from quantkit.frontends.llm import built_decoder_path
 
         with stage("build the FP32 baseline decoder (cached)", enabled=progress):
@@ -291,6 +328,10 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
 
         ev_count = len(ev)
         t = time.perf_counter()
+        fp32_streamed: dict[str, Any] = {}
+        if baseline.mode == "streamed":  # block by block through the FP32 block graphs: about one block in memory
+            fp32_streamed = _streamed_fp32(folder, ev, rec, tokenizer, inputs, root, progress)
+            quality["perplexity_fp32"] = fp32_streamed.pop(_MAIN)
         for key, p in (("perplexity_fp32", fp32_path), ("perplexity_quantized", q_path)):
             if p is None:
                 continue
@@ -301,12 +342,25 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
 
                 quality[key] = perplexity(str(p), ev, progress=tick)
         models = {k: str(p) for k, p in (("fp32", fp32_path), ("quantized", q_path)) if p is not None}
-        extra = extra_perplexities(rec, tokenizer, inputs, models, progress)
+        extra = merge_extra(extra_perplexities(rec, tokenizer, inputs, models, progress), fp32_streamed)
         if extra:
             quality["perplexity_extra"] = extra
         if "perplexity_fp32" in quality:
             quality["perplexity_increase"] = quality["perplexity_quantized"]["ppl"] / quality["perplexity_fp32"]["ppl"] - 1
         timings["evaluate_s"] = time.perf_counter() - t
+    if ev is not None and rec.evaluation.greedy_agreement is not None:  # quantkit.evaluate.greedy
+        from quantkit.evaluate.greedy import greedy_agreement
+
+        t = time.perf_counter()
+        no_fp32 = next((w for w in warnings if w.startswith("FP32 baseline not evaluated")),
+                       "greedy decoding needs the whole FP32 decoder, not held in this run (the report's "
+                       "fp32_baseline says why)")  # fmt: skip
+        with stage("greedy decoding, FP32 vs quantized (evaluation.greedy_agreement)", enabled=progress):
+            quality["greedy_agreement"] = greedy_agreement(
+                fp32_path, q_path, (np.asarray(b["input_ids"])[np.asarray(b["attention_mask"]) > 0]
+                                    if "attention_mask" in b else np.asarray(b["input_ids"]) for b in ev.batches(1)),
+                rec.evaluation.greedy_agreement, why_no_fp32=no_fp32, context=cfg.context_length)  # fmt: skip
+        timings["greedy_s"] = time.perf_counter() - t
     latency: dict[str, Any] = {}
     load: dict[str, Any] | None = None
     if latency_on and fp32_path is not None:
@@ -316,6 +370,17 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
         load = {"start": load_average()}  # the machine's load while the figures were measured
         with stage("measure latency (FP32 vs quantized, interleaved)", enabled=progress):
             latency = llm_latency(str(fp32_path), str(q_path), rec.report.latency)
+        load["end"] = load_average()
+        timings["latency_s"] = time.perf_counter() - t
+    elif latency_on and baseline.mode == "streamed":  # FP32 and quantized truncated alike to k blocks
+        t = time.perf_counter()
+        load = {"start": load_average()}
+        lat_dir = owned_tempdir(root, "quantkit-fp32-baseline-")
+        try:
+            latency = truncated_latency(folder, q_path, baseline.latency_blocks, rec.report.latency,
+                                        work_dir=lat_dir, progress=progress)  # fmt: skip
+        finally:
+            shutil.rmtree(lat_dir, ignore_errors=True)
         load["end"] = load_average()
         timings["latency_s"] = time.perf_counter() - t
     timings.update(res.timings)
@@ -338,11 +403,14 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
         "layers": res.rows, "weight_only": res.rows, "linear_formats": [], "unfused": [], "float_layers": [],
         "notes": dict(res.notes), "search": None, "kernels": {}, "warnings": warnings,
         "memory": memory_section(est, avail),  # the measured peak is added by quantize() when the run ends
+        "fp32_baseline": baseline.as_dict(),  # how the FP32 figures were measured, and why
         # q/k/v computed by one MatMulNBits: which layers share a kernel of the emitted graph
         "kernel_sharing": map_layer_kernels(onnx.load(str(q_path), load_external_data=False), res.rows),
+        "int4_kernel": int4,  # the MatMulNBits accuracy_level shipped, how and why
+        "w4a8_check": res.w4a8,  # accuracy_level 4 vs 0 per layer on its calibration inputs (quantkit.lowering.w4a8)
     }  # fmt: skip
-    complete_report(report, load=load, latency_note="" if fp32_path is not None else
-                    "not measured: no FP32 baseline to compare with (see warnings)")
+    complete_report(report, load=load, latency_note="" if latency else
+                    f"not measured: no FP32 baseline to compare with (FP32 baseline {baseline.text()})")
     return LayerwiseQuantizeResult(q_path, report, rec, timings)
 
 

@@ -12,6 +12,9 @@ measured while the run goes.
 * :func:`check_fits` - a :class:`~quantkit.errors.MemoryBudgetError` naming the estimate, the memory available
   and the setting that fits, before any work; :func:`announce` - the line every LLM run prints at its start
   (``memory: expected peak ~X GB of Y GB available ...``).
+* :func:`choose_baseline` - how a layer-wise run evaluates its FP32 baseline (``evaluation.fp32_baseline``): held
+  whole, or streamed block by block (:mod:`quantkit.evaluate.streamed`) when the FP32 weights are larger than the
+  streamed run's own estimated peak, decided from the estimates before any work.
 * :class:`PeakMeter` - the measured peak of the process and its children (the summed RSS, sampled, and the
   process's own high-water mark, reset at the start), which the report records beside the estimate.
 
@@ -27,8 +30,8 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +41,19 @@ log = logging.getLogger("quantkit")
 
 __all__ = [
     "ENV_LIMIT",
+    "BASELINE_SETTINGS",
     "Available",
+    "Baseline",
     "DecoderSizes",
     "Estimate",
     "PeakMeter",
     "announce",
     "available_memory",
     "check_fits",
+    "choose_baseline",
     "decoder_sizes",
     "gb",
+    "latency_phase",
     "layerwise_estimate",
     "onnx_weight_bytes",
     "parse_bytes",
@@ -368,7 +375,8 @@ def _algo_extra(algorithm: str, k: int, n: int) -> float:
 
 def layerwise_estimate(sizes: DecoderSizes, *, bits: int, algorithms: Iterable[str], head_algorithm: str,
                        head_quantized: bool, tied: bool, windows: tuple[int, int] | None, max_rows: int = 4096,
-                       evaluation: Mapping[str, Any] | None = None, base: int | None = None) -> Estimate:
+                       evaluation: Mapping[str, Any] | None = None, base: int | None = None,
+                       w4a8_bytes: int = 0) -> Estimate:
     """The peak of a layer-wise run (:mod:`quantkit.layerwise`, then :mod:`quantkit.llm_run`'s evaluation).
 
     Phases (each above :data:`BASE_BYTES`): the embedding table read (twice its stored bytes: the mapped shard
@@ -376,18 +384,25 @@ def layerwise_estimate(sizes: DecoderSizes, *, bits: int, algorithms: Iterable[s
     (stored tensors, their float32 transposes, the packed result, RTN's temporaries; with statistics the block's
     ONNX Runtime session or the largest layer's GPTQ / AWQ arrays, whichever is larger, beside ``Σxᵀx``); the
     lm_head (as a block's layer, ``vocab`` columns wide); the evaluation (the sessions it holds at once: the FP32
-    decoder and the quantized one when the FP32 baseline is evaluated, and the logits of a window).
+    decoder and the quantized one when the FP32 baseline is evaluated whole, and the logits of a window).  A
+    streamed FP32 baseline (:mod:`quantkit.evaluate.streamed`) adds its own phases instead: the FP32 perplexity
+    block by block (one FP32 block graph and its session, then the lm_head in float32 beside a window's logits)
+    and the latency of the FP32 and quantized decoders truncated to ``latency_blocks`` blocks (both sessions at
+    once: the FP32 one built from the checkpoint, the quantized one cut from the emitted graph).
 
     ``bits``: the widest quantized format (4 / 8); ``algorithms``: those of the block layers; ``windows``:
-    ``(count, seq_len)`` of the calibration windows (``None``: none, RTN); ``evaluation``: ``{"fp32": bool,
-    "seq_len": int, "prefill": int}`` - what the evaluation runs (the FP32 baseline or not, the longest window, the
-    longest prefill timed), or None when nothing is evaluated.  ``base``: the floor the phases add to (default
-    :func:`run_floor`).
+    ``(count, seq_len)`` of the calibration windows (``None``: none, RTN); ``w4a8_bytes``: when the W4A8 check runs, its
+    temporaries (:func:`quantkit.lowering.w4a8.check_bytes`; the blocks then run on the windows whatever the
+    algorithm); ``evaluation``: ``{"fp32": "whole" |
+    "streamed" | "off" (True / False: whole / off), "seq_len": int, "prefill": int, "perplexity": bool,
+    "latency_blocks": int}`` - what the evaluation runs (the FP32 baseline and how, the longest window, the longest
+    prefill timed, whether perplexity is computed, the blocks of the truncated decoders a streamed baseline times),
+    or None when nothing is evaluated.  ``base``: the floor the phases add to (default :func:`run_floor`).
     """
     s = sizes
     base = run_floor() if base is None else base
     algos = set(algorithms) or {"rtn"}
-    stats = windows is not None and bool(algos - {"rtn"})
+    stats = windows is not None and (bool(algos - {"rtn"}) or w4a8_bytes > 0)
     rows = min(max_rows, windows[0] * windows[1]) if windows else 0
     per_param = bits / 8 + 4 / 32  # packed codes and float32 scales of groups of >= 32
     block = s.block_stored + 4 * s.block_linear + 4 * s.largest_linear + per_param * s.block_linear + RTN_TEMP_BYTES
@@ -398,6 +413,7 @@ def layerwise_estimate(sizes: DecoderSizes, *, bits: int, algorithms: Iterable[s
         layer = max((8 * k * k + 4 * rows * k + max(_algo_extra(a, k, n) for a in algos)
                      for k, n in s.block_shapes), default=0.0)  # fmt: skip
         block += states + max(session + 8 * s.max_k * s.max_k, layer)
+        block += w4a8_bytes
     work: dict[str, float] = {"embedding": 2 * s.itemsize * s.embedding}
     if tied and head_quantized:  # the table rounded (RTN) before the first block: float32, transposed, codes
         work["embedding"] = s.itemsize * s.embedding + 10 * s.embedding + RTN_TEMP_BYTES
@@ -411,17 +427,42 @@ def layerwise_estimate(sizes: DecoderSizes, *, bits: int, algorithms: Iterable[s
             work["lm_head"] = s.itemsize * head + 8 * head + _algo_extra(head_algorithm, s.hidden, s.vocab)
         else:
             work["lm_head"] = s.itemsize * head + 10 * head + RTN_TEMP_BYTES
+    ev = dict(evaluation or {})
+    fp32 = ev.get("fp32")
+    fp32 = "whole" if fp32 is True else "off" if not fp32 else str(fp32)
+    keep = int(ev.get("latency_blocks") or 0) if fp32 == "streamed" else 0
+    block_params = s.block_stored / max(s.itemsize, 1e-9)
+    outside = max(s.params - s.blocks * block_params, 0.0)  # the embedding, a separate lm_head, the final norm
     phases = {k: int(base + v) for k, v in work.items()}
     if evaluation:
         embedded = 0 if tied and head_quantized else 4 * s.embedding  # an untied table stays float32
         q_bytes = (s.params - s.embedding) * per_param + embedded + (per_param * s.embedding if tied else 0)
-        logits = LOGITS_COPIES * 4 * int(evaluation.get("seq_len") or 0) * s.vocab
+        seq = int(ev.get("seq_len") or 0)
+        logits = LOGITS_COPIES * 4 * seq * s.vocab
         wide = max([n for _, n in s.block_shapes] + [s.hidden])
-        act = max(logits, 4 * 4 * int(evaluation.get("prefill") or 0) * wide)
-        if evaluation.get("fp32"):
+        prefill_act = 4 * 4 * int(ev.get("prefill") or 0) * wide
+        act = max(logits, prefill_act)
+        if fp32 == "whole":
             phases["evaluation (FP32 and quantized)"] = int(base + EVAL_SESSION_COPIES * (s.fp32_bytes + q_bytes) + act)
-        else:
+        elif fp32 != "streamed" or ev.get("perplexity", True):
             phases["evaluation (quantized)"] = int(base + EVAL_SESSION_COPIES * q_bytes + act)
+        if fp32 == "streamed" and ev.get("perplexity", True):
+            # one FP32 block graph at a time (the block's tensors as stored, the serialized graph and its session,
+            # one window's activations), then the final norm and the lm_head in float32 beside one window's logits
+            head = s.head or s.embedding
+            one_block = s.block_stored + SESSION_COPIES * 4 * block_params + 4 * 4 * seq * wide
+            last = (s.itemsize + 4) * head + logits
+            phases["FP32 baseline: perplexity block by block"] = int(base + max(one_block, last))
+        if keep:
+            # an untied embedding table is only gathered from: its external data is memory-mapped and only the rows
+            # looked up become resident (the 7B shape's truncated decoders, k = 1 / 2 blocks: 2.36 / 3.49 GB
+            # measured, 2.39 / 3.47 GB estimated so); a table the lm_head multiplies by (tied) is read whole
+            gathered = 0 if tied else 4 * s.embedding
+            fp32_k = 4 * (outside + keep * block_params) - gathered
+            q_k = (keep * per_param * block_params + (embedded if tied else 0)
+                   + per_param * (s.head or (s.embedding if tied else 0)))
+            phases[latency_phase(keep, s.blocks)] = int(
+                base + EVAL_SESSION_COPIES * (fp32_k + q_k) + prefill_act)
     basis = (f"config.json and the safetensors headers: {s.params / 1e9:.2f}B parameters, {s.blocks} blocks of "
              f"{s.block_stored / 1e6:.0f} MB as stored")  # fmt: skip
     return Estimate("layer-wise, streamed block by block", phases, basis, s.fp32_bytes)
@@ -506,3 +547,113 @@ class PeakMeter:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# ------------------------------------------------------------------------------------------ FP32 baseline
+
+BASELINE_SETTINGS = ("auto", "whole", "streamed", "off")
+"""``evaluation.fp32_baseline``: how a layer-wise run evaluates the FP32 model it compares with."""
+
+
+def latency_phase(blocks: int, layers: int) -> str:
+    """The memory phase of the truncated decoders' latency (:func:`quantkit.memory.layerwise_estimate`)."""
+    return f"latency on {blocks} of {layers} blocks (FP32 and quantized)"
+
+
+@dataclass
+class Baseline:
+    """What :func:`choose_baseline` decided: ``mode`` ``whole`` / ``streamed`` / ``off``, why, and the estimate of
+    the run with it."""
+
+    setting: str
+    mode: str
+    why: str
+    layers: int
+    estimate: Estimate
+    latency_blocks: int = 0  # k: the blocks of the truncated decoders timed (streamed, latency on)
+    own_peak_bytes: int = 0  # the streamed run's own estimated peak (no FP32 baseline)
+    fp32_bytes: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"setting": self.setting, "mode": self.mode, "why": self.why,
+                               "fp32_bytes": int(self.fp32_bytes), "run_peak_bytes": int(self.own_peak_bytes),
+                               "summary": self.text()}  # fmt: skip
+        if self.mode == "streamed":
+            out["perplexity"] = "block by block through the FP32 block graphs (equal to the whole decoder's)"
+            out["latency_blocks"] = self.latency_blocks or None
+            out["blocks"] = self.layers
+        return out
+
+    def text(self) -> str:
+        """One line for the report's summary."""
+        what = {"whole": "the FP32 decoder held whole",
+                "streamed": "streamed block by block (perplexity block by block"
+                            + (f"; latency measured on {self.latency_blocks} of {self.layers} blocks, FP32 and "
+                               "quantized truncated alike)" if self.latency_blocks else ")"),
+                "off": "not evaluated"}[self.mode]  # fmt: skip
+        return f"{what}: {self.why}"
+
+
+def choose_baseline(setting: str, *, perplexity: bool, latency: bool, fp32_bytes: int, layers: int,
+                    estimate: Callable[[str, int], Estimate], avail: Available) -> Baseline:
+    """Decide how the FP32 baseline runs, before any work (``setting``: ``evaluation.fp32_baseline``).
+
+    ``estimate(mode, k)``: the run's estimate with the baseline ``whole`` / ``streamed`` (the truncated decoders of
+    ``k`` blocks timed; 0: none) / ``off``.  The streamed run's own peak is ``estimate("off", 0)``'s.  ``auto``:
+    ``whole`` when the FP32 weights are no larger than that peak and the whole baseline fits the memory available,
+    else ``streamed`` (``off`` with a warning when even that does not fit but the run without it does).
+
+    Raises:
+        MemoryBudgetError: ``whole`` asked for and the run with it cannot fit (naming the streamed alternative).
+    """
+    if setting not in BASELINE_SETTINGS:
+        raise QuantkitError(f"evaluation.fp32_baseline {setting!r}; allowed: {', '.join(BASELINE_SETTINGS)}")
+    off = estimate("off", 0)
+    own = off.peak_bytes
+
+    def made(mode: str, why: str, est: Estimate, k: int = 0, warnings: list[str] | None = None) -> Baseline:
+        return Baseline(setting, mode, why, layers, est, latency_blocks=k, own_peak_bytes=own, fp32_bytes=fp32_bytes,
+                        warnings=warnings or [])  # fmt: skip
+
+    if not (perplexity or latency):
+        return made("off", "nothing is compared with it (no evaluation data, latency not measured)", off)
+    if setting == "off":
+        return made("off", "evaluation.fp32_baseline: off", off)
+
+    def streamed() -> tuple[Estimate, int]:
+        if not latency:
+            return estimate("streamed", 0), 0
+        k = layers
+        while k > 1:  # the largest k whose truncated decoders fit the run's own peak (its other phases)
+            est = estimate("streamed", k)
+            phase = latency_phase(k, layers)
+            rest = max((v for p, v in est.phases.items() if p != phase), default=0)
+            if est.phases.get(phase, 0) <= rest:
+                return est, k
+            k -= 1
+        return estimate("streamed", 1), 1
+
+    whole = estimate("whole", 0)
+    if setting == "whole":
+        s_est, _ = streamed()
+        check_fits(whole, avail, what="the run with its FP32 baseline held whole (evaluation.fp32_baseline: whole)",
+                   instead=f"evaluation.fp32_baseline: streamed (or auto) evaluates it block by block (expected peak "
+                           f"~{gb(s_est.peak_bytes)}), off skips it")  # fmt: skip
+        return made("whole", "evaluation.fp32_baseline: whole", whole)
+    if setting == "streamed":
+        s_est, k = streamed()
+        return made("streamed", "evaluation.fp32_baseline: streamed", s_est, k)
+    if fp32_bytes <= own and whole.peak_bytes <= avail.bytes:
+        return made("whole", f"auto: the FP32 weights ({gb(fp32_bytes)}) are no larger than the streamed run's own "
+                             f"estimated peak ({gb(own)})", whole)  # fmt: skip
+    why = (f"auto: the FP32 weights ({gb(fp32_bytes)}) exceed the streamed run's own estimated peak ({gb(own)})"
+           if fp32_bytes > own else f"auto: held whole the run would peak at ~{gb(whole.peak_bytes)}, more than the "
+                                    f"{gb(avail.bytes)} available ({avail.source})")  # fmt: skip
+    s_est, k = streamed()
+    if s_est.peak_bytes > avail.bytes >= own:
+        return made("off", why + f"; streamed it would peak at ~{gb(s_est.peak_bytes)}, more than the "
+                                 f"{gb(avail.bytes)} available", off,
+                    warnings=[f"FP32 baseline not evaluated: even streamed block by block the run would peak at "
+                              f"~{gb(s_est.peak_bytes)}, more than the {gb(avail.bytes)} available"])  # fmt: skip
+    return made("streamed", why, s_est, k)

@@ -8,7 +8,7 @@ The roles follow what ONNX Runtime's CPU provider fuses (measured; see the READM
   may keep a float output (``MatMulIntegerToFloat`` / ``QGemm`` with float output).
 * **glue** ops (``Add``, pooling, ``Concat``, ``Mul``, ``Sigmoid``, ``HardSigmoid``) have QLinear
   kernels of their own; they are only worth quantizing inside an int8 chain (inputs already quantized,
-  every consumer quantized) - quantizing a transformer's residual ``Add`` just adds
+  at least one consumer quantized) - quantizing a transformer's residual ``Add`` just adds
   error, quantizing a CNN's keeps the whole block in int8.  A constant operand of ``Add`` / ``Mul``
   (``x + 3``, a per-channel scale) is stored as an integer initializer read through a DequantizeLinear,
   so that ONNX Runtime's selector sees a DQ on every input.  ``HardSigmoid(x; a, b)`` has no QLinear
@@ -16,6 +16,8 @@ The roles follow what ONNX Runtime's CPU provider fuses (measured; see the READM
   the grid minimum (the saturation of Q *is* ``clip(., 0, 1/a)``), read by its consumers with the scale
   ``s`` (``a * clip(x + b/a, 0, 1/a) = HardSigmoid(x)``): one ``QLinearAdd``.  HardSwish reaches the
   lowering as ``x * HardSigmoid(x)`` (:mod:`quantkit.prep.hard_swish`), i.e. ``QLinearAdd`` + ``QLinearMul``.
+  A pre-activation ``BatchNormalization`` reaches it as an exact per-channel shift ``x + B``
+  (:mod:`quantkit.prep.preact_batchnorm`) and is emitted as ``Add(x, B)``: one ``QLinearAdd``.
 * **rescale** ops (``Mul`` / ``Div`` by a positive scalar constant ``c``) emit no node at all inside an
   int8 chain: ``c * DQ(q; s, z) == DQ(q; c*s, z)``, so their consumers read the producer's codes through a
   DequantizeLinear whose scale is multiplied by ``c`` (``1/c`` for ``Div``).
@@ -47,7 +49,10 @@ WEIGHTED: dict[str, WeightedOp] = {
     "MatMul": WeightedOp(weight_input=1, bias_input=None, float_output_ok=True),
 }
 GLUE: frozenset[str] = frozenset(
-    {"Add", "Mul", "GlobalAveragePool", "AveragePool", "Concat", "Sigmoid", "HardSigmoid"})
+    {"Add", "Mul", "GlobalAveragePool", "AveragePool", "Concat", "Sigmoid", "HardSigmoid", "BatchNormalization"})
+"""``BatchNormalization`` is glue only in the exact ``x + B`` form (scale 1, mean 0, variance + epsilon 1) that
+:mod:`quantkit.prep.preact_batchnorm` writes for a pre-activation BatchNorm: lowered as ``Add(x, B)``
+(``QLinearAdd``); any other BatchNorm that no layer absorbed has no int8 kernel and stays float."""
 PASSTHROUGH: frozenset[str] = frozenset({"Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "MaxPool"})
 RESCALE: frozenset[str] = frozenset({"Mul", "Div"})
 """Ops that are a *rescale* when one operand is a positive scalar constant (``Div``: the divisor); any other
@@ -67,7 +72,51 @@ FUSED_KERNELS: dict[str, tuple[str, ...]] = {
     "Concat": ("QLinearConcat",),
     "Sigmoid": ("QLinearSigmoid",),
     "HardSigmoid": ("QLinearAdd",),  # emitted as Add(x, b/a) with a relabelled output scale
+    "BatchNormalization": ("QLinearAdd",),  # only the exact x + B form, emitted as Add(x, B)
 }
+
+ORT_INT8_OPS: frozenset[str] = frozenset({
+    # fused into a QLinear / integer kernel (QDQSelectorActionTransformer: Conv, MatMul, Gemm, unary, binary,
+    # variadic and Where rules)
+    "Conv", "MatMul", "Gemm", "Add", "Mul", "Concat", "AveragePool", "GlobalAveragePool", "LeakyRelu", "Sigmoid",
+    "Softmax", "Where",
+    # run on the integer data with the Q/DQ pair dropped (its drop / split rules)
+    "MaxPool", "Resize", "Split", "ReduceMax", "ReduceMin", "ArgMax", "Expand", "Flatten", "Gather",
+    "GatherElements", "Reshape", "Slice", "Squeeze", "Tile", "Transpose", "Unsqueeze",
+    # removed when the quantized range already enforces them (ReluQuantFusion / ClipQuantFusion)
+    "Relu", "Clip",
+})
+"""Operators ONNX Runtime's CPU provider (1.32) runs on int8 data when they sit between DequantizeLinear and
+QuantizeLinear.  Any other operator between a DQ and a Q - ``LayerNormalization``, ``Gelu``, ``Erf``, an unfolded
+``BatchNormalization``, ``Div`` by a tensor, ``Pow``, ``ReduceMean`` over channels - has no int8 kernel: it runs in
+float, and the DQ before it and the Q after it are the boundary of a *float island*, not a stray round trip."""
+
+DELIBERATELY_FLOAT: dict[str, str] = {
+    "Softmax": "QLinearSoftmax exists but runs ~9x slower than the float Softmax (docs/int8-lowering.md)",
+}
+"""Operators that have an int8 form in ONNX Runtime which quantkit does not use, and why."""
+
+GEMM_LIKE_FLOAT_KERNELS: frozenset[str] = frozenset({
+    "Conv", "MatMul", "Gemm", "FusedConv", "FusedGemm", "FusedMatMul", "NhwcFusedConv", "ReorderInput",
+    "ReorderOutput"})
+"""Float GEMM-like kernels (and the NCHWc reorders around a float Conv) of ONNX Runtime's optimized graph: a DQ
+into one of them enters a layer the plan keeps in float (reported with its reason in the report's float layers)."""
+
+
+def float_island_reason(op_type: str) -> str | None:
+    """Why a float ``op_type`` between a DequantizeLinear and a QuantizeLinear is a deliberate float island (no
+    int8 kernel in ONNX Runtime, an int8 kernel quantkit does not use, or a layer kept in float), else None: an
+    op with an int8 kernel left in float there is a stray round trip.  ``op_type`` may carry a domain prefix
+    (``com.microsoft.Gelu``) as the census writes it."""
+    op = op_type.split(".")[-1]
+    if op in DELIBERATELY_FLOAT:
+        return DELIBERATELY_FLOAT[op]
+    if op in GEMM_LIKE_FLOAT_KERNELS:
+        return f"float {op}: a layer the plan keeps in float (see the report's float layers)"
+    if op in ORT_INT8_OPS or op in ("QuantizeLinear", "DequantizeLinear"):
+        return None
+    return f"{op} has no int8 kernel in ONNX Runtime's CPU provider"
+
 
 TORCH_NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 """Node metadata written by ``torch.onnx.export`` (dynamo): the module scopes a node came from."""

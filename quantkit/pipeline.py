@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,14 @@ from quantkit.recipe import RecipeModel
 
 __all__ = [
     "EXTERNAL_DATA_THRESHOLD",
+    "bias_mean_inputs",
     "calibrate_ranges",
     "decoder_context",
     "check_context",
     "check_not_empty",
     "eval_dataset",
     "evaluate_fidelity",
+    "latency_feed",
     "layer_sqnr",
     "measure_pair_latency",
     "model_bytes",
@@ -169,8 +171,11 @@ def calibrate_ranges(
     *,
     progress: bool,
     use_cache: bool,
+    tensors: Collection[str] | None = None,
+    mean_layers: Collection[str] | None = None,
 ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, np.ndarray] | None, dict[str, Any]]:
-    """Ranges of every planned tensor (+ per-channel input means for bias correction).
+    """Ranges of every planned tensor (+ per-channel input means for bias correction), or of ``tensors`` and the
+    means of ``mean_layers`` only (what an earlier plan on the same model did not calibrate yet).
 
     Calibrators that can work from collected statistics (``from_statistics``: all built-ins)
     share one cached pass; others stream in a pass of their own.
@@ -180,10 +185,11 @@ def calibrate_ranges(
     from quantkit.calibrate.gather import Request, gather
     from quantkit.calibrate.stats import TensorStatistics
     from quantkit.frontends.cache import cache_dir
-    from quantkit.ops import WEIGHTED
 
     bins = rec.calibration.histogram_bins
     cal_tensors = plan.calibrated_tensors()
+    if tensors is not None:
+        cal_tensors = {k: v for k, v in cal_tensors.items() if k in set(tensors)}
     classes = {name: get_calibrator(tq.calibrator) for name, tq in cal_tensors.items()}
     requests: dict[str, Request] = {
         name: Request(name, lambda: TensorStatistics(bins=bins), TensorStatistics.from_state)
@@ -192,14 +198,11 @@ def calibrate_ranges(
     }
     mean_keys: dict[str, str] = {}
     if rec.quantization.bias_correction:
-        for node in float_model.graph:
-            lp = plan.layers.get(node.name or "")
-            if lp is None or node.op_type not in WEIGHTED or node.inputs[0] is None:
+        for layer, (tensor, axis) in bias_mean_inputs(float_model, plan).items():
+            if mean_layers is not None and layer not in mean_layers:
                 continue
-            axis = 1 if node.op_type == "Conv" else -1
-            tensor = node.inputs[0].name or ""
             key = f"{tensor}//mean{axis}"
-            mean_keys[node.name or ""] = key
+            mean_keys[layer] = key
             requests[key] = Request(tensor, functools.partial(ChannelMean, axis), ChannelMean.from_state)
     cache = None
     if use_cache and rec.calibration.cache:
@@ -232,6 +235,20 @@ def calibrate_ranges(
             "uncached": None if cache is not None else uncached, "streamed_separately": len(streaming)}
     return ranges, means, info
 
+
+
+def bias_mean_inputs(float_model: ir.Model, plan: QuantPlan) -> dict[str, tuple[str, int]]:
+    """``layer -> (input tensor, channel axis)`` of the planned weighted layers (Conv / Gemm / MatMul) whose bias
+    correction needs the per-channel mean of their input; the plan's other int8 layers need none."""
+    from quantkit.ops import WEIGHTED
+
+    out: dict[str, tuple[str, int]] = {}
+    for node in float_model.graph:
+        lp = plan.layers.get(node.name or "")
+        if lp is None or node.op_type not in WEIGHTED or node.inputs[0] is None:
+            continue
+        out[node.name or ""] = (node.inputs[0].name or "", 1 if node.op_type == "Conv" else -1)
+    return out
 
 
 def uncached_reason(use_cache: bool, rec: RecipeModel) -> str:
@@ -333,12 +350,20 @@ def _first_feed(ds: Dataset, batch_size: int) -> dict[str, np.ndarray]:
 
 
 
-def measure_pair_latency(float_bytes: bytes, q_bytes: bytes, ds: Dataset, rec: RecipeModel) -> dict[str, Any]:
-    """FP32 vs quantized latency on the same feed, interleaved, same run."""
+def latency_feed(ds: Dataset, rec: RecipeModel) -> dict[str, np.ndarray]:
+    """The feed one-call latency is timed on: the first ``report.latency.batch_size`` samples, token ids cut to
+    ``report.latency.seq_len``."""
     lat = rec.report.latency
     feed = _first_feed(ds, lat.batch_size)
     if lat.seq_len is not None:
         feed = {k: v[:, : lat.seq_len] if v.ndim == 2 and v.dtype == np.int64 else v for k, v in feed.items()}
+    return feed
+
+
+def measure_pair_latency(float_bytes: bytes, q_bytes: bytes, ds: Dataset, rec: RecipeModel) -> dict[str, Any]:
+    """FP32 vs quantized latency on the same feed, interleaved, same run."""
+    lat = rec.report.latency
+    feed = latency_feed(ds, rec)
     threads = lat.threads or 0
     sessions = {"fp32": make_session(float_bytes, threads=lat.threads),
                 "quantized": make_session(q_bytes, threads=lat.threads)}

@@ -29,6 +29,7 @@ from quantkit.data import Dataset, as_dataset, make_dataset, model_inputs
 from quantkit.errors import DataError, LoweringError, QuantkitError
 from quantkit.formats import Artifacts, Job, Lowered, lower_plan, prepare_float
 from quantkit.frontends import LoadedModel, load_model
+from quantkit.int4_kernel import choose_for_model
 from quantkit.lowering.select import QuantPlan
 from quantkit.lowering.verify import Census, census
 from quantkit.pipeline import (
@@ -37,6 +38,7 @@ from quantkit.pipeline import (
     eval_dataset,
     evaluate_fidelity,
     extra_perplexities,
+    latency_feed,
     layer_sqnr,
     measure_pair_latency,
     save_model,
@@ -212,8 +214,12 @@ def _latency(job: Job, qproto: onnx.ModelProto, ds: Dataset) -> dict[str, Any]:
 def run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, cal: Dataset, *,
              evaluation_data: Any = None, evaluate: bool = True, measure_latency: bool | None = None,
              progress: bool = True, use_cache: bool = True, timings: dict[str, float], t_start: float,
-             artifacts: Artifacts | None = None, search: dict[str, Any] | None = None) -> QuantizeResult:
-    """Execute ``plan``, check the emitted model, evaluate it against FP32 and build the report."""
+             artifacts: Artifacts | None = None, search: dict[str, Any] | None = None,
+             int4_decided: dict[str, Any] | None = None) -> QuantizeResult:
+    """Execute ``plan``, check the emitted model, evaluate it against FP32 and build the report.
+
+    ``int4_decided``: the ``int4_kernel`` section of an earlier run of the same model (a latency guard's re-run):
+    its MatMulNBits accuracy_level is kept instead of being timed again."""
     rec = plan.recipe
     # the evaluation set is built (and refused when empty) before the work, not after it
     ev = eval_dataset(rec, loaded, evaluation_data, model_inputs(float_model)) if evaluate else None
@@ -224,6 +230,14 @@ def run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, ca
     qproto = checked_proto(lowered.model)
     timings.update(lowered.timings)
     timings["lower_s"] = time.perf_counter() - t
+    latency_on = bool(rec.report.latency.enabled if measure_latency is None else measure_latency)
+    # the MatMulNBits accuracy_level, decided before the model is evaluated: every figure is of the shipped one
+    qproto, int4 = choose_for_model(
+        lowered.model, qproto, rec.export.accuracy_level, job.target.cpu_class, isa=job.target.isa,
+        latency_on=latency_on, settings=rec.report.latency, progress=progress, decided=int4_decided,
+        feed=None if _is_lm(rec, job.float_proto) else (lambda: latency_feed(ev or cal, rec)))
+    if int4 is not None and int4["how"] == "measured":
+        timings["accuracy_level_s"] = int4["time_s"]
     t = time.perf_counter()
     cen = census(qproto, quantizable=lowered.fused_layers())
     timings["verify_s"] = time.perf_counter() - t
@@ -241,7 +255,7 @@ def run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, ca
         timings["evaluate_s"] = time.perf_counter() - t
     latency: dict[str, Any] = {}
     load: dict[str, Any] | None = None
-    if rec.report.latency.enabled if measure_latency is None else measure_latency:
+    if latency_on:
         t = time.perf_counter()
         load = {"start": load_average()}  # the machine's load while the figures were measured
         with stage("measure latency (FP32 vs quantized, interleaved)", enabled=progress):
@@ -253,6 +267,7 @@ def run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, ca
         recipe=rec, source=loaded.source, float_proto=job.float_proto, quant_proto=qproto, lowered=lowered,
         census=cen, quality=quality, per_layer_sqnr=per_layer, latency=latency, timings=timings,
         calibration_samples=len(cal), evaluation_samples=len(ev) if ev is not None else 0, kernels=kernels,
-        zero_range=lowered.zero_range, search=search, calibration=job.artifacts.calibration_info, load=load)
+        zero_range=lowered.zero_range, search=search, calibration=job.artifacts.calibration_info, load=load,
+        int4_kernel=int4)
     return QuantizeResult(lowered.model, float_model, lowered.static, lowered.lowering, cen, report, rec, timings,
                           precision=plan, lowered=lowered)

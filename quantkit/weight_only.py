@@ -293,6 +293,7 @@ def _layer_row(m: WOQLayer, w: np.ndarray, res: WOQResult, stats: LayerStats | N
 
 def lower_weight_only(model: ir.Model, rec: RecipeModel, outcome: WOQOutcome) -> list[str]:
     """Edit ``model`` in place: every quantized layer becomes MatMulNBits (or DQ -> MatMul)."""
+    from quantkit.int4_kernel import build_level
     from quantkit.lowering.nbits import (
         apply_input_scale,
         lower_dq_matmul,
@@ -302,7 +303,7 @@ def lower_weight_only(model: ir.Model, rec: RecipeModel, outcome: WOQOutcome) ->
 
     lowered = []
     form = rec.export.weight_only_form
-    acc = rec.export.accuracy_level
+    acc = build_level(rec.export.accuracy_level)  # auto: built at 4, the shipped level is chosen after (int4_kernel)
     # shared AWQ scales: fold once per shared input
     by_input: dict[tuple[str, bytes], list[str]] = {}
     for n, res in outcome.results.items():

@@ -44,15 +44,34 @@ from zoo_models import ALL, CI_SUBSET, ENCODERS, build, cache_root  # noqa: E402
 GEMM_OPS = {"Conv", "MatMul", "Gemm", "FusedConv", "FusedGemm", "FusedMatMul", "NhwcFusedConv"}
 
 
+LAUNCHER = """
+import json, os, subprocess, sys
+proc = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(proc.pid, 0)
+with open(sys.argv[1], "w") as f:
+    json.dump({"rc": os.waitstatus_to_exitcode(status), "maxrss_kb": usage.ru_maxrss}, f)
+"""
+
+
 def _timed(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run ``cmd``; wall seconds and the child's peak RSS (MiB), from ``wait4``."""
-    t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    out = proc.stdout.read() if proc.stdout else ""
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return {"rc": proc.returncode, "wall_s": time.perf_counter() - t, "peak_rss_mb": usage.ru_maxrss / 1024,
-            "log_tail": out[-1500:]}
+    """Run ``cmd``; wall seconds and its peak RSS (MiB).
+
+    The peak comes from ``wait4`` in a small launcher process that starts ``cmd``: Linux counts in a child's
+    ``ru_maxrss`` the resident memory of the process it was forked from (exec records the old address
+    space's peak), so a command started by this driver - which holds sessions of every model it measured -
+    would report the driver's peak (equal values across models).  Started from the launcher (~15 MiB), the
+    figure is the command's own.  The wall time includes the launcher's start (~50 ms)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="zoo-rss-") as tmp:
+        stats = Path(tmp) / "rusage.json"
+        t = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", LAUNCHER, str(stats), *cmd], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env, check=False)
+        wall = time.perf_counter() - t
+        got = json.loads(stats.read_text()) if stats.is_file() else {"rc": proc.returncode, "maxrss_kb": 0}
+    return {"rc": got["rc"], "wall_s": wall, "peak_rss_mb": got["maxrss_kb"] / 1024 or None,
+            "log_tail": proc.stdout[-1500:]}
 
 
 ORT_WORKER = """
@@ -97,16 +116,21 @@ def _census(path: Path) -> dict[str, Any]:
     import onnx
 
     from quantkit.lowering.verify import census
-    from quantkit.report.build import classify_leftovers
+    from quantkit.report.build import classify_leftovers, float_islands
 
     cen = census(onnx.load(str(path), load_external_data=False))
     # quantkit's classification, applied to every quantizer alike: a Q that feeds only fused kernels or a DQ
-    # where an int8 chain hands over to float ops is needed; "stray" is a float<->int8 round trip for nothing
+    # where an int8 chain hands over to float ops is needed; a DQ into an op that has no int8 kernel (LayerNorm,
+    # an unfolded BatchNorm) whose result is quantized again enters a float island (counted apart, with the
+    # op); "stray" is a float<->int8 round trip for nothing
     kinds = classify_leftovers(cen)
     stray = [d for d, k in kinds if k == "stray"]
     float_ops = sum(v for k, v in cen.op_counts.items() if k.split(".")[-1] in GEMM_OPS)
+    islands = float_islands(cen)
     return {"fused": sum(cen.quantized_kernels.values()), "float_gemm": float_ops, "stray": len(stray),
             "qdq_inside": sum(1 for _, k in kinds if k != "boundary"),
+            "float_islands": sum(1 for _, k in kinds if k == "float_island"),
+            "island_ops": {op: v["count"] for op, v in islands.items()},
             "kernels": cen.quantized_kernels, "stray_nodes": stray[:5]}
 
 
@@ -187,10 +211,16 @@ def _env() -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "eval/zoo/run.py", *sys.argv[1:]])}
 
 
+def _islands(c: dict[str, Any]) -> str:
+    """`` (n: op xk, ...)``: the DQs entering float islands (ops with no int8 kernel), empty when none."""
+    ops = c.get("island_ops") or {}
+    return f" ({c['float_islands']}: " + ", ".join(f"{k} x{v}" for k, v in ops.items()) + ")" if ops else ""
+
+
 def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
     lines = [f"CPU: {env['cpu']} ({env['cpu_class']}), {env['cores']} cores; onnxruntime {env['onnxruntime']}; "
              f"{env['date']}; `{env['command']}`", "",
-             "| model | quantkit fused/float/stray | ORT | SQNR dB qk / ORT | top-1 qk / ORT | kernel-vs-math dB qk / ORT "
+             "| model | quantkit fused/float/stray (float islands) | ORT | SQNR dB qk / ORT | top-1 qk / ORT | kernel-vs-math dB qk / ORT "
              "| x FP32 qk / ORT | x ORT | wall s qk / ORT | x ORT time | qk calibrate+lower s (x ORT) | RSS MiB qk / ORT |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
@@ -205,7 +235,7 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         st = q.get("stages_s", {})  # quantization proper; the rest of the wall time is verification and evaluation
         core = sum(st.get(k, 0.0) for k in ("load_s", "prepare_s", "calibrate_s", "lower_s")) or None
         lines.append(
-            f"| {row['model']} | {c.get('fused', '-')}/{c.get('float_gemm', '-')}/{c.get('stray', '-')} "
+            f"| {row['model']} | {c.get('fused', '-')}/{c.get('float_gemm', '-')}/{c.get('stray', '-')}{_islands(c)} "
             f"| {co.get('fused', '-')}/{co.get('float_gemm', '-')}/{co.get('stray', '-')} ({row.get('ort_best', '-')}) "
             f"| {f(q.get('sqnr_db'))} / {f(o.get('sqnr_db'))} "
             f"| {f(q.get('top1_agreement'), '.2f')} / {f(o.get('top1_agreement'), '.2f')} "

@@ -65,19 +65,23 @@ class StaticInt8(FormatHandler):
     def _calibrate(job: Job, qplan: Any) -> None:
         """Ranges of the plan's tensors (and input means) not yet in the artifacts: one cached pass."""
         from quantkit.errors import DataError
-        from quantkit.pipeline import calibrate_ranges
+        from quantkit.pipeline import bias_mean_inputs, calibrate_ranges
 
         art = job.artifacts
         missing = [k for k in qplan.calibrated_tensors() if k not in art.ranges]
-        needs_means = job.recipe.quantization.bias_correction and any(k not in art.means for k in qplan.layers)
-        if not missing and not needs_means:
+        # only weighted layers have a bias to correct: the plan's other int8 layers (Add, Mul, Transpose...) never
+        # get a mean, and asking for theirs would re-run the whole pass for every later plan (a guard's candidates)
+        means_missing = ([k for k in bias_mean_inputs(job.float_model, qplan) if k not in art.means]
+                         if job.recipe.quantization.bias_correction else [])
+        if not missing and not means_missing:
             return
         if job.calibration is None:
             raise DataError("static int8 layers need calibration data: set calibration.data or pass calibration_data")
         with stage("calibrate: activation statistics over the calibration data", enabled=job.progress):
             ranges, means, info = calibrate_ranges(job.float_model, job.float_proto, job.float_bytes, qplan,
                                                    job.calibration, job.recipe, progress=job.progress,
-                                                   use_cache=job.use_cache)
+                                                   use_cache=job.use_cache, tensors=missing,
+                                                   mean_layers=means_missing)
         art.ranges.update(ranges)
         art.means.update(means or {})
         art.calibration_info.update(info)

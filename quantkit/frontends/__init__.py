@@ -33,27 +33,30 @@ A source string may carry its graph as an attribute (:class:`ModelSource`, what 
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import onnx_ir as ir
+from typing import TYPE_CHECKING, Any
 
 from quantkit.errors import ModelError
-from quantkit.frontends.builtin import (
-    BUILTINS,
-    BuiltinModel,
-    builtin_info,
-    builtin_names,
-    builtin_tokenizer,
-    load_builtin,
-)
-from quantkit.frontends.cache import cache_dir
-from quantkit.frontends.hf_folder import from_hf_folder, load_hf_tokenizer
-from quantkit.frontends.onnx_file import load_onnx
-from quantkit.frontends.torch_module import DEFAULT_OPSET, from_torch
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+    from quantkit.frontends.builtin import (
+        BUILTINS,
+        BuiltinModel,
+        builtin_info,
+        builtin_names,
+        builtin_tokenizer,
+        load_builtin,
+    )
+    from quantkit.frontends.cache import cache_dir
+    from quantkit.frontends.hf_folder import from_hf_folder, load_hf_tokenizer
+    from quantkit.frontends.onnx_file import load_onnx
+    from quantkit.frontends.torch_module import DEFAULT_OPSET, from_torch
 
 __all__ = [
     "BUILTINS",
@@ -73,6 +76,25 @@ __all__ = [
     "load_model",
     "load_onnx",
 ]
+
+# The loaders are imported on first use (PEP 562), so that ``import quantkit.frontends.families`` - the decoder
+# families, checked before anything heavy - does not import onnx_ir, onnx, torch or transformers.
+_LAZY = {
+    "BUILTINS": "builtin", "BuiltinModel": "builtin", "builtin_info": "builtin", "builtin_names": "builtin",
+    "builtin_tokenizer": "builtin", "load_builtin": "builtin", "cache_dir": "cache", "from_hf_folder": "hf_folder",
+    "load_hf_tokenizer": "hf_folder", "load_onnx": "onnx_file", "DEFAULT_OPSET": "torch_module",
+    "from_torch": "torch_module",
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    sub = _LAZY.get(name)
+    if sub is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{sub}"), name)
+    globals()[name] = value
+    return value
+
 
 _ALLOWED = (
     "an ONNX file path, a Hugging Face folder (with config.json), a built-in model name, "
@@ -145,6 +167,8 @@ def _optional_tokenizer(folder: Path) -> Any:
     text data then fails naming the missing tokenizer)."""
     if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
+    from quantkit.frontends.hf_folder import load_hf_tokenizer
+
     return load_hf_tokenizer(folder)
 
 
@@ -184,6 +208,13 @@ def load_model(source: object, **kw: Any) -> LoadedModel:
         UnknownNameError: a string that is neither an existing path nor a built-in name
             is reported as an unknown built-in, listing the known names.
     """
+    import onnx_ir as ir
+
+    from quantkit.frontends.builtin import BUILTINS, builtin_names, builtin_tokenizer, load_builtin
+    from quantkit.frontends.hf_folder import from_hf_folder
+    from quantkit.frontends.onnx_file import load_onnx
+    from quantkit.frontends.torch_module import from_torch
+
     graph = kw.pop("graph", None) or (source.graph if isinstance(source, ModelSource) else None) or "auto"
     if graph not in GRAPHS:
         raise ModelError(f"load_model: graph {graph!r} is not known; allowed: {', '.join(GRAPHS)}")

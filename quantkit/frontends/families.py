@@ -22,9 +22,12 @@ layer the same way on both paths.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from quantkit.errors import ModelError
@@ -38,6 +41,7 @@ __all__ = [
     "ROTARY_CACHE_POSITIONS",
     "family_of",
     "parse_config",
+    "read_config",
     "supported_model_types",
 ]
 
@@ -149,6 +153,25 @@ class Family:
     @property
     def sandwich(self) -> bool:
         return self.names.attn_post_norm is not None
+
+    @property
+    def rotation_refusal(self) -> str | None:
+        """Why the residual stream cannot carry an orthogonal rotation folded into the weights
+        (:mod:`quantkit.algorithms.rotation`), or None when it can: only pre-norm RMSNorms (with or without Gemma's
+        offset), linears and additions may touch it."""
+        if self.norm == "layer":
+            return "its norms are LayerNorms, whose mean subtraction does not commute with a rotation"
+        if self.sandwich or self.names.mlp_post_norm is not None:
+            return ("it normalizes the attention and MLP outputs before the residual add (their gammas cannot be "
+                    "moved across a rotation)")  # fmt: skip
+        if self.names.positions is not None:
+            return "it adds a learned position table to the stream"
+        return None
+
+    @property
+    def rotation_invariant(self) -> bool:
+        """The residual stream can be rotated exactly (see :attr:`rotation_refusal`)."""
+        return self.rotation_refusal is None
 
 
 _GEMMA2_NAMES = Names(attn_post_norm="post_attention_layernorm", mlp_norm="pre_feedforward_layernorm",
@@ -438,6 +461,24 @@ def parse_config(raw: Any, where: str) -> DecoderConfig:
     out = dataclasses.replace(out, **_attention_extras(cfg, fam, out, where))
     _check_numbers(out, where)
     return out
+
+
+def read_config(folder: str | os.PathLike[str]) -> DecoderConfig:
+    """Read ``folder/config.json`` and check it (:func:`parse_config`), reading nothing else.
+
+    This module imports only the standard library and :mod:`quantkit.errors` / :mod:`quantkit.frontends.checkpoint`
+    (no numpy, onnx, onnx_ir, torch or transformers), so the command line refuses an unsupported family or value
+    before it imports any of them (``quantkit calibrate`` with ``calibration.layerwise: true``).
+
+    Raises:
+        ModelError: the file cannot be read or parsed, or :func:`parse_config` refuses it.
+    """
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot read {str(path)!r}: {e}") from e
+    return parse_config(raw, str(path))
 
 
 def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: str) -> dict[str, Any]:

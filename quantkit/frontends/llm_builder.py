@@ -57,7 +57,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,7 @@ from quantkit.frontends.families import (
 
 __all__ = [
     "BuildHook",
+    "WeightTransform",
     "ContextFullError",
     "DecoderConfig",
     "LOGITS_TO_KEEP",
@@ -385,6 +386,13 @@ class BuildHook:
         With :meth:`untie_head`, also a tied checkpoint's table, read again after the last block."""
         return None
 
+    def tied_head(self, q: PackedLinear, read_table: Callable[[], Any], norm_weight: Any,
+                  norm_bias: Any = None) -> PackedLinear:
+        """The lm_head of a tied checkpoint that shares :meth:`embedding`'s packed table, called after the last block
+        (``read_table()``: the float table ``[V, H]`` from the checkpoint; ``norm_weight`` / ``norm_bias`` as for
+        :meth:`lm_head`).  Only its ``accuracy_level`` is used (the bytes stay the embedding's)."""
+        return q
+
     def untie_head(self) -> bool:
         """For a tied checkpoint: store the lm_head apart from the embedding.  :meth:`embedding`'s result then
         serves the ``GatherBlockQuantized`` alone and :meth:`lm_head` is called after the last block with the
@@ -393,6 +401,32 @@ class BuildHook:
 
     def finish(self) -> None:
         """Called once after the last tensor is written."""
+
+
+class WeightTransform:
+    """An exact rewrite of the float weights applied while :func:`build_llm` streams them, before the
+    :class:`BuildHook` sees them (e.g. :class:`quantkit.algorithms.rotation.HadamardRotation`: an orthogonal
+    rotation of the residual stream folded into the embedding, the linears and the lm_head).  The default changes
+    nothing.  Tensors come as stored (torch or numpy, ``[N, K]``) and may be returned as float32 numpy arrays."""
+
+    unties: bool = False
+    """The lm_head differs from the embedding after the rewrite: a tied checkpoint's table is then written twice
+    (the head read again after the last block, as with :meth:`BuildHook.untie_head`)."""
+
+    def embedding(self, table: Any) -> Any:
+        """The embedding table ``[V, H]`` as the graph stores it."""
+        return table
+
+    def block(self, index: int, weights: dict[str, Any]) -> None:
+        """Rewrite block ``index``'s tensors (by graph name, as :meth:`BuildHook.block` gets them) in place."""
+
+    def final_norm(self, gamma: Any) -> Any:
+        """The factor the final norm keeps (``gamma``: its factor as stored, Gemma's ``1 + w`` already added)."""
+        return gamma
+
+    def head(self, weight: Any, gamma: Any) -> Any:
+        """The lm_head weight ``[V, H]`` (``gamma``: the final norm's factor as stored)."""
+        return weight
 
 
 # --------------------------------------------------------------------------- graph
@@ -985,14 +1019,14 @@ def embedded_stream(cfg: DecoderConfig, rows: np.ndarray, positions: np.ndarray 
 
 def _build(
     folder: Path, out_path: Path, cfg: DecoderConfig, ckpt: _Checkpoint, data: _ExternalData,
-    hook: BuildHook | None = None,
+    hook: BuildHook | None = None, transform: WeightTransform | None = None,
 ) -> onnx.ModelProto:
     hook = hook or BuildHook()
     g = _GraphBuilder(cfg, data)
     n = cfg.spec.names
     H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
-    untie = tied and hook.untie_head()
+    untie = tied and (hook.untie_head() or (transform is not None and transform.unties))
     seqlens_k, total_len = _mask_inputs(g)
     rope = [i for i in range(L) if cfg.uses_rope(i)]
     rotary = _rotary_inputs(g, rope, None, total_len) if rope else {}
@@ -1000,6 +1034,8 @@ def _build(
     # embedding (scaled by sqrt(hidden) for Gemma; plus the learned positions for GPT-2)
     ((_, emb),) = list(ckpt.read([f"{n.embed}.weight"]))  # stored dtype; written as float32
     _check_shape(f"{n.embed}.weight", emb, (V, H))
+    if transform is not None:
+        emb = transform.embedding(emb)
     wpe = None
     if n.positions is not None:
         ((_, wpe),) = list(ckpt.read([f"{n.positions}.weight"]))
@@ -1025,20 +1061,32 @@ def _build(
         w = dict(ckpt.read(block_tensor_names(cfg, i, ckpt.__contains__)))  # released after the block
         for s, shape in linear_shapes(cfg).items():
             _check_shape(f"{block_prefix(cfg, i)}.{s}.weight", w[f"{block_prefix(cfg, i)}.{s}.weight"], shape)
+        if transform is not None:
+            transform.block(i, w)
         packed = hook.block(i, w)
         io = _emit_block(g, i, w, io, packed, seqlens_k, total_len, rotary)
         del w, packed
 
     norm_w = dict(ckpt.read(_norm_params(cfg, n.final_norm)))
     gamma, beta = norm_gamma(cfg, norm_w[f"{n.final_norm}.weight"]), norm_w.get(f"{n.final_norm}.bias")
+    head_gamma = gamma  # the factor the lm_head's rewrite folds in (the final norm keeps transform.final_norm's)
+    if transform is not None:
+        gamma = transform.final_norm(gamma)
     hidden, _ = _norm(g, n.final_norm, io.residual, io.pending, gamma, beta, out="/model/norm/output_0",
                       residual_out=False)  # fmt: skip
     hidden = _keep_last(g, hidden)
     logits = "logits" if cfg.final_softcap is None else "lm_head/output_0"
     if tied and q_emb is not None and not untie:
+        def read_table() -> Any:
+            ((_, table_w),) = list(ckpt.read([f"{n.embed}.weight"]))
+            return table_w
+
+        q_head = (hook.tied_head(q_emb, read_table, gamma) if beta is None else
+                  hook.tied_head(q_emb, read_table, gamma, norm_bias=beta))  # fmt: skip
         blocks = g.const([V, q_emb.B.shape[1], q_emb.B.shape[2]])
         view = g.node("Reshape", [packed_table, blocks], ["lm_head.weight_Q/blocks"], "lm_head.weight_view")[0]
-        _matmul_nbits(g, hidden, "lm_head", q_emb, weight_name=view, out=logits)
+        _matmul_nbits(g, hidden, "lm_head", dataclasses.replace(q_emb, accuracy_level=q_head.accuracy_level),
+                      weight_name=view, out=logits)  # fmt: skip
     elif tied and not untie:
         wt = g.node("Transpose", [table], ["lm_head.weight_transpose/output_0"], "lm_head.weight_transpose",
                     perm=[1, 0])[0]  # fmt: skip
@@ -1046,6 +1094,8 @@ def _build(
     else:
         ((_, lm),) = list(ckpt.read([f"{n.embed}.weight" if tied else "lm_head.weight"]))
         _check_shape("lm_head.weight", lm, (V, H))
+        if transform is not None:
+            lm = transform.head(lm, head_gamma)
         q_lm = hook.lm_head(lm, gamma) if beta is None else hook.lm_head(lm, gamma, norm_bias=beta)
         if q_lm is None:
             g.node("MatMul", [hidden, g.external("lm_head.weight", lm.T)], [logits], "lm_head")
@@ -1144,7 +1194,7 @@ def _genai_config(cfg: DecoderConfig, folder: Path, filename: str) -> dict[str, 
 
 def build_llm(
     folder: str | Path, out_path: str | Path, *, dtype: str = "fp32", genai_config: bool = True,
-    hook: BuildHook | None = None,
+    hook: BuildHook | None = None, blocks: int | None = None, transform: WeightTransform | None = None,
 ) -> Path:
     """Build the KV-cache decoder ONNX graph of a HF folder (a family of :mod:`quantkit.frontends.families`),
     streaming its weights.
@@ -1162,6 +1212,11 @@ def build_llm(
         hook: asked block by block which linears to write quantized (``MatMulNBits``,
             ``GatherBlockQuantized`` for a tied embedding); see :class:`BuildHook` and
             :mod:`quantkit.layerwise`, which calibrates and quantizes while the checkpoint streams.
+        blocks: build only the first ``blocks`` decoder blocks (the embedding, blocks ``0 .. blocks - 1``, the
+            final norm and the lm_head; their KV-cache inputs only): a truncated decoder, e.g. to time FP32
+            against quantized on part of a model too large to hold whole (:mod:`quantkit.evaluate.streamed`).
+        transform: an exact rewrite of the float weights as they stream, before ``hook`` sees them (e.g.
+            :class:`quantkit.algorithms.rotation.HadamardRotation`); see :class:`WeightTransform`.
 
     Returns:
         ``out_path`` as a Path.
@@ -1175,6 +1230,10 @@ def build_llm(
         )
     folder, out = Path(folder), Path(out_path)
     cfg = read_decoder_config(folder)
+    if blocks is not None:
+        if isinstance(blocks, bool) or not 1 <= blocks <= cfg.num_hidden_layers:
+            raise ModelError(f"blocks {blocks!r}: allowed: 1 to {cfg.num_hidden_layers} (num_hidden_layers)")
+        cfg = dataclasses.replace(cfg, num_hidden_layers=blocks)  # per-layer settings are read by index
     ckpt = _Checkpoint(folder, cfg)
     check_checkpoint(cfg, ckpt)  # before the rotary caches or any weight is allocated
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -1182,7 +1241,7 @@ def build_llm(
     tmp_onnx = out.with_name(out.name + ".tmp")
     data = _ExternalData(data_path)
     try:
-        model = _build(folder, out, cfg, ckpt, data, hook)
+        model = _build(folder, out, cfg, ckpt, data, hook, transform)
     except BaseException:
         data.close()
         data_path.unlink(missing_ok=True)

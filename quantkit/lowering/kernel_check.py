@@ -25,11 +25,12 @@ from onnx import numpy_helper
 
 from quantkit.scheme.saturation import (
     PAIR_LIMIT,
-    emulate_u8s8,
+    conv_saturation_excess,
+    exact_int_matmul,
     is_depthwise,
     kernel_view,
     pair_violations,
-    saturating_conv_reference,
+    saturation_excess,
 )
 from quantkit.scheme.target import CPU_CLASSES, cpu_class_saturates
 
@@ -202,23 +203,36 @@ _FLOAT_TOL = 1e-4  # a float-output layer's element is "off" when it differs by 
 _MAX_LAYER_NODES = 16  # a float-output layer whose isolated subgraph is larger (run-time scales) is not checked
 
 
-def _direct_layer_model(node: onnx.NodeProto, model: onnx.ModelProto,
-                        env: dict[str, np.ndarray]) -> tuple[bytes, dict[str, np.ndarray], list[str]] | None:
-    """A ``MatMulIntegerToFloat`` node alone: its constant inputs as initializers, its computed inputs (A,
-    and a per-token scale / zero point) as graph inputs fed from the reference run.  Returns the model,
-    the constants and the names of the computed inputs; None when a computed input was not captured."""
+def _direct_layers_model(model: onnx.ModelProto, env: dict[str, np.ndarray]
+                         ) -> tuple[bytes, dict[str, dict[str, np.ndarray]], list[str], list[onnx.NodeProto]] | None:
+    """Every ``MatMulIntegerToFloat`` node alone, side by side in one model (one session instead of one per
+    node; each node is the fused kernel already, with nothing to fuse across them): constant inputs as
+    initializers, computed inputs (A, and a per-token scale / zero point) as graph inputs fed from the
+    reference run.  Returns the model, each node's constants (by output), the computed input names and the
+    nodes; None when no node had all its computed inputs captured."""
     inits = {t.name: t for t in model.graph.initializer}
-    computed = [node.input[0]] + [i for i in node.input[1:] if i and i not in inits]
-    if any(i not in env for i in computed):
+    nodes: list[onnx.NodeProto] = []
+    computed: list[str] = []
+    consts: dict[str, dict[str, np.ndarray]] = {}
+    used: dict[str, onnx.TensorProto] = {}
+    for node in model.graph.node:
+        if node.op_type != "MatMulIntegerToFloat" or not node.output or node.input[0] not in env:
+            continue
+        comp = [node.input[0]] + [i for i in node.input[1:] if i and i not in inits]
+        if any(i not in env for i in comp):
+            continue
+        nodes.append(node)
+        computed.extend(i for i in comp if i not in computed)
+        consts[node.output[0]] = {i: numpy_helper.to_array(inits[i]) for i in node.input[1:] if i and i in inits}
+        used.update({i: inits[i] for i in node.input[1:] if i and i in inits})
+    if not nodes:
         return None
-    consts = {i: numpy_helper.to_array(inits[i]) for i in node.input[1:] if i and i in inits}
-    ins = [onnx.helper.make_tensor_value_info(i, onnx.helper.np_dtype_to_tensor_dtype(np.asarray(env[i]).dtype),
-                                              None) for i in computed]
-    g = onnx.helper.make_graph(
-        [node], "layer", ins, [onnx.helper.make_empty_tensor_value_info(node.output[0])],
-        [inits[i] for i in node.input[1:] if i and i in inits])
+    ins = [onnx.helper.make_tensor_value_info(i, onnx.helper.np_dtype_to_tensor_dtype(np.asarray(env[i]).dtype), None)
+           for i in computed]
+    g = onnx.helper.make_graph(nodes, "layers", ins,
+                               [onnx.helper.make_empty_tensor_value_info(n.output[0]) for n in nodes], list(used.values()))
     m = onnx.helper.make_model(g, opset_imports=list(model.opset_import), ir_version=model.ir_version)
-    return m.SerializeToString(), consts, computed
+    return m.SerializeToString(), consts, computed, nodes
 
 
 def _matmul_integer_to_float_math(node: onnx.NodeProto, a: np.ndarray, c: dict[str, np.ndarray]) -> np.ndarray:
@@ -228,7 +242,7 @@ def _matmul_integer_to_float_math(node: onnx.NodeProto, a: np.ndarray, c: dict[s
     b = c[ins[1]].astype(np.int64)
     za = c[ins[4]].astype(np.int64) if ins[4] else np.int64(0)
     zb = c[ins[5]].astype(np.int64) if ins[5] else np.int64(0)
-    acc = np.matmul(a.astype(np.int64) - za, b - zb)
+    acc = exact_int_matmul(a.astype(np.int64) - za, b - zb)
     y = acc.astype(np.float64) * (c[ins[2]].astype(np.float64) * c[ins[3]].astype(np.float64))
     return y + c[ins[6]].astype(np.float64) if ins[6] else y
 
@@ -241,19 +255,17 @@ def _float_layer_rows(model: onnx.ModelProto, codes: set[str], env: dict[str, np
     from quantkit.evaluate.latency import make_session
 
     rows = []
-    for n in model.graph.node:
-        if n.op_type != "MatMulIntegerToFloat" or n.input[0] not in env or not n.output:
-            continue
-        key = "direct:" + n.output[0]
-        if key not in cache:
-            built = _direct_layer_model(n, model, env)
-            cache[key] = None if built is None else (make_session(built[0], level="all"), built[1], built[2])
-        entry = cache[key]
-        if entry is None or any(i not in env for i in entry[2]):
-            continue
-        feed = {i: np.asarray(env[i]) for i in entry[2]}
-        rows.append((n.output[0], n.name or n.output[0], entry[0].run(None, feed)[0],
-                     _matmul_integer_to_float_math(n, feed[n.input[0]], {**entry[1], **feed})))
+    if "::direct" not in cache:
+        built = _direct_layers_model(model, env)
+        cache["::direct"] = None if built is None else (make_session(built[0], level="all"), *built[1:])
+    direct = cache["::direct"]
+    if direct is not None and all(i in env for i in direct[2]):
+        sess, consts, computed, nodes = direct
+        feed = {i: np.asarray(env[i]) for i in computed}
+        got = sess.run([n.output[0] for n in nodes], feed)
+        for n, y in zip(nodes, got, strict=True):
+            rows.append((n.output[0], n.name or n.output[0], y,
+                         _matmul_integer_to_float_math(n, feed[n.input[0]], {**consts[n.output[0]], **feed})))
     layers = _float_int8_layers(model, codes)
     if "::float" not in cache:  # every float-output layer alone, side by side: one session per level
         iso = _isolation_model(model, [t for t, _ in layers], codes, env, max_nodes=_MAX_LAYER_NODES)
@@ -293,8 +305,8 @@ def emulate_saturation(model: onnx.ModelProto, env: dict[str, np.ndarray], layer
     """For each layer in ``layers`` (names of QDQ Conv / Gemm / MatMul or MatMulInteger(ToFloat) nodes),
     the fraction of its int32 accumulators that the ``x86-avx2`` kernel would get wrong on the input codes
     in ``env`` (tensor name -> value, e.g. from a reference run), emulated in NumPy
-    (:func:`quantkit.scheme.saturation.emulate_u8s8`).  Layers whose input codes are not in ``env``
-    are left out."""
+    (:func:`quantkit.scheme.saturation.saturation_excess`: the saturating sum minus the exact one).  Layers
+    whose input codes are not in ``env`` are left out."""
     producer = {o: n for n in model.graph.node for o in n.output}
     inits = {t.name: t for t in model.graph.initializer}
     out: dict[str, float] = {}
@@ -325,13 +337,12 @@ def emulate_saturation(model: onnx.ModelProto, env: dict[str, np.ndarray], layer
             kw = {"group": _attr(node, "group", 1), "strides": tuple(_ints(node, "strides", [1, 1])),
                   "pads": tuple(_ints(node, "pads", [0, 0, 0, 0])), "dilations": tuple(_ints(node, "dilations", [1, 1])),
                   "x_zero_point": xzp}
-            sat = saturating_conv_reference(x, w, saturate=True, **kw)  # type: ignore[arg-type]
-            exact = saturating_conv_reference(x, w, saturate=False, **kw)  # type: ignore[arg-type]
+            excess = conv_saturation_excess(x, w, **kw)  # type: ignore[arg-type]
         else:
             view = kernel_view(w, node.op_type, trans_b=_attr(node, "transB", 0) == 1)[0]
-            rows = x.reshape(-1, x.shape[-1])
-            sat, exact = emulate_u8s8(rows, view), emulate_u8s8(rows, view, saturate=False)
-        out[node.name] = float(np.mean(sat != exact))
+            excess = saturation_excess(x.reshape(-1, x.shape[-1]), view)
+        # the saturating int32 accumulator differs from the exact one where the excess is not a multiple of 2**32
+        out[node.name] = float(np.mean(excess % (1 << 32) != 0)) if excess.size else 0.0
     return out
 
 

@@ -29,6 +29,8 @@ Given a :class:`~quantkit.lowering.select.QuantPlan` and calibrated ranges, edit
   (:func:`_hard_sigmoids_as_add`); a HardSigmoid folded into the Conv / Gemm before it
   (:attr:`QuantPlan.folded_gates`, a squeeze-excite gate) is removed instead: ``b/a`` joins the layer's
   bias and the layer's own QuantizeLinear (scale ``s/a``) writes the gate's codes - one ``QLinearConv``;
+* a quantized ``BatchNormalization`` - an exact per-channel shift ``x + B`` (:mod:`quantkit.prep.preact_batchnorm`)
+  - becomes ``Add(x, B)`` (same node name), i.e. ``QLinearAdd`` (:func:`_batchnorm_shifts_as_add`);
 * a rescale (``Mul`` / ``Div`` by a positive scalar, :attr:`QuantPlan.rescales`) is removed: its consumers
   read its input's QuantizeLinear through a DequantizeLinear whose scale is multiplied by the factor.
 """
@@ -250,6 +252,7 @@ def lower_int8(
 
     # 2. HardSigmoid as a relabelled Add, integer constants of glue ops, activation Q / DQ, rescales dropped
     q_scales = _hard_sigmoids_as_add(graph, plan, result, const, namer, values)
+    _batchnorm_shifts_as_add(graph, plan, result, const)
     _quantize_glue_constants(graph, plan, result, namer, const)
     _insert_activation_qdq(graph, plan, result, namer, const, values, q_scales)
     # 3. weights and biases
@@ -349,6 +352,30 @@ def _hard_sigmoids_as_add(graph: ir.Graph, plan: QuantPlan, result: LoweringResu
             f"HardSigmoid emitted as Add(x, {float(beta / alpha):g}) -> Q(scale {tp.scale / float(alpha):.4g}), read with "
             f"scale {tp.scale:.4g} (QLinearAdd; Q's saturation is the clip)")
     return q_scales
+
+
+def _batchnorm_shifts_as_add(graph: ir.Graph, plan: QuantPlan, result: LoweringResult, const: Any) -> None:
+    """Rewrite every quantized ``BatchNormalization`` - an exact per-channel shift ``x + B``
+    (:func:`quantkit.prep.preact_batchnorm.is_shift`) - as ``Add(x, B)`` in place (same node, same output),
+    ``B`` broadcast along axis 1; its constant is then quantized like any glue constant (``QLinearAdd``)."""
+    from quantkit.prep.preact_batchnorm import is_shift
+
+    for node in list(graph):
+        if node.op_type != "BatchNormalization" or node.name not in plan.layers:
+            continue
+        b = is_shift(node)
+        x = node.inputs[0]
+        rank = len(x.shape) if x is not None and x.shape is not None else None
+        if b is None or rank is None or rank < 2:
+            raise CalibrationError(f"BatchNormalization {node.name!r} is planned int8 but is not an exact shift of "
+                                   "known rank")
+        shift = const(f"{node.name}_shift", b.reshape(1, -1, *([1] * (rank - 2))).astype(np.float32))
+        node.op_type = "Add"
+        node.attributes.clear()
+        node.resize_inputs(2)
+        node.replace_input_with(1, shift)
+        result.notes[node.name or ""] = "pre-activation BatchNormalization (exact per-channel shift) emitted as Add " \
+                                        "(QLinearAdd)"
 
 
 def _quantize_glue_constants(graph: ir.Graph, plan: QuantPlan, result: LoweringResult, namer: _Namer,

@@ -12,7 +12,10 @@ Rules (see :mod:`quantkit.ops` for the op roles):
    is a constant of the expected rank.
 2. *Glue* and *passthrough* nodes are quantized only inside an int8 chain: every
    activation input is produced by a quantized node (directly or through a foldable
-   ``Relu``/``Clip``) and every consumer of its output is quantized.  This is found as a
+   ``Relu``/``Clip``) and at least one consumer of its output is quantized (its output needs a
+   QuantizeLinear anyway; a float consumer beside it reads a DequantizeLinear, a chain exit - e.g. a
+   ConvNeXt residual ``Add`` read by the next int8 depthwise Conv and by a float ``LayerNormalization``:
+   ``QLinearAdd`` + one DQ instead of two DQs, a float ``Add`` and a Q).  This is found as a
    greatest fixed point (start with all candidates, drop violators until stable).  A pool
    (``GlobalAveragePool`` / ``AveragePool``) may *end* a chain: its output, smaller than its
    input, is what gets dequantized for a float consumer (e.g. a classifier in another format).
@@ -30,7 +33,9 @@ Rules (see :mod:`quantkit.ops` for the op roles):
    ``HardSigmoid(a, b)`` that is the only consumer of a quantized Conv / Gemm (a squeeze-excite gate) is
    folded into it like a Relu (:attr:`QuantPlan.folded_gates`): the lowering adds ``b/a`` to the layer's
    bias and writes the gate's codes with the layer's own QuantizeLinear (scale ``s/a``) - no node at all.
-5. A *rescale* (``Mul`` / ``Div`` by a positive scalar constant ``c``) is kept like a passthrough
+5. A ``BatchNormalization`` is glue only as an exact per-channel shift ``x + B`` (the form
+   :mod:`quantkit.prep.preact_batchnorm` gives a pre-activation BatchNorm): the lowering emits ``Add(x, B)``.
+6. A *rescale* (``Mul`` / ``Div`` by a positive scalar constant ``c``) is kept like a passthrough
    (quantized input, every consumer quantized, no activation folded after it); its output inherits
    its input's quantization with the scale multiplied by ``c`` (``1/c`` for ``Div``) and the node
    itself is dropped by the lowering (:attr:`QuantPlan.rescales`).
@@ -172,6 +177,13 @@ def rescale_factor(node: ir.Node) -> float | None:
 
 def _glue_ok(node: ir.Node) -> str | None:
     """None if a glue / rescale candidate can be quantized, else the reason it cannot."""
+    if node.op_type == "BatchNormalization":
+        from quantkit.prep.preact_batchnorm import is_shift
+
+        if is_shift(node) is None:
+            return ("BatchNormalization that no layer absorbs and that is not an exact per-channel shift (no int8 "
+                    "kernel in ONNX Runtime; quantkit.prep.preact_batchnorm rewrites it when a Relu and Convs with "
+                    "positive-scale channels follow)")
     if node.op_type == "Div" and rescale_factor(node) is None:
         return "Div by a non-constant or a non-positive / non-scalar value (no int8 kernel)"
     if node.op_type == "HardSigmoid":
@@ -326,7 +338,7 @@ def _q_producer(plan: QuantPlan, v: ir.Value) -> ir.Node | None:
 
 def select(model: ir.Model, recipe: RecipeModel | PrecisionPlan) -> QuantPlan:
     """Build the :class:`QuantPlan` of ``model``'s static-int8 layers under a precision plan (or a recipe,
-    resolved as :meth:`PrecisionPlan.from_recipe`): rules 1-4 of the module doc."""
+    resolved as :meth:`PrecisionPlan.from_recipe`): rules 1-6 of the module doc."""
     precision = as_plan(recipe)
     plan = QuantPlan()
     nodes = _int8_candidates(model, precision, plan)
@@ -336,7 +348,7 @@ def select(model: ir.Model, recipe: RecipeModel | PrecisionPlan) -> QuantPlan:
         if prod not in plan.layers or (nodes[gate].outputs[0].name or "") not in plan.tensors:
             del plan.folded_gates[gate]
             plan.skipped[gate] = "HardSigmoid after a layer that stays float (or keeps a float output)"
-    for name in list(plan.layers):  # rule 5: a rescale is not a layer - the lowering drops it
+    for name in list(plan.layers):  # rule 6: a rescale is not a layer - the lowering drops it
         f = rescale_factor(nodes[name])
         if f is not None:
             plan.rescales[name] = f
@@ -380,8 +392,8 @@ def _keep_int8_chains(model: ir.Model, plan: QuantPlan, nodes: Mapping[str, ir.N
                             folded.append(u)
                     if node.op_type in REDUCING and id(out) not in graph_outputs:
                         continue  # a pool may end a chain: its (smaller) output is dequantized instead
-                    if id(out) in graph_outputs or not folded or any(u.name not in plan.layers for u in folded):
-                        reason = "its output feeds a float op or the graph output"
+                    if id(out) in graph_outputs or not any(u.name in plan.layers for u in folded):
+                        reason = "its output feeds only float ops or the graph output"
                         break
             if reason:
                 del plan.layers[name]

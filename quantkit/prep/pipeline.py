@@ -18,7 +18,10 @@ Rule
    spatial ``ReduceMean`` becomes ``GlobalAveragePool`` (:mod:`quantkit.prep.global_pool`), which
    ONNX Runtime fuses in int8 (it leaves a QDQ ReduceMean in float); then ``hard_swish`` — ``HardSwish(x)``
    becomes ``x * HardSigmoid(x)``, its definition (:mod:`quantkit.prep.hard_swish`), two nodes that lower to
-   ``QLinearAdd`` + ``QLinearMul`` (ONNX Runtime has no QDQ fusion for ``HardSwish``).
+   ``QLinearAdd`` + ``QLinearMul`` (ONNX Runtime has no QDQ fusion for ``HardSwish``); then ``preact_batchnorm`` -
+   a remaining (pre-activation) ``BatchNormalization -> Relu -> Conv`` becomes ``Add(x, b/a) -> Relu -> Conv(W * a)``
+   when every channel's scale ``a`` is positive (:mod:`quantkit.prep.preact_batchnorm`), so that it lowers to
+   ``QLinearAdd`` instead of a float island.
 5. ``identity_elimination``, ``unused_removal`` (dead nodes and initializers).
 6. ``topological_sort``, ``name_nodes`` again (for nodes created above), value
    names made unique, and a last shape inference so every value a calibrator
@@ -52,6 +55,7 @@ from quantkit.prep.fold_pad import fold_pad_rules
 from quantkit.prep.global_pool import global_pool_rules
 from quantkit.prep.hard_swish import hard_swish_rules
 from quantkit.prep.name_nodes import NameNodesPass
+from quantkit.prep.preact_batchnorm import preact_batchnorm
 
 __all__ = ["MIN_OPSET", "PrepResult", "check_weights", "prepare", "upgrade_opset"]
 
@@ -236,6 +240,10 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
         applied["hard_swish"] = hard_swish_rules().apply_to_model(model)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ModelError(f"graph preparation step 'hard_swish' failed: {exc}") from exc
+    try:
+        applied["preact_batchnorm"] = preact_batchnorm(model)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ModelError(f"graph preparation step 'preact_batchnorm' failed: {exc}") from exc
 
     applied["identity_elimination"] = _run_counting_nodes(
         "identity_elimination", common_passes.IdentityEliminationPass(), model

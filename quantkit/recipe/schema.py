@@ -236,6 +236,17 @@ class QuantizationSection(_Strict):
     quantize_outputs: bool = Field(
         False, description="also quantize graph outputs of MatMul/Gemm (False keeps logits in float)"
     )
+    rotation: Literal["none", "hadamard"] = Field(
+        "none",
+        description="decoder LLMs built layer-wise, of a family whose residual stream meets only pre-norm RMSNorms "
+        "(docs/llm-families.md): 'hadamard' rotates the residual stream by a randomized Hadamard matrix and each "
+        "value / o_proj head by a smaller one, folded into the weights before they are quantized (exact in FP32; "
+        "norm gammas folded into the linears, the lm_head stored apart from a tied embedding); 'none' keeps the "
+        "weights as they are",
+    )
+    rotation_seed: int = Field(
+        0, ge=0, le=2**32 - 1, description="the seed of the rotation's random signs (quantization.rotation: hadamard)"
+    )
 
     @field_validator("op_types")
     @classmethod
@@ -249,8 +260,24 @@ class QuantizationSection(_Strict):
         return v
 
 
+class GreedyAgreementSection(_Strict):
+    prompts: int = Field(
+        64, ge=1, le=4096,
+        description="prompts cut from the evaluation windows at fixed, evenly spaced offsets (the same every run)",
+    )
+    prompt_tokens: int = Field(32, ge=1, le=MAX_TOKENS, description="tokens per prompt")
+    tokens: int = Field(32, ge=1, le=4096, description="tokens each model generates greedily after every prompt")
+
+
 class EvaluationSection(_Strict):
     data: DataSection | None = None
+    greedy_agreement: GreedyAgreementSection | None = Field(
+        default_factory=GreedyAgreementSection,
+        description="causal LMs: the FP32 and the quantized model each decode greedily after the same prompts; "
+        "the report gives the share of tokens generated before the first divergence, the share of positions "
+        "whose tokens agree, the quantized model's agreement when fed FP32's tokens, and the prompts decoded "
+        "identically (quality.greedy_agreement). null: skip",
+    )
     extra: list[DataSection] = Field(
         default_factory=list, max_length=8,
         description="causal LMs: more held-out texts (other domains); perplexity on each, FP32 vs quantized",
@@ -258,6 +285,17 @@ class EvaluationSection(_Strict):
     metric: Metric = "auto"
     perplexity: bool = Field(True, description="causal LMs: perplexity on the evaluation windows")
     batch_size: int = Field(8, ge=1, le=4096)
+    fp32_baseline: Literal["auto", "whole", "streamed", "off"] = Field(
+        "auto",
+        description="decoders streamed block by block (calibration.layerwise): how the FP32 model that perplexity "
+        "and latency are compared with is run. whole: the FP32 decoder built and held whole (refused before any "
+        "work when it cannot fit); streamed: memory of about one block - the FP32 perplexity computed block by "
+        "block (equal to the whole decoder's), latency timed on the FP32 and quantized decoders truncated to the "
+        "first k blocks that fit the run's own peak (the ratios say 'measured on k of L blocks'); off: no FP32 "
+        "figures; auto: whole when the FP32 weights are no larger than the streamed run's own estimated peak "
+        "(so the baseline at most about doubles the run's memory), else streamed. The report's fp32_baseline "
+        "says which and why",
+    )
 
 
 class LatencySection(_Strict):
@@ -274,11 +312,12 @@ class LatencySection(_Strict):
         description="causal LMs with a KV cache: also time a prefill this long (None: skip)",
     )
     guard: bool = Field(
-        False,
-        description="static INT8: when the quantized model measures slower than FP32, profile it per layer, "
-        "keep the layers whose int8 kernel is slower than float in float, and ship whichever model measured "
-        "faster (both figures in the report's latency_guard). Off by default: the choice follows this "
-        "machine's timing noise, so two runs may ship different models",
+        True,
+        description="static INT8: profile the FP32 and the int8 model per layer region (interleaved rounds); when "
+        "some regions are slower in int8 in every round, re-run the plan with those layers in float, time both "
+        "models against each other and ship the guarded one only if it is faster by a sign test and a margin "
+        "(quantkit.guard; the decision, cached per int8 model and machine, and every figure in the report's "
+        "latency_guard). false: ship the plan as built",
     )
 
 
@@ -288,9 +327,19 @@ class ExportSection(_Strict):
         "matmulnbits",
         description="com.microsoft.MatMulNBits, or the standard opset-21 blocked DequantizeLinear -> MatMul",
     )
-    accuracy_level: Literal[0, 1, 2, 3, 4] = Field(
-        4,
-        description="MatMulNBits accuracy_level: 4 quantizes activations to int8 per block (the fast one), 0 is exact",
+    accuracy_level: Literal["auto", 0, 1, 2, 3, 4] = Field(
+        "auto",
+        description="MatMulNBits accuracy_level: 4 quantizes activations to int8 per block, 0 computes in float "
+        "(exact); auto: built at 4, then level 0 is timed against it (prefill and decode) on this CPU when it is "
+        "the target's class and latency is measured, and the faster ships; otherwise the target class's default "
+        "(4; 0 for portable). The report's int4_kernel says which and why",
+    )
+    w4a8_max_error_ratio: float | None = Field(
+        1.5, gt=1.0, le=1e6,
+        description="LLMs built layer-wise with MatMulNBits at accuracy_level 4 (int8 activations): every 4-bit "
+        "layer also runs at level 4 and at level 0 on its calibration inputs; where level 4's output error is more "
+        "than this many times the weight-only error (||Y4 - Y|| / ||Y0 - Y||, Y the float product), the layers "
+        "reading that input are kept at level 0 (report: w4a8_check and each layer's accuracy_level). null: no check",
     )
     activation_storage: Literal["uint8", "as_requested"] = Field(
         "uint8",

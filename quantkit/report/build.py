@@ -133,8 +133,15 @@ def latency_per(key: str, row: Mapping[str, Any]) -> str:
     return f"per {row.get('tokens', '?')}-token prompt"
 
 
-def llm_latency_warnings(latency: Mapping[str, Any], accuracy_level: Any, cpu_class: str) -> list[str]:
-    """A causal LM whose prefill is no faster than FP32 (at most :data:`PREFILL_NO_GAIN`): why, and what to try."""
+_W8A8_HINT = ("for prefill-heavy use try int8_dynamic (W8A8) on the largest layers (`quantkit sweep` with "
+              "search.metric: latency finds the mix)")
+
+
+def llm_latency_warnings(latency: Mapping[str, Any], int4_kernel: Mapping[str, Any] | None) -> list[str]:
+    """A causal LM whose prefill is no faster than FP32 (at most :data:`PREFILL_NO_GAIN`): why, and what to try.
+
+    ``int4_kernel`` is the report's section of that name (the MatMulNBits accuracy_level shipped and how it was
+    chosen, :mod:`quantkit.int4_kernel`), None when the model has no MatMulNBits."""
     p = latency.get("prefill")
     if not isinstance(p, Mapping) or not isinstance(p.get("speedup"), (int, float)) or p["speedup"] > PREFILL_NO_GAIN:
         return []
@@ -145,24 +152,117 @@ def llm_latency_warnings(latency: Mapping[str, Any], accuracy_level: Any, cpu_cl
     dec = latency.get("decode")
     gain = (f"; decode runs at {dec['speedup']:.2f}x FP32 {latency_per('decode', dec)}"
             if isinstance(dec, Mapping) and isinstance(dec.get("speedup"), (int, float)) else "")
-    if accuracy_level == 4 and cpu_class != "x86-vnni":
-        why = (f"MatMulNBits with export.accuracy_level 4 quantizes the activations to int8 and multiplies in int8, "
-               f"which is fast only with int8 dot-product instructions (x86 VNNI); this CPU (class {cpu_class}) has "
-               "none, so at many tokens per call the 4-bit kernel does about as much work as FP32. Try "
-               "export.accuracy_level 0 or 1 (float products of the unpacked 4-bit weights) and compare the prefill "
-               "figure, or int8_dynamic (W8A8) on the largest layers (`quantkit sweep` with search.metric: latency "
-               "finds the mix); on a CPU with VNNI keep accuracy_level 4")
-    elif accuracy_level != 4:
-        why = (f"MatMulNBits with export.accuracy_level {accuracy_level} computes in float and unpacks the 4-bit "
-               "weights on the fly, which at many tokens per call costs as much as FP32's product. Try "
-               "export.accuracy_level 4 (int8 activations, fast with x86 VNNI dot products) or int8_dynamic (W8A8) on "
-               "the largest layers (`quantkit sweep` with search.metric: latency finds the mix)")
+    k = int4_kernel or {}
+    level, how, cls = k.get("accuracy_level"), k.get("how"), k.get("cpu_class")
+    bound = ("at many tokens per call the matrix products are compute-bound and the weight-only kernel unpacks its "
+             "weights on the fly, so it pays off in decoding (one token per call, memory-bound), not in long prefills")
+    if not k:
+        why = ("at many tokens per call the matrix products are compute-bound, so the quantized model gains in "
+               f"decoding (one token per call, memory-bound), not in long prefills; {_W8A8_HINT}")
+    elif how == "measured":
+        why = (f"MatMulNBits accuracy_level {level}, the faster of levels 4 and 0 on this CPU (class {cls}, see "
+               f"int4_kernel), ships; {bound}. Neither level makes this prefill faster: {_W8A8_HINT}")
+    elif how == "class default":
+        why = (f"MatMulNBits accuracy_level {level} is the default of class {cls}, not measured here "
+               f"({k.get('not_measured')}); {bound}; {_W8A8_HINT}")
     else:
-        why = ("at many tokens per call the matrix products are compute-bound and the 4-bit kernel unpacks its "
-               "weights on the fly, so INT4 pays off in decoding (one token per call, memory-bound), not in long "
-               "prefills. For prefill-heavy use try int8_dynamic (W8A8) on the largest layers (`quantkit sweep` "
-               "with search.metric: latency finds the mix)")
+        why = (f"MatMulNBits accuracy_level {level} is set by the recipe; export.accuracy_level: auto times level 4 "
+               f"against level 0 on this CPU and ships the faster; {bound}; {_W8A8_HINT}")
     return [f"prefill is no faster than FP32 ({what}){gain}: {why}"]
+
+
+def _level_text(level: Any) -> str:
+    from quantkit.int4_kernel import LEVEL_NAMES
+
+    return f"accuracy_level {level} ({LEVEL_NAMES.get(level, '?')})"
+
+
+def int4_kernel_line(sec: Mapping[str, Any] | None) -> str:
+    """One line on the MatMulNBits accuracy_level shipped: the class, the level, the measured alternative or why
+    it was not measured (empty when the model has no MatMulNBits)."""
+    if not sec:
+        return ""
+    name = "INT4 kernel" if list(sec.get("bits") or []) == [4] else "MatMulNBits kernel"
+    level, cls = sec.get("accuracy_level"), sec.get("cpu_class")
+    if sec.get("how") == "measured":
+        rows = sec.get("measured") or {}
+        mine, other_key = rows.get(str(level)) or {}, next((k for k in rows if k != str(level)), None)
+        other = rows.get(other_key) or {} if other_key is not None else {}
+        parts = []
+        if "prefill_ms" in mine:
+            parts.append(f"prefill {mine['prefill_ms']:.1f} ms vs {other.get('prefill_ms', float('nan')):.1f} ms "
+                         f"at level {other_key}")
+        if "decode_ms" in mine:
+            parts.append(f"decode {mine['decode_ms']:.2f} vs {other.get('decode_ms', float('nan')):.2f} ms/token")
+        if "call_ms" in mine:
+            parts.append(f"{mine['call_ms']:.3f} ms vs {other.get('call_ms', float('nan')):.3f} ms per call at "
+                         f"level {other_key}")
+        line = f"{name}: {_level_text(level)} chosen for {cls}: {', '.join(parts)} (measured)"
+    elif sec.get("how") == "class default":
+        line = f"{name}: {_level_text(level)} for {cls}, the class default (not measured: {sec.get('not_measured')})"
+    else:
+        line = f"{name}: {_level_text(level)}, set by the recipe (export.accuracy_level; not measured)"
+    shipped = sec.get("shipped") or {}
+    if len(shipped) > 1:  # some layers built at another level (e.g. kept exact by a per-layer check)
+        line += "; kernels per level as shipped: " + ", ".join(f"{k} x{v}" for k, v in sorted(shipped.items()))
+    return line
+
+
+def w4a8_line(sec: Mapping[str, Any], int4: Mapping[str, Any] | None = None) -> str:
+    """One line on the W4A8 check (:mod:`quantkit.lowering.w4a8`): the layers kept at accuracy_level 0 and why."""
+    if not sec.get("checked"):
+        return f"W4A8 check: not run ({sec.get('why') or 'nothing to check'})"
+    thr, kept = sec.get("threshold"), list(sec.get("kept_level0") or [])
+    own = list(sec.get("kept_level0_own") or [])
+    dist = (f"ratio median {_fmt(sec.get('median_ratio'), 3)}, max {_fmt(sec.get('max_ratio'), 2)} "
+            f"(`{sec.get('worst_layer')}`)")
+    if kept:
+        names = ", ".join(own[:4]) + (" ..." if len(own) > 4 else "")
+        why = (f"level-4 error > {thr:g}x the weight-only error: {names}"
+               + (f"; {len(kept) - len(own)} more read the same input" if len(kept) > len(own) else ""))
+        line = f"W4A8 check: {len(kept)} of {sec['checked']} 4-bit linears kept at accuracy_level 0 ({why}); {dist}"
+    else:
+        line = (f"W4A8 check: 0 of {sec['checked']} 4-bit linears kept at accuracy_level 0 (level-4 error at most "
+                f"{thr:g}x the weight-only error everywhere: {dist})")
+    if sec.get("why"):
+        line += f"; {sec['why']}"
+    shipped = (int4 or {}).get("shipped") or {}
+    if kept and list(shipped) == ["0"]:
+        line += "; moot: every kernel ships at level 0 (INT4 kernel)"
+    return line
+
+
+def greedy_line(g: Mapping[str, Any]) -> str:
+    """One line on greedy-token agreement with FP32 (:mod:`quantkit.evaluate.greedy`)."""
+    if not g.get("measured"):
+        return f"greedy tokens vs FP32: not measured ({g.get('why')})"
+    tf = g.get("teacher_forced_agreement")
+    return (f"greedy tokens vs FP32 ({g['prompts']} prompts of {g['prompt_tokens']} tokens, {g['tokens']} generated "
+            f"each): {100 * g['prefix_agreement']:.1f}% generated before the first divergence, "
+            f"{100 * g['position_agreement']:.1f}% of positions agree"
+            + (f", {100 * tf:.1f}% when fed FP32's tokens" if isinstance(tf, float) else "")
+            + f"; {g['identical_prompts']} of {g['prompts']} prompts identical")
+
+
+def int4_kernel_lines(rep: Mapping[str, Any]) -> list[str]:
+    """The 'INT4 kernel' Markdown section: the level shipped, why, and both levels' times when measured."""
+    sec = rep.get("int4_kernel")
+    if not sec:
+        return []
+    lines = ["## INT4 kernel: MatMulNBits accuracy_level", "", int4_kernel_line(sec) + ".", "",
+             f"Why: {sec.get('why')}.", ""]
+    rows = sec.get("measured") or {}
+    if rows:
+        keys = [k for k in ("prefill_ms", "decode_ms", "call_ms") if any(k in r for r in rows.values())]
+        heads = {"prefill_ms": "prefill ms", "decode_ms": "decode ms / token", "call_ms": "ms per call"}
+        lines += ["| accuracy_level | " + " | ".join(heads[k] for k in keys) + " | geometric mean ms | shipped |",
+                  "|---" * (len(keys) + 3) + "|"]
+        lines += [f"| {lv} | " + " | ".join(_fmt(r.get(k), 3) for k in keys)
+                  + f" | {_fmt(r.get('geomean_ms'), 3)} | {'yes' if str(sec.get('accuracy_level')) == lv else ''} |"
+                  for lv, r in rows.items()]
+        load = sec.get("load_average") or {}
+        lines += ["", f"Timed: {sec.get('timed')}; {_load_text(load)}.", ""]
+    return lines
 
 
 def map_layer_kernels(proto: onnx.ModelProto, rows: Sequence[dict[str, Any]],
@@ -358,8 +458,9 @@ def _latency_summary(rep: Mapping[str, Any], note: str) -> dict[str, Any]:
     rows = {k: v for k, v in lat.items() if isinstance(v, Mapping) and "fp32_ms" in v}
     if rows:
         return {"kind": "causal LM", **{k: {"per": latency_per(k, v), "fp32_ms": v["fp32_ms"],
-                                            "quantized_ms": v["quantized_ms"], "speedup": v["speedup"]}
-                                        for k, v in rows.items()}}
+                                            "quantized_ms": v["quantized_ms"], "speedup": v["speedup"],
+                                            **({"scope": v["scope"]} if v.get("scope") else {})}
+                                        for k, v in rows.items()}}  # scope: "measured on k of L blocks"
     return {"kind": None, "why": note or "not measured (report.latency.enabled: false, or --no-latency)"}
 
 
@@ -384,9 +485,9 @@ def complete_report(rep: dict[str, Any], *, load: Mapping[str, Any] | None = Non
     """Add what every report carries, whichever path built it: the machine and its load at measurement time,
     the latency warnings of a causal LM, the method actually run, and the summary (in place; returned)."""
     rep["measurement"] = measurement(rep, load)
-    acc = ((rep.get("settings") or {}).get("export") or {}).get("accuracy_level")
+    rep.setdefault("int4_kernel", None)
     rep["warnings"] = list(rep.get("warnings") or []) + llm_latency_warnings(
-        rep.get("latency") or {}, acc, rep["measurement"]["cpu_class"])
+        rep.get("latency") or {}, rep.get("int4_kernel"))
     rep["method"] = method_of(rep)
     rep["summary"] = summary_of(rep, latency_note)
     return rep
@@ -412,6 +513,7 @@ def build_report(
     calibration: Mapping[str, Any] | None = None,
     model_given: str | None = None,
     load: Mapping[str, Any] | None = None,
+    int4_kernel: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The one report of a quantized model, whatever its mix of formats (JSON-serialisable).
 
@@ -462,7 +564,9 @@ def build_report(
             "leftover_dequantize_linear": census.leftover_dq,
             "leftover_qdq_nodes": list(census.leftover_qdq_nodes),
             "leftover_by_kind": {k: sum(1 for _, kind in leftovers if kind == k)
-                                 for k in ("boundary", "chain_exit", "feeds_fused_kernel", "stray")},
+                                 for k in ("boundary", "chain_exit", "feeds_fused_kernel", "float_island",
+                                           "stray")},
+            "float_islands": float_islands(census),
         },
         "layers": static_rows + woq + linear,
         "weight_only": woq,
@@ -474,6 +578,7 @@ def build_report(
         "kernels": _json_safe(kernels or {}),
         "error_growth": _json_safe({k: v[:8] for k, v in growth.items()}),
         "warnings": warnings,
+        "int4_kernel": dict(int4_kernel) if int4_kernel else None,
     }
     return complete_report(rep, load=load)
 
@@ -576,6 +681,9 @@ def summary_lines(rep: Mapping[str, Any]) -> list[str]:
             out.append(f"- quality vs FP32: fidelity `{name}`: " + ", ".join(f"{a} {_fmt(b, 4)}" for a, b in d.items()))
     else:
         out.append(f"- quality vs FP32: {q['why']}")
+    fb = rep.get("fp32_baseline") or {}
+    if fb.get("summary"):  # a layer-wise run: how the FP32 figures were measured (quantkit.evaluate.streamed)
+        out.append(f"- FP32 baseline: {fb['summary']}")
     sz = s["size"]
     if sz.get("fp32_bytes") is not None:
         out.append(f"- size: {sz['fp32_bytes'] / 2**20:.2f} MiB -> {sz['quantized_bytes'] / 2**20:.2f} MiB "
@@ -587,10 +695,17 @@ def summary_lines(rep: Mapping[str, Any]) -> list[str]:
     elif lat["kind"] == "causal LM":
         names = {"prefill": "prefill", "prefill_long": "long prefill", "decode": "decode"}
         out.append("- latency: " + "; ".join(
-            f"{names.get(key, key)} {v['fp32_ms']:.2f} -> {v['quantized_ms']:.2f} ms {v['per']} (**{v['speedup']:.2f}x**)"
+            f"{names.get(key, key)} {v['fp32_ms']:.2f} -> {v['quantized_ms']:.2f} ms {v['per']}"
+            + (f", {v['scope']}" if v.get("scope") else "") + f" (**{v['speedup']:.2f}x**)"
             for key, v in lat.items() if isinstance(v, Mapping)) + ", same run")
     else:
         out.append(f"- latency: {lat['why']}")
+    if rep.get("int4_kernel"):
+        out.append("- " + int4_kernel_line(rep["int4_kernel"]))
+    if rep.get("w4a8_check"):
+        out.append("- " + w4a8_line(rep["w4a8_check"], rep.get("int4_kernel")))
+    if "greedy_agreement" in (rep.get("quality") or {}):
+        out.append("- " + greedy_line(rep["quality"]["greedy_agreement"]))
     kern = rep.get("kernels") or {}
     if kern:
         port = (kern.get("portability") or {}).get("classes") or {}
@@ -696,11 +811,17 @@ def classify_leftovers(census: Census) -> list[tuple[str, str]]:
     * ``feeds_fused_kernel``: a ``QuantizeLinear`` whose every consumer is a quantized kernel or
       int8 data movement (ORT's QDQ propagation moves a Q above Transpose/Reshape) - the one
       quantization of an activation that a float op produced (expected, needed);
-    * ``stray``: anything else - a float<->int8 round trip that buys nothing.
+    * ``float_island``: a ``DequantizeLinear`` into an op that runs in float on purpose - one with no int8
+      kernel in ONNX Runtime (``LayerNormalization``, ``Gelu``, an unfolded ``BatchNormalization``), one whose
+      int8 kernel quantkit does not use, or a layer the plan keeps in float - whose result is quantized again
+      (:func:`quantkit.ops.float_island_reason`; the reasons per op are :func:`float_islands`);
+    * ``stray``: anything else - a float<->int8 round trip that buys nothing (e.g. a DQ into an ``Add`` left
+      in float whose sum is quantized again: ``QLinearAdd`` could have run it).
     """
     from quantkit.lowering.verify import QUANTIZED_KERNELS
 
     ok = QUANTIZED_KERNELS | PASSTHROUGH
+    unfused = {name for name, f in census.per_layer.items() if not f.fused}
     out = []
     for item in census.leftovers:
         if item.at_graph_input or item.at_graph_output:
@@ -711,13 +832,57 @@ def classify_leftovers(census: Census) -> list[tuple[str, str]]:
         elif (
             item.op_type.endswith("QuantizeLinear")
             and not item.op_type.endswith("DequantizeLinear")
-            and (item.consumers and all(c.split(" ", 1)[0].split(".")[-1] in ok for c in item.consumers))
+            and (item.consumers and all(_consumer_op(c) in ok for c in item.consumers))
         ):
             kind = "feeds_fused_kernel"
+        elif item.op_type.endswith("DequantizeLinear") and _island_ops(item.consumers, unfused):
+            kind = "float_island"
         else:
             kind = "stray"
         out.append((item.describe(), kind))
     return out
+
+
+def _consumer_op(consumer: str) -> str:
+    """The bare op type of a census consumer entry (``"com.microsoft.QLinearConv 'name'"`` -> ``QLinearConv``)."""
+    return consumer.split(" ", 1)[0].split(".")[-1]
+
+
+def _island_ops(consumers: Sequence[str], unfused: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """The consumers' op types that run in float on purpose (:func:`quantkit.ops.float_island_reason`); a float
+    GEMM-like kernel derived from a layer the plan meant to run in int8 (``unfused``: the census' unfused layers)
+    is not on purpose."""
+    from quantkit.lowering.verify import _derived_bases
+    from quantkit.ops import GEMM_LIKE_FLOAT_KERNELS, float_island_reason
+
+    out = []
+    for c in consumers:
+        if c.startswith("graph output"):
+            continue
+        op = _consumer_op(c)
+        if float_island_reason(op) is None:
+            continue
+        name = c.split(" ", 1)[1].strip("'") if " " in c else ""
+        if op in GEMM_LIKE_FLOAT_KERNELS and unfused & {name, *_derived_bases(name)}:
+            continue
+        out.append(op)
+    return out
+
+
+def float_islands(census: Census) -> dict[str, dict[str, Any]]:
+    """``op -> {"count", "reason"}``: the float ops entered by the ``float_island`` DequantizeLinear nodes of
+    :func:`classify_leftovers` (each island counted once per DQ that enters it), with why each runs in float."""
+    from quantkit.ops import float_island_reason
+
+    unfused = {name for name, f in census.per_layer.items() if not f.fused}
+    out: dict[str, dict[str, Any]] = {}
+    for item, (_, kind) in zip(census.leftovers, classify_leftovers(census), strict=True):
+        if kind != "float_island":
+            continue
+        for op in dict.fromkeys(_island_ops(item.consumers, unfused)):
+            row = out.setdefault(op, {"count": 0, "reason": float_island_reason(op)})
+            row["count"] += 1
+    return dict(sorted(out.items()))
 
 
 def _fmt(x: Any, nd: int = 3) -> str:
@@ -750,8 +915,8 @@ def render_markdown(rep: dict[str, Any]) -> str:
     lines.append(f"Samples: {rep['samples']['calibration']} calibration, {rep['samples']['evaluation']} evaluation")
     lines += data_lines(rep)
     lines.append("")
-    for part in (warnings_lines, kernel_lines, _search_lines, _size_lines, _latency_lines, _quality_lines,
-                 _census_lines, _static_layer_lines, _weight_only_lines, _linear_lines, _float_lines):
+    for part in (warnings_lines, kernel_lines, int4_kernel_lines, _search_lines, _size_lines, _latency_lines,
+                 _quality_lines, _census_lines, _static_layer_lines, _weight_only_lines, _linear_lines, _float_lines):
         lines += part(rep)
     lines += ["## Timings", "", " | ".join(f"{k}: {v:.2f}" for k, v in rep["timings"].items()), ""]
     return "\n".join(lines)
@@ -835,6 +1000,9 @@ def _census_lines(rep: Mapping[str, Any]) -> list[str]:
              f"Leftover QuantizeLinear: {c['leftover_quantize_linear']}, DequantizeLinear: "
              f"{c['leftover_dequantize_linear']} (by kind: "
              + ", ".join(f"{k} {v}" for k, v in c["leftover_by_kind"].items()) + ")", ""]
+    if c.get("float_islands"):
+        lines += ["Float islands (a DequantizeLinear into a float op whose result is quantized again, on purpose): "
+                  + "; ".join(f"{op} x{v['count']} ({v['reason']})" for op, v in c["float_islands"].items()), ""]
     if c["leftover_qdq_nodes"]:
         lines += ["Leftover Q/DQ nodes: " + ", ".join(f"`{n}`" for n in c["leftover_qdq_nodes"][:30]), ""]
     if rep.get("unfused"):
@@ -887,6 +1055,12 @@ def _weight_only_lines(rep: Mapping[str, Any]) -> list[str]:
          "already quantized)", lambda r: _fmt(r.get("stage")), "stage"),
         ("block", "the decoder block it was calibrated with, block by block (later blocks see earlier ones already "
          "quantized; -1: the embedding, after the last block: the lm_head)", lambda r: _fmt(r.get("block")), "block"),
+        ("acc. level", "the MatMulNBits accuracy_level it is built at (4: int8 activations, 0: float)",
+         lambda r: _fmt(r.get("accuracy_level")), "accuracy_level"),
+        ("W4A8 ratio", "||Y4 - Y|| / ||Y0 - Y|| on calibration inputs: the layer's output error at accuracy_level 4 "
+         "relative to its weight-only error (Y the float product; above export.w4a8_max_error_ratio: level 0)",
+         lambda r: _fmt(r.get("w4a8_error_ratio"), 3) + (" (kept 0)" if r.get("w4a8_level0") else ""),
+         "w4a8_error_ratio"),
     ]
     cols = [c for c in optional if any(r.get(c[3]) is not None for r in rows)]
     lines = ["## Weight-only layers (MatMulNBits)", "",

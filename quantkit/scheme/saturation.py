@@ -26,6 +26,8 @@ run a separate kernel that widens to int16 and accumulates in int32: they never 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import numpy.typing as npt
 
@@ -33,6 +35,8 @@ __all__ = [
     "PAIR_LIMIT",
     "emulate_u8s8",
     "constrained_round",
+    "conv_saturation_excess",
+    "exact_int_matmul",
     "from_kernel_view",
     "im2col_nhwc",
     "is_depthwise",
@@ -40,6 +44,7 @@ __all__ = [
     "pair_safe_codes",
     "pair_violations",
     "saturating_conv_reference",
+    "saturation_excess",
 ]
 
 PAIR_LIMIT = 128
@@ -106,29 +111,114 @@ def pair_violations(q_view: npt.ArrayLike) -> np.ndarray:
     return (pos * 255 > _I16_MAX) | (neg * 255 < _I16_MIN)
 
 
+_F32_EXACT = 2**24  # float32 holds every integer up to this
+_F64_EXACT = 2**53  # float64 likewise: integer sums below these bounds are exact in any order (FMA included)
+
+
+def _abs_max(x: np.ndarray) -> int:
+    """``max |x|`` of an integer array, as a Python int (no widened copy of ``x``)."""
+    return max(abs(int(x.max())), abs(int(x.min())))
+
+
+def exact_int_matmul(a: npt.ArrayLike, b: npt.ArrayLike) -> np.ndarray:
+    """``a @ b`` of integer arrays (``np.matmul`` broadcasting) as exact int64.
+
+    NumPy's integer matmul has no BLAS and runs ~100x slower than a float one.  A float GEMM whose every
+    partial sum is an integer below its exact bound computes each product and sum exactly, whatever the
+    summation order, so its result *is* the integer one: float32 over blocks of ``kb`` reduction steps with
+    ``kb * max|a| * max|b| < 2**24`` (512 for uint8 x int8 codes; the blocks added in int64), else float64
+    when ``K * max|a| * max|b| < 2**53``, else the int64 matmul."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.size == 0 or b.size == 0 or a.dtype.kind not in "iub" or b.dtype.kind not in "iub":
+        return np.matmul(a.astype(np.int64), b.astype(np.int64))
+    k = a.shape[-1]
+    step = _abs_max(a) * _abs_max(b)
+    if step == 0:
+        return np.matmul(a.astype(np.int64), b.astype(np.int64))
+    kb = (_F32_EXACT - 1) // step
+    if kb >= min(k, 64):  # float32 blocks, each exact
+        af, bf = a.astype(np.float32), b.astype(np.float32)
+        acc = np.matmul(af[..., :kb], bf[:kb]).astype(np.int64)
+        for s in range(kb, k, kb):
+            acc += np.matmul(af[..., s : s + kb], bf[s : s + kb]).astype(np.int64)
+        return acc
+    if k * step < _F64_EXACT:
+        return np.matmul(a.astype(np.float64), b.astype(np.float64)).astype(np.int64)
+    return np.matmul(a.astype(np.int64), b.astype(np.int64))
+
+
+def saturation_excess(a: npt.ArrayLike, q: npt.ArrayLike, *, max_elements: int = 1 << 22,
+                      rows: int = 32) -> np.ndarray:
+    """``sum_j sat16(pair_j) - pair_j`` per accumulator of ``a [M, K] @ q [K, N]`` (int64 ``[M, N]``): what the
+    ``x86-avx2`` kernel's int16 pair saturation takes away from the exact sum (0 where it is exact).
+
+    A pair can only clip where its activations are large enough: per block of ``rows`` rows, the largest
+    activation at each K position bounds every pair's reach (``amax0 * q0+ + amax1 * q1+`` above, the
+    negative parts below; ``max|a|`` and ``|q|`` for inputs of any sign), and only the pairs whose reach
+    leaves int16 are formed - at most ``max_elements`` pair values at a time (bounded memory).  Exact: a
+    pair left out cannot clip."""
+    a, q = np.asarray(a), np.asarray(q)
+    m, n = a.shape[0], q.shape[1]
+    out = np.zeros(m * n, np.float64)  # bincount's sums: integers far below 2**53, exact
+    if m == 0 or n == 0 or q.shape[0] == 0:
+        return out.reshape(m, n).astype(np.int64)
+    qp = _pairs(q.astype(np.int32))  # [P, 2, N]
+    a32 = a.astype(np.int32)
+    if a32.shape[1] % 2:
+        a32 = np.concatenate([a32, np.zeros((m, 1), np.int32)], axis=1)
+    ap = a32.reshape(m, -1, 2)  # [M, P, 2]
+    signed = bool(a32.min(initial=0) < 0)
+
+    def largest(x: np.ndarray) -> np.ndarray:
+        """The largest activation (``|a|`` for signed inputs) at each K position of rows ``x``: ``[P, 2]``."""
+        return (np.abs(x).max(axis=0) if signed else x.max(axis=0)).astype(np.int64)
+
+    def reach(a0: np.ndarray, a1: np.ndarray, q0: np.ndarray, q1: np.ndarray) -> np.ndarray:
+        """Pairs ``(q0, q1)`` that activations up to ``(a0, a1)`` can push out of int16."""
+        if signed:
+            return a0 * np.abs(q0) + a1 * np.abs(q1) > _I16_MAX
+        return ((a0 * np.maximum(q0, 0) + a1 * np.maximum(q1, 0) > _I16_MAX)
+                | (a0 * np.minimum(q0, 0) + a1 * np.minimum(q1, 0) < _I16_MIN))
+
+    top = largest(ap)
+    n_idx, p_idx = np.nonzero(reach(top[:, 0, None], top[:, 1, None], qp[:, 0], qp[:, 1]).T)  # by column
+    if n_idx.size == 0:
+        return out.reshape(m, n).astype(np.int64)
+    q0, q1 = qp[p_idx, 0, n_idx], qp[p_idx, 1, n_idx]  # [V] candidates over all rows
+    a0, a1 = np.ascontiguousarray(ap[:, :, 0]), np.ascontiguousarray(ap[:, :, 1])  # [M, P] each: fast gathers
+    for s in range(0, m, max(1, rows)):
+        blk = ap[s : s + max(1, rows)]
+        top = largest(blk)
+        keep = np.flatnonzero(reach(top[p_idx, 0], top[p_idx, 1], q0, q1))  # this block's candidates
+        if keep.size == 0:
+            continue
+        pk, nk, k0, k1 = p_idx[keep], n_idx[keep], q0[keep], q1[keep]
+        step = max(1, max_elements // keep.size)
+        for r in range(0, blk.shape[0], step):
+            lo_row, hi_row = s + r, s + min(r + step, blk.shape[0])
+            pair = a0[lo_row:hi_row][:, pk] * k0 + a1[lo_row:hi_row][:, pk] * k1  # [rows, V]
+            ri, vi = np.nonzero((pair > _I16_MAX) | (pair < _I16_MIN))
+            if ri.size:
+                v = pair[ri, vi]
+                size = (hi_row - lo_row) * n
+                out[lo_row * n : lo_row * n + size] += np.bincount(ri * n + nk[vi], minlength=size,
+                                                                   weights=np.clip(v, _I16_MIN, _I16_MAX) - v)
+    return out.reshape(m, n).astype(np.int64)
+
+
 def emulate_u8s8(a: npt.ArrayLike, q: npt.ArrayLike, *, saturate: bool = True, chunk: int | None = None,
                  max_elements: int = 1 << 22) -> np.ndarray:
     """``a [M, K]`` uint8 codes times ``q [K, N]`` int8 codes as int32, with (``saturate=True``, the
     ``x86-avx2`` kernel) or without (the exact sum of every other class) the int16 pair saturation.
-    Rows are processed in chunks whose ``[rows, K/2, N]`` pair sums hold at most ``max_elements`` values
-    (bounded memory: a 1536 x 576 layer at 256 rows would otherwise need ~1 GB per temporary)."""
+
+    Computed as the exact sum (:func:`exact_int_matmul`) plus :func:`saturation_excess` (``chunk``: its rows
+    per block): identical to summing every clipped pair, at the cost of the pairs that can clip."""
     a = np.asarray(a)
     q = np.asarray(q)
-    if not saturate:
-        return (a.astype(np.int64) @ q.astype(np.int64)).astype(np.int32)
-    qp = _pairs(q.astype(np.int32))  # [P, 2, N]
-    a32 = a.astype(np.int32)
-    if a32.shape[1] % 2:
-        a32 = np.concatenate([a32, np.zeros((a32.shape[0], 1), np.int32)], axis=1)
-    ap = a32.reshape(a32.shape[0], -1, 2)  # [M, P, 2]
-    out = np.empty((a.shape[0], q.shape[1]), np.int64)
-    if chunk is None:
-        chunk = max(1, max_elements // max(1, qp.shape[0] * qp.shape[2]))
-    for s in range(0, a.shape[0], chunk):
-        blk = ap[s : s + chunk]
-        pair = blk[:, :, 0, None] * qp[None, :, 0, :] + blk[:, :, 1, None] * qp[None, :, 1, :]  # [m, P, N]
-        out[s : s + chunk] = np.clip(pair, _I16_MIN, _I16_MAX).sum(axis=1, dtype=np.int64)
-    return out.astype(np.int32)
+    acc = exact_int_matmul(a, q)
+    if saturate:
+        acc += saturation_excess(a, q, max_elements=max_elements, **({} if chunk is None else {"rows": chunk}))
+    return acc.astype(np.int32)
 
 
 def constrained_round(u: np.ndarray, qmin: int, qmax: int) -> np.ndarray:
@@ -238,6 +328,20 @@ def im2col_rows_nhwc(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int,
     return cols.reshape(len(rows), kh * kw * c)
 
 
+def _conv_groups(x_codes: np.ndarray, w_codes: np.ndarray, group: int, strides: tuple[int, int],
+                 pads: tuple[int, int, int, int], dilations: tuple[int, int], x_zero_point: int
+                 ) -> Iterator[tuple[np.ndarray, np.ndarray, int, int]]:
+    """Per group of a 2-D Conv: its im2col rows (NHWC, padding holding the zero point), its weight in kernel
+    view ``[K, N_per_group]``, and the output height and width."""
+    view = kernel_view(w_codes, "Conv", group=group)
+    c_in_g = w_codes.shape[1]
+    kernel = (int(w_codes.shape[2]), int(w_codes.shape[3]))
+    for gi in range(group):
+        xg = x_codes[:, gi * c_in_g : (gi + 1) * c_in_g]
+        cols, oh, ow = im2col_nhwc(xg, kernel, strides, pads, dilations, x_zero_point)
+        yield cols, view[gi], oh, ow
+
+
 def saturating_conv_reference(
     x_codes: np.ndarray, w_codes: np.ndarray, *, group: int = 1, strides: tuple[int, int] = (1, 1),
     pads: tuple[int, int, int, int] = (0, 0, 0, 0), dilations: tuple[int, int] = (1, 1), x_zero_point: int = 0,
@@ -246,16 +350,26 @@ def saturating_conv_reference(
     """Raw int32 accumulators ``sum a*q`` of a 2-D u8 x s8 Conv ``[N, C_out, OH, OW]`` as the
     ``x86-avx2`` kernel forms them (``saturate=True``) or exactly; padding holds the zero point."""
     n = x_codes.shape[0]
-    c_out = w_codes.shape[0]
-    view = kernel_view(w_codes, "Conv", group=group)
-    c_in_g = w_codes.shape[1]
-    kernel = (int(w_codes.shape[2]), int(w_codes.shape[3]))
     sat = saturate and not is_depthwise(w_codes.shape, group)
-    outs = []
-    for gi in range(group):
-        xg = x_codes[:, gi * c_in_g : (gi + 1) * c_in_g]
-        cols, oh, ow = im2col_nhwc(xg, kernel, strides, pads, dilations, x_zero_point)
-        outs.append(emulate_u8s8(cols, view[gi], saturate=sat).reshape(n, oh, ow, -1))
+    outs = [emulate_u8s8(cols, view, saturate=sat).reshape(n, oh, ow, -1)
+            for cols, view, oh, ow in _conv_groups(x_codes, w_codes, group, strides, pads, dilations, x_zero_point)]
     acc = np.concatenate(outs, axis=-1)  # [N, OH, OW, C_out]
-    assert acc.shape[-1] == c_out
+    assert acc.shape[-1] == w_codes.shape[0]
     return acc.transpose(0, 3, 1, 2)
+
+
+def conv_saturation_excess(
+    x_codes: np.ndarray, w_codes: np.ndarray, *, group: int = 1, strides: tuple[int, int] = (1, 1),
+    pads: tuple[int, int, int, int] = (0, 0, 0, 0), dilations: tuple[int, int] = (1, 1), x_zero_point: int = 0,
+) -> np.ndarray:
+    """:func:`saturation_excess` of a 2-D u8 x s8 Conv, ``[N, C_out, OH, OW]`` int64: the saturating
+    accumulators of :func:`saturating_conv_reference` minus the exact ones, without forming either (a
+    depthwise Conv never saturates: zeros)."""
+    n = x_codes.shape[0]
+    if is_depthwise(w_codes.shape, group):
+        kernel = (int(w_codes.shape[2]), int(w_codes.shape[3]))
+        _, oh, ow = _padded(x_codes[:1, :1], kernel, strides, pads, dilations, x_zero_point)
+        return np.zeros((n, w_codes.shape[0], oh, ow), np.int64)
+    outs = [saturation_excess(cols, view).reshape(n, oh, ow, -1)
+            for cols, view, oh, ow in _conv_groups(x_codes, w_codes, group, strides, pads, dilations, x_zero_point)]
+    return np.concatenate(outs, axis=-1).transpose(0, 3, 1, 2)

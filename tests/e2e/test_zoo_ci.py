@@ -2,7 +2,8 @@
 default recipe path, side by side with ONNX Runtime's ``quantize_static`` on the same data (eval/zoo/).
 
 Asserted here (speed lives in the benchmark, eval/zoo/run.py, never in a unit test): exit 0; no stray
-QuantizeLinear/DequantizeLinear inside ONNX Runtime's optimized graph; output SQNR against FP32 at least
+QuantizeLinear/DequantizeLinear inside ONNX Runtime's optimized graph; no float GEMM-like op but the layers the
+latency guard measured slower in int8 and shipped in float; output SQNR against FP32 at least
 ORT's best setting (default or ``reduce_range``) minus a 0.5 dB allowance for the 32-sample evaluation
 set's noise; this CPU's fused kernels agree with the QDQ math layer by layer.
 """
@@ -46,8 +47,10 @@ def test_zoo_model_through_the_default_recipe(zoo: object, tmp_path: Path, name:
     q = row["methods"]["quantkit"]
     assert q["rc"] == 0, q["log_tail"]
     assert q["census"]["stray"] == 0, q["census"]["stray_nodes"]
-    assert q["census"]["float_gemm"] == 0, q["census"]
     ort = row["methods"][row["ort_best"]]
     assert q["sqnr_db"] >= ort["sqnr_db"] - 0.5, (q["sqnr_db"], ort["sqnr_db"])
     rep = json.loads((tmp_path / name / "quantkit" / "report.json").read_text())
+    # a layer runs in float only when the latency guard measured its int8 region slower and shipped it in float
+    kept = (rep.get("latency_guard") or {}).get("float_layers") or []
+    assert q["census"]["float_gemm"] == len(kept), (q["census"], rep.get("latency_guard"))
     assert rep["kernels"]["check"]["agree"], rep["kernels"]["check"]["first_parted"]

@@ -20,7 +20,9 @@ from quantkit.algorithms.pair_rounding import pair_gptq, pair_safe_weight
 from quantkit.scheme.saturation import (
     PAIR_LIMIT,
     constrained_round,
+    conv_saturation_excess,
     emulate_u8s8,
+    exact_int_matmul,
     from_kernel_view,
     kernel_view,
     pair_safe_codes,
@@ -54,6 +56,50 @@ def test_ort_matmul_integer_is_the_emulated_kernel_of_this_cpu() -> None:
     np.testing.assert_array_equal(got, emulate_u8s8(a, w, saturate=_running_saturates()))
     # the two classes really differ on full-range codes (so the line above tests something)
     assert np.mean(emulate_u8s8(a, w) != emulate_u8s8(a, w, saturate=False)) > 0.3
+
+
+def _dense_u8s8(a: np.ndarray, q: np.ndarray, saturate: bool) -> np.ndarray:
+    """Every pair formed and clipped: the emulator's definition, written out."""
+    k = a.shape[1]
+    a64 = np.concatenate([a.astype(np.int64), np.zeros((a.shape[0], k % 2), np.int64)], axis=1)
+    q64 = np.concatenate([q.astype(np.int64), np.zeros((k % 2, q.shape[1]), np.int64)], axis=0)
+    pair = a64[:, 0::2, None] * q64[None, 0::2] + a64[:, 1::2, None] * q64[None, 1::2]  # [M, P, N]
+    return (np.clip(pair, -32768, 32767) if saturate else pair).sum(axis=1).astype(np.int32)
+
+
+@pytest.mark.parametrize(("m", "k", "n", "lo", "hi", "qlim", "chunk"), [
+    (7, 33, 5, 0, 256, 128, None), (16, 64, 24, 0, 256, 128, 3), (5, 1, 3, 0, 256, 128, None),
+    (9, 40, 11, 0, 60, 128, None), (6, 20, 4, -200, 200, 128, None), (4, 32, 8, 0, 256, 40, None),
+    (0, 8, 3, 0, 256, 128, None),
+])
+def test_emulator_forms_only_the_pairs_that_can_clip_with_the_same_result(
+        m: int, k: int, n: int, lo: int, hi: int, qlim: int, chunk: int | None) -> None:
+    # the emulator adds sat16(pair) - pair for the pairs that can clip to the exact sum (float64 BLAS): the same
+    # accumulators as clipping every pair, for uint8 codes, small codes, odd K, any-sign inputs, empty inputs
+    rng = np.random.default_rng(m * 1000 + k)
+    a = rng.integers(lo, hi, (m, k)).astype(np.uint8 if lo >= 0 else np.int32)
+    q = rng.integers(-qlim, qlim, (k, n)).astype(np.int8)
+    for sat in (True, False):
+        np.testing.assert_array_equal(emulate_u8s8(a, q, saturate=sat, chunk=chunk), _dense_u8s8(a, q, sat))
+        np.testing.assert_array_equal(emulate_u8s8(a, q, saturate=sat, max_elements=7), _dense_u8s8(a, q, sat))
+
+
+def test_exact_int_matmul_is_the_int64_matmul() -> None:
+    rng = np.random.default_rng(4)
+    a = rng.integers(0, 256, (2, 9, 300)).astype(np.uint8)
+    b = rng.integers(-128, 128, (300, 17)).astype(np.int8)
+    got = exact_int_matmul(a, b)
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, np.matmul(a.astype(np.int64), b.astype(np.int64)))
+    wide = rng.integers(-255, 256, (7, 2000))  # float32 blocks of 258 steps (255 * 255 * 258 < 2**24)
+    w = rng.integers(-255, 256, (2000, 5))
+    np.testing.assert_array_equal(exact_int_matmul(wide, w), wide @ w)
+    worst = np.full((1, 1030), 255, np.int64)  # every partial sum at its largest, across block edges
+    np.testing.assert_array_equal(exact_int_matmul(worst, np.full((1030, 2), -255, np.int64)), [[-255 * 255 * 1030] * 2])
+    mid = rng.integers(-2**20, 2**20, (3, 40))  # too wide for float32 blocks: float64
+    np.testing.assert_array_equal(exact_int_matmul(mid, mid.T), mid @ mid.T)
+    big = np.full((1, 4), 2**40, np.int64)  # partial sums past 2**53: the int64 path, still exact
+    np.testing.assert_array_equal(exact_int_matmul(big, np.full((4, 1), 2**11, np.int64)), [[2**53]])
 
 
 def test_pair_safe_weights_are_exact_on_every_class_in_ort() -> None:
@@ -122,6 +168,19 @@ def test_conv_emulation_without_saturation_is_the_exact_conv() -> None:
         ref[:, :, i, j] = np.einsum("nchw,ochw->no", patch, w.astype(np.int64))
     np.testing.assert_array_equal(got, ref)
     assert (saturating_conv_reference(x, w, strides=(2, 1), pads=pads, x_zero_point=zp) != got).any()
+
+
+@pytest.mark.parametrize(("c_in", "group"), [(4, 1), (4, 2), (4, 4)])
+def test_conv_saturation_excess_is_saturating_minus_exact(c_in: int, group: int) -> None:
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 256, (2, c_in, 7, 6)).astype(np.uint8)
+    w = rng.integers(-128, 128, (8, c_in // group, 3, 3)).astype(np.int8)
+    kw = {"group": group, "strides": (2, 1), "pads": (1, 0, 1, 2), "x_zero_point": 7}
+    want = (saturating_conv_reference(x, w, **kw).astype(np.int64)  # type: ignore[arg-type]
+            - saturating_conv_reference(x, w, saturate=False, **kw))  # type: ignore[arg-type]
+    got = conv_saturation_excess(x, w, **kw)  # type: ignore[arg-type]
+    assert got.shape == want.shape and (group == c_in or want.any())
+    np.testing.assert_array_equal(got, want)
 
 
 def test_depthwise_conv_never_saturates() -> None:

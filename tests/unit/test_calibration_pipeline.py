@@ -109,3 +109,41 @@ def test_bias_correction_removes_mean_output_error() -> None:
     assert any(n.startswith("bias corrected") for n in b.lowering.notes.values())
     assert not any(n.startswith("bias corrected") for n in a.lowering.notes.values())
     assert b.report["fidelity"]["logits"]["sqnr_db"] >= a.report["fidelity"]["logits"]["sqnr_db"] - 0.5
+
+
+def test_a_second_plan_on_the_same_model_calibrates_only_what_the_first_did_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a latency guard's candidate (the same plan with a layer in float) reuses the ranges and bias-correction means
+    # held in memory and collects only the tensors it newly quantizes - even with the cache off, where asking for
+    # every tensor again (or for means of the non-weighted int8 layers, which never get one) repeated the whole pass
+    import dataclasses
+
+    import quantkit.calibrate.gather as gather_mod
+    from quantkit.formats.base import Artifacts
+    from quantkit.lowering.select import select
+    from quantkit.recipe import load_recipe
+    from quantkit.recipe.plan import PrecisionPlan
+    from quantkit.run import execute, load_inputs
+
+    passes: list[set[str]] = []
+    real = gather_mod.collect_statistics
+
+    def counting(model: Any, dataset: Any, tensors: Any, **kw: Any) -> Any:
+        passes.append(set(tensors))
+        return real(model, dataset, tensors, **kw)
+
+    monkeypatch.setattr(gather_mod, "collect_statistics", counting)
+    rec = load_recipe(_recipe(bias_correction=True))
+    _, float_model, cal = load_inputs(tiny_cnn(), image_batches(4), rec, progress=False, timings={})
+    art = Artifacts()
+    plan = PrecisionPlan.from_recipe(rec)
+    _, first = execute(float_model, plan, cal, progress=False, use_cache=False, artifacts=art)
+    assert len(passes) == 1 and art.means
+    assert any(lp.op_type not in ("Conv", "Gemm", "MatMul") for lp in first.static.layers.values())
+    for layer in art.means:  # each weighted layer in float, in turn
+        before, calibrated = len(passes), set(art.ranges)
+        second = plan.choose({layer: dataclasses.replace(first.static.layers[layer], format="fp32")})
+        new = set(select(float_model, second).calibrated_tensors()) - calibrated
+        _, lowered = execute(float_model, second, cal, progress=False, use_cache=False, artifacts=art)
+        assert layer not in lowered.static.layers
+        assert passes[before:] == ([new] if new else []), (layer, passes[before:], new)

@@ -1,5 +1,6 @@
-"""The latency guard: when the int8 model measures slower than FP32, the layers whose int8 kernel is slower
-than float are kept in float and the faster model ships (quantkit.guard)."""
+"""The latency guard (on by default): layer regions whose int8 kernels are slower than float in every profile round
+are tried in float, and the guarded model ships only when an interleaved A/B finds it faster by a sign test and a
+margin; the decision is cached per int8 model and machine (quantkit.guard)."""
 
 from __future__ import annotations
 
@@ -10,65 +11,161 @@ import onnx_ir as ir
 import pytest
 
 import quantkit
-import quantkit.run  # noqa: E402 - the real latency measurement, before any test replaces it
+from quantkit.guard import AB_MIN_WINS, AB_ROUNDS, TOTAL, ab_verdict, layer_regions, slow_regions
+from quantkit.prep import prepare
 from tests.conftest import image_batches, tiny_cnn
 
-_REAL_LATENCY = quantkit.run._latency
 RECIPE = {"version": 1, "name": "guard",
-          "report": {"latency": {"warmup": 1, "repeat": 3, "guard": True}, "kernel_check_samples": 2}}
+          "report": {"latency": {"warmup": 1, "repeat": 3}, "kernel_check_samples": 2}}
 
 
-def _force(monkeypatch: pytest.MonkeyPatch, speedups: list[float]) -> list[float]:
-    """Let the real latency run, then report the given speedups in turn (timings are not asserted in tests)."""
-    import quantkit.run as run_mod
-
-    real = _REAL_LATENCY
-    seen: list[float] = []
-
-    def fake(*a: Any, **k: Any) -> dict[str, Any]:
-        out = real(*a, **k)
-        out["speedup"] = speedups[len(seen)]
-        seen.append(out["speedup"])
-        return out
-
-    monkeypatch.setattr(run_mod, "_latency", fake)
-    return seen
-
-
-def test_slower_layers_are_kept_in_float_when_that_measures_faster(monkeypatch: pytest.MonkeyPatch,
-                                                                   tmp_path: Path) -> None:
-    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+def _fake_profile(monkeypatch: pytest.MonkeyPatch, slow: dict[str, tuple[float, float]] | None) -> list[int]:
+    """Every region takes 1 ms in float and 0.5 ms in int8, except ``slow`` (fp32 ms, int8 ms); returns the call
+    counter."""
     import quantkit.guard as guard
 
-    seen = _force(monkeypatch, [0.8, 1.1])
-    monkeypatch.setattr(guard, "slow_int8_layers", lambda *a, **k: {"conv0": (0.1, 0.2)})
+    calls: list[int] = []
+
+    def fake(float_bytes: bytes, quant_bytes: bytes, float_model: Any, layers: list[str], feed: Any, **kw: Any
+             ) -> dict[str, list[tuple[float, float]]]:
+        calls.append(1)
+        return {**{n: [(slow or {}).get(n, (1.0, 0.5))] * 3 for n in layers}, TOTAL: [(1.0, 1.0)] * 3}
+
+    monkeypatch.setattr(guard, "region_times", fake)
+    return calls
+
+
+def _fake_ab(monkeypatch: pytest.MonkeyPatch, guarded_ratio: float) -> None:
+    import quantkit.guard as guard
+
+    def fake(blobs: dict[str, bytes], feed: Any, **kw: Any) -> dict[str, list[float]]:
+        times = {"fp32": 2.0, "int8": 1.0}
+        return {k: [times.get(k, guarded_ratio)] * AB_ROUNDS for k in blobs}
+
+    monkeypatch.setattr(guard, "ab_compare", fake)
+
+
+def test_regions_take_the_activation_and_the_chain_entry_with_the_layer() -> None:
+    model = prepare(ir.from_proto(tiny_cnn())).model
+    int8 = ["conv0", "dwconv", "project", "residual", "pool", "flatten", "fc"]
+    regions = layer_regions(model, ["conv0", "dwconv", "project", "fc"], int8)
+    # the stem: its input's QuantizeLinear (a graph input) and its Clip; the depthwise conv: its Clip
+    assert regions["conv0"] == ["conv0", "input_QuantizeLinear", "act0"]
+    assert regions["dwconv"] == ["dwconv", "act1"]
+    # the residual Add reads two regions (project and conv0's act0): nobody's; the pool, flatten go with nobody
+    assert regions["project"] == ["project"]
+    assert regions["fc"] == ["fc"]
+    # with the pool and flatten in float, the classifier's int8 chain starts at its input
+    assert layer_regions(model, ["fc"])["fc"] == ["fc", "f_QuantizeLinear"]
+
+
+def test_a_region_is_slow_only_when_it_is_slower_in_every_round() -> None:
+    times = {"a": [(1.0, 1.2), (1.0, 1.1), (1.0, 1.3)], "b": [(1.0, 1.5), (1.0, 0.9), (1.0, 1.4)],
+             "c": [(1.0, 0.5)] * 3}
+    assert slow_regions(times) == {"a": (1.0, 1.2)}
+
+
+def test_ab_verdict_needs_wins_and_margin() -> None:
+    i8 = [1.0] * AB_ROUNDS
+    assert ab_verdict(i8, [0.9] * AB_ROUNDS)[0]
+    assert not ab_verdict(i8, [0.99] * AB_ROUNDS)[0]  # faster in every round, but within the margin
+    few = [0.9] * (AB_MIN_WINS - 1) + [1.1] * (AB_ROUNDS - AB_MIN_WINS + 1)
+    assert not ab_verdict(i8, few)[0]  # too few wins: a tie keeps the all-int8 model
+
+
+def test_slower_regions_ship_in_float_when_the_ab_finds_it_faster_and_the_decision_is_cached(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    calls = _fake_profile(monkeypatch, {"conv0": (0.1, 0.2)})
+    _fake_ab(monkeypatch, 0.8)
     res = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, evaluation_data=image_batches(2, seed=1),
                             progress=False)
-    assert seen == [0.8, 1.1]  # the plan ran twice
     g = res.report["latency_guard"]
     assert g["decision"].startswith("shipped with 1 layer(s) in float") and g["slower_int8_layers"]["conv0"]
+    # the stem starts the int8 chain (its region holds the input's QuantizeLinear): one candidate, which won
+    assert g["candidates"] == {"chain_entry": {"float_layers": ["conv0"], "stranded": [],
+                                               "excess_ms": pytest.approx(0.1)}}
+    assert g["float_layers"] == ["conv0"] and g["ab"]["chain_entry"]["wins"] == AB_ROUNDS
     assert "conv0" not in res.plan.layers and "dwconv" in res.plan.layers
     assert res.census.quantized_kernels.get("QLinearConv") == 2  # conv0 runs as a float Conv now
+    assert len(calls) == 1
+    # the same int8 model on the same machine: the cached decision ships without profiling again
+    res2 = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, evaluation_data=image_batches(2, seed=1),
+                             progress=False)
+    assert len(calls) == 1 and res2.report["latency_guard"].get("cached")
+    assert "conv0" not in res2.plan.layers
+    # use_cache=False measures afresh
+    quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, progress=False, use_cache=False)
+    assert len(calls) == 2
 
 
-def test_the_faster_model_ships_and_the_guard_can_be_turned_off(monkeypatch: pytest.MonkeyPatch,
-                                                                tmp_path: Path) -> None:
+def test_candidates_are_the_chain_entries_first_then_every_slower_region(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
     import quantkit.guard as guard
 
-    _force(monkeypatch, [0.8, 0.7])
-    monkeypatch.setattr(guard, "slow_int8_layers", lambda *a, **k: {"conv0": (0.1, 0.2)})
+    _fake_profile(monkeypatch, {"conv0": (0.1, 0.2), "dwconv": (0.1, 0.2)})
+    timed: list[list[str]] = []
+
+    def fake(blobs: dict[str, bytes], feed: Any, **kw: Any) -> dict[str, list[float]]:
+        timed.append(sorted(blobs))
+        times = {"fp32": 2.0, "int8": 1.0, "chain_entry": 0.9, "all_slower": 0.89}  # within the margin: a tie
+        return {k: [times[k]] * AB_ROUNDS for k in blobs}
+
+    monkeypatch.setattr(guard, "ab_compare", fake)
+    res = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, progress=False)
+    g = res.report["latency_guard"]
+    assert timed == [["all_slower", "chain_entry", "fp32", "int8"]]  # one A/B for both candidates
+    assert g["candidates"]["chain_entry"]["float_layers"] == ["conv0"]
+    assert g["candidates"]["all_slower"]["float_layers"] == ["conv0", "dwconv"]
+    assert g["float_layers"] == ["conv0"] and "dwconv" in res.plan.layers  # ties go to fewer float layers
+    assert g["ab"]["all_slower"]["vs_chain_entry"]["faster"] is False
+
+
+def test_an_int8_chain_left_stranded_and_no_faster_joins_the_float_layers(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    # the stem starts the chain and is slower in int8; with it in float, the depthwise conv and the projection
+    # form an int8 chain of their own (the residual Add now reads the float stem) that measured no faster in
+    # int8: stranded, it would pay a Q and a DQ for nothing, so the candidate keeps it in float too; the
+    # classifier's chain is faster in int8 and stays
+    _fake_profile(monkeypatch, {"conv0": (0.1, 0.3), "dwconv": (0.1, 0.3), "project": (0.1, 0.1)})
+    _fake_ab(monkeypatch, 0.8)
+    res = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, progress=False)
+    g = res.report["latency_guard"]
+    assert list(g["candidates"]) == ["chain_entry"]  # all_slower came out the same set
+    assert g["candidates"]["chain_entry"]["stranded"] == ["dwconv", "project"]
+    assert g["float_layers"] == ["conv0", "dwconv", "project"] and "fc" in res.plan.layers
+
+
+def test_a_tie_keeps_the_all_int8_model_and_the_guard_can_be_turned_off(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    _fake_profile(monkeypatch, {"conv0": (0.1, 0.2)})
+    _fake_ab(monkeypatch, 0.995)
     res = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, evaluation_data=image_batches(2, seed=1),
                             progress=False)
     assert res.report["latency_guard"]["decision"].startswith("kept all layers int8")
-    assert "conv0" in res.plan.layers and any("latency guard" in w for w in res.report["warnings"])
-    seen = _force(monkeypatch, [0.8])
+    assert res.report["latency_guard"]["float_layers"] == [] and "conv0" in res.plan.layers
+    calls = _fake_profile(monkeypatch, {"conv0": (0.1, 0.2)})
     off = {**RECIPE, "report": {**RECIPE["report"], "latency": {"warmup": 1, "repeat": 3, "guard": False}}}
     res = quantkit.quantize(tiny_cnn(), image_batches(4), off, progress=False)
-    assert seen == [0.8] and "latency_guard" not in res.report
+    assert not calls and "latency_guard" not in res.report
 
 
-def test_layer_times_attribute_every_layer_in_both_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_slow_region_or_too_little_to_gain_keeps_the_model_without_a_rerun(monkeypatch: pytest.MonkeyPatch,
+                                                                               tmp_path: Path) -> None:
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    import quantkit.guard as guard
+
+    monkeypatch.setattr(guard, "ab_compare", lambda *a, **k: pytest.fail("no A/B without a slow region"))
+    for slow in (None, {"conv0": (0.1, 0.101)}):  # 1 us more in a 1 ms model: below the A/B margin
+        _fake_profile(monkeypatch, slow)
+        res = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, progress=False, use_cache=False)
+        assert res.report["latency_guard"]["float_layers"] == [] and "conv0" in res.plan.layers
+
+
+def test_region_times_attribute_every_layer_in_both_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
     from quantkit.guard import layer_times
 

@@ -104,7 +104,11 @@ def test_weight_only_report_has_no_activation_calibrator_and_explains_a_slow_pre
                 "decode": {"label": "decode with KV cache: 64 tokens after a 8-token prompt", "tokens": 1,
                            "fp32_ms": 1.0, "quantized_ms": 0.5, "speedup": 2.0, "kv_cache": True, "new_tokens": 64}}
 
+    def fake_levels(models: Any, settings: Any, feed: Any = None) -> tuple[dict[str, Any], str]:
+        return {"4": {"prefill_ms": 1.9, "decode_ms": 0.6}, "0": {"prefill_ms": 2.4, "decode_ms": 0.7}}, "fake"
+
     monkeypatch.setattr("quantkit.evaluate.decode.llm_latency", fake_latency)
+    monkeypatch.setattr("quantkit.int4_kernel.measure_levels", fake_levels)  # MatMulNBits accuracy_level 4 vs 0
     monkeypatch.setenv("QUANTKIT_CPU_CLASS", "x86-avx2")  # a CPU without VNNI
     rec = _recipe("gptq")
     rec["report"] = {"latency": {"enabled": True}}
@@ -128,7 +132,11 @@ def test_weight_only_report_has_no_activation_calibrator_and_explains_a_slow_pre
     assert "| decode with KV cache: 64 tokens after a 8-token prompt | per token (median of 64 generated tokens) | " \
            "1.00 | 0.50 | 2.00x |" in md
     [warn] = [w for w in rep["warnings"] if w.startswith("prefill")]
-    assert "accuracy_level 4" in warn and "VNNI" in warn and "class x86-avx2" in warn and "Try" in warn
+    assert "accuracy_level 4, the faster of levels 4 and 0 on this CPU (class x86-avx2" in warn and "try" in warn
+    # on a CPU without VNNI: the class, the level chosen and the measured alternative
+    assert _line(summary, "- INT4 kernel: ") == (
+        "- INT4 kernel: accuracy_level 4 (int8 activations) chosen for x86-avx2: prefill 1.9 ms vs 2.4 ms at level 0, "
+        "decode 0.60 vs 0.70 ms/token (measured)")
     assert _line(summary, "- warnings: ") == f"- warnings: {len(rep['warnings'])} (see Warnings)"
     # the weight-only table has only columns some row fills: no eval SQNR (perplexity run), no decoder block
     header = next(ln for ln in md.splitlines() if ln.startswith("| layer | format | algorithm"))
@@ -165,15 +173,20 @@ def test_prefill_warning_says_why_and_what_to_try() -> None:
     def lat(speedup: float) -> dict[str, Any]:
         return {"prefill": {"tokens": 128, "fp32_ms": 100.0, "quantized_ms": 100.0 / speedup, "speedup": speedup}}
 
-    assert llm_latency_warnings(lat(PREFILL_NO_GAIN + 0.01), 4, "x86-avx2") == []
-    assert llm_latency_warnings({}, 4, "x86-avx2") == []
-    [w] = llm_latency_warnings(lat(1.03), 4, "x86-avx2")
+    def kernel(how: str, level: int = 4, cls: str = "x86-avx2") -> dict[str, Any]:
+        return {"cpu_class": cls, "accuracy_level": level, "how": how, "not_measured": "latency measurement is off"}
+
+    assert llm_latency_warnings(lat(PREFILL_NO_GAIN + 0.01), kernel("measured")) == []
+    assert llm_latency_warnings({}, kernel("measured")) == []
+    [w] = llm_latency_warnings(lat(1.03), kernel("measured"))
     assert w.startswith("prefill is no faster than FP32 (1.03x FP32 per 128-token prompt)")
-    assert "int8 dot-product instructions (x86 VNNI)" in w and "export.accuracy_level 0 or 1" in w
-    [w] = llm_latency_warnings(lat(1.0), 4, "x86-vnni")
-    assert "compute-bound" in w and "VNNI" not in w
-    [w] = llm_latency_warnings(lat(0.9), 0, "x86-vnni")
-    assert "export.accuracy_level 0 computes in float" in w and "export.accuracy_level 4" in w
+    assert "the faster of levels 4 and 0 on this CPU (class x86-avx2" in w and "int8_dynamic (W8A8)" in w
+    [w] = llm_latency_warnings(lat(1.0), kernel("class default", cls="x86-vnni"))
+    assert "compute-bound" in w and "default of class x86-vnni, not measured here" in w
+    [w] = llm_latency_warnings(lat(0.9), kernel("recipe", level=0))
+    assert "accuracy_level 0 is set by the recipe" in w and "export.accuracy_level: auto" in w
+    [w] = llm_latency_warnings(lat(1.0), None)  # no MatMulNBits (W8A8, say)
+    assert "compute-bound" in w and "accuracy_level" not in w
 
 
 def test_layerwise_report_names_the_model_and_explains_the_shared_kernels(tmp_path: Path,
@@ -214,7 +227,7 @@ def test_layerwise_report_names_the_model_and_explains_the_shared_kernels(tmp_pa
     assert "algorithm gptq x15, rtn x1; no activation calibrator" in line and "block by block on 48 calibration" in line
     # the weight-only table: the columns a layer-wise run fills (kernel, block), none left all "-"
     header = next(ln for ln in md.splitlines() if ln.startswith("| layer | format | algorithm"))
-    assert header.endswith("| weight rel. error | output SQNR dB | kernel | block |")
+    assert header.endswith("| weight rel. error | output SQNR dB | kernel | block | acc. level | W4A8 ratio |")
     assert "| MatMulNBits (shared: `model.layers.0.self_attn.qkv_proj`) | 0 |" in md
     # latency measured for real: prefill per prompt, decode per token; a prefill no faster than FP32 is a warning
     lat = rep["summary"]["latency"]

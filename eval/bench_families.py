@@ -1,0 +1,327 @@
+"""Every decoder family of the streaming builder through the layer-wise path, at a realistic shape (issue 23).
+
+For each family (``quantkit.frontends.families``) a Hugging Face folder of random bf16 weights is written at the
+width of a published checkpoint (its ``config.json`` values: hidden size, heads, KV heads, head_dim, intermediate
+size, vocabulary, tying, RoPE, windows, soft-capping), with fewer layers where the full depth is well above 0.5B
+parameters, at two depths (about a quarter of the layers, and all of them) to show that the peak memory does not
+grow with the depth.  The folder is written as transformers writes one: ``config.json`` by the family's config class
+(``save_pretrained``), the tensor names and shapes of its model class (instantiated on the meta device, so nothing is
+allocated), one tensor at a time into ~1 GB safetensors shards.  Random weights give meaningless tokens: the figures
+here are memory and time, not quality.
+
+Each case runs ``quantkit calibrate`` in a child process, as users run it, with a layer-wise recipe: int4, RTN,
+group 128, ``calibration.layerwise: true``, two 64-token calibration windows of random token ids, no perplexity,
+``--no-latency``.  Recorded per case: the wall time of the whole command (interpreter start, build, quantization and
+save), the peak RSS of its process tree sampled every 0.1 s from outside (``eval/rss_tree.py``'s sampler), quantkit's
+own measured peak and its estimate (``report.json`` ``memory``), the checkpoint and output sizes, and the load
+average.
+
+``--refusal`` measures the other half of the issue: a folder whose ``config.json`` says ``model_type: bloom`` (not a
+supported family) with ``calibration.layerwise: true`` is refused by ``quantkit calibrate`` (exit 2) before anything
+heavy is imported; the whole command's wall time, five times (the median is the figure), and the heavy modules it
+imported (``python -X importtime``; expected none).
+
+    flock /tmp/quantkit-bench.lock python eval/bench_families.py --refusal --family all
+
+Rows go into ``eval/results/families_<cpu class>.json`` (one per family and depth, replaced when run again);
+``python eval/render_results.py`` renders them into ``docs/results.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "eval"))
+HEAVY = ("torch", "onnx", "onnx_ir", "onnxruntime", "transformers", "numpy", "scipy")
+
+# The published configs (config.json values of the checkpoint named in "from"); "layers": the two depths measured.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3": {"from": "Qwen/Qwen3-0.6B", "layers": (7, 28), "config": {
+        "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 28, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "use_sliding_window": False, "sliding_window": None, "max_window_layers": 28, "hidden_act": "silu",
+        "bos_token_id": 151643, "eos_token_id": 151645}},
+    "qwen2": {"from": "Qwen/Qwen2.5-0.5B", "layers": (6, 24), "config": {
+        "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
+        "num_key_value_heads": 2, "num_hidden_layers": 24, "vocab_size": 151936, "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "use_sliding_window": False,
+        "sliding_window": 32768, "max_window_layers": 24, "hidden_act": "silu", "bos_token_id": 151643,
+        "eos_token_id": 151643}},
+    "mistral": {"from": "mistralai/Mistral-7B-v0.1 (width; 1 and 2 of its 32 layers)", "layers": (1, 2), "config": {
+        "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 32000, "max_position_embeddings": 32768,
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": 4096,
+        "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}},
+    "smollm3": {"from": "HuggingFaceTB/SmolLM3-3B (width; 1 and 4 of its 36 layers)", "layers": (1, 4), "config": {
+        "model_type": "smollm3", "hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "num_hidden_layers": 36, "vocab_size": 128256, "max_position_embeddings": 65536,
+        "rope_theta": 5000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "no_rope_layer_interval": 4,
+        "use_sliding_window": False, "sliding_window": None, "hidden_act": "silu", "bos_token_id": None,
+        "eos_token_id": 128012, "pad_token_id": 128004}},
+    "gemma": {"from": "google/gemma-2b (width; 1 and 4 of its 18 layers)", "layers": (1, 4), "config": {
+        "model_type": "gemma", "hidden_size": 2048, "intermediate_size": 16384, "num_attention_heads": 8,
+        "num_key_value_heads": 1, "head_dim": 256, "num_hidden_layers": 18, "vocab_size": 256000,
+        "max_position_embeddings": 8192, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_act": "gelu",
+        "hidden_activation": None, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}},
+    "gemma2": {"from": "google/gemma-2-2b (width; 1 and 4 of its 26 layers)", "layers": (1, 4), "config": {
+        "model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 256, "num_hidden_layers": 26, "vocab_size": 256000,
+        "max_position_embeddings": 8192, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+        "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh", "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}},
+    "gemma3_text": {"from": "google/gemma-3-1b-pt (width; 2 and 8 of its 26 layers)", "layers": (2, 8), "config": {
+        "model_type": "gemma3_text", "hidden_size": 1152, "intermediate_size": 6912, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 256, "num_hidden_layers": 26, "vocab_size": 262144,
+        "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+        "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6,
+        "final_logit_softcapping": None, "attn_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh",
+        "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}},
+    "phi3": {"from": "microsoft/Phi-3-mini-4k-instruct (width; 1 and 4 of its 32 layers)", "layers": (1, 4), "config": {
+        "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "num_hidden_layers": 32, "vocab_size": 32064, "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+        "sliding_window": 2047, "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1,
+        "eos_token_id": 32000, "pad_token_id": 32000}},
+    "gpt2": {"from": "openai-community/gpt2-medium", "layers": (6, 24), "config": {
+        "model_type": "gpt2", "n_embd": 1024, "n_head": 16, "n_layer": 24, "n_positions": 1024, "vocab_size": 50257,
+        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "bos_token_id": 50256,
+        "eos_token_id": 50256}},
+}  # fmt: skip
+
+# Child: write the folder (torch + transformers live only here).  argv: folder, config (JSON), layers.
+_CHILD_GEN = r"""
+import json, sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+folder, cfg, layers = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+cfg = dict(cfg, **{("n_layer" if cfg["model_type"] == "gpt2" else "num_hidden_layers"): layers})
+conf = AutoConfig.for_model(**cfg)
+conf.torch_dtype = torch.bfloat16
+with torch.device("meta"):
+    model = AutoModelForCausalLM.from_config(conf)
+params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # a tied lm_head is not listed (shared)
+offset = cfg["model_type"].startswith("gemma")  # Gemma's RMSNorm multiplies by 1 + weight
+g = torch.Generator().manual_seed(0)
+def make(name, shape):
+    if len(shape) == 1:
+        fill = 0.0 if name.endswith(".bias") or offset else 1.0
+        return torch.full(shape, fill, dtype=torch.bfloat16)
+    t = torch.empty(shape, dtype=torch.bfloat16)
+    rows = max(1, (1 << 22) // shape[1])  # 16 MB of float32 at a time
+    for s in range(0, shape[0], rows):
+        n = min(rows, shape[0] - s)
+        t[s:s + n] = torch.randn(n, shape[1], generator=g) * 0.02
+    return t
+shards, cur, size = [], [], 0
+for name, shape in params:
+    nbytes = 2 * int(torch.Size(shape).numel())
+    if cur and size + nbytes > (1 << 30):
+        shards.append(cur); cur, size = [], 0
+    cur.append((name, shape)); size += nbytes
+shards.append(cur)
+weight_map, total = {}, 0
+for k, names in enumerate(shards):  # one shard in memory at a time
+    d = {n: make(n, s) for n, s in names}
+    file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+    save_file(d, str(folder / file), metadata={"format": "pt"})
+    total += sum(t.numel() * 2 for t in d.values())
+    weight_map.update({n: file for n in d})
+    del d
+(folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                 "weight_map": weight_map}))
+conf.architectures = [type(model).__name__]
+conf.save_pretrained(str(folder))
+print(json.dumps({"params": sum(int(torch.Size(s).numel()) for _, s in params), "architecture": type(model).__name__}))
+"""
+
+
+def _child(code: str, *args: str) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"child failed ({r.returncode}): {r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _quantkit() -> list[str]:
+    """The ``quantkit`` command as users run it (the console script beside this interpreter), else ``-m``."""
+    script = Path(sys.executable).parent / "quantkit"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "quantkit.cli"]
+
+
+def run_case(family: str, layers: int, work: Path) -> dict[str, Any]:
+    """Write the folder of ``family`` at ``layers`` layers, quantize it layer-wise, return its row."""
+    from bench_memory_estimate import _plain, _tree_peak
+
+    spec = FAMILIES[family]
+    hf = work / f"{family}-{layers}"
+    hf.mkdir(parents=True)
+    t0 = time.perf_counter()
+    gen = _child(_CHILD_GEN, str(hf), json.dumps(spec["config"]), str(layers))
+    gen_s = time.perf_counter() - t0
+    vocab = int(spec["config"]["vocab_size"])
+    ids = np.random.default_rng(0).integers(3, vocab, (2, 64)).astype(np.int64)
+    np.savez(work / "cal.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    recipe = _plain(str(hf), {"kind": "npz", "path": str(work / "cal.npz")}, layerwise=True)
+    recipe["name"] = f"{family}-int4"
+    path = work / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = work / "out"
+    cmd = [*_quantkit(), "calibrate", "-q", "--no-latency", "--recipe", str(path), "--output", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    peak = [0]
+    th = threading.Thread(target=_tree_peak, args=(proc, peak), daemon=True)
+    th.start()
+    assert proc.stdout is not None  # noqa: S101 - set by Popen
+    lines = [line.rstrip() for line in proc.stdout]
+    proc.wait()
+    th.join(timeout=5)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{family} x {layers}: exit {proc.returncode}\n" + "\n".join(lines[-30:]))
+    rep = json.loads((out / "report.json").read_text())
+    mem = rep["memory"]
+    row = {
+        "family": family, "model_type": spec["config"]["model_type"], "from": spec["from"], "layers": layers,
+        "architecture": gen["architecture"], "params_M": round(gen["params"] / 1e6, 1),
+        "checkpoint_GB": round(_du(hf) / 1e9, 3), "output_GB": round(_du(out) / 1e9, 3), "gen_s": round(gen_s, 1),
+        "wall_s": round(wall, 1), "tree_peak_GB": round(peak[0] / 1e9, 3),
+        "measured_GB": round(mem["measured_peak_bytes"] / 1e9, 3),
+        "estimated_GB": round(mem["estimated_peak_bytes"] / 1e9, 3), "peak_phase": mem.get("peak_phase"),
+        "phases_GB": {k: round(v / 1e9, 3) for k, v in (mem.get("phases") or {}).items()},
+        "path": mem.get("path"), "layers_quantized": len(rep.get("layers", [])),
+        "timings_s": {k: round(v, 1) for k, v in (rep.get("timings") or {}).items() if isinstance(v, (int, float))},
+        "load_start": [round(x, 2) for x in load0], "load_end": [round(x, 2) for x in os.getloadavg()],
+        "warnings": rep.get("warnings", []), "date": time.strftime("%Y-%m-%d %H:%M"),
+    }  # fmt: skip
+    row["estimate_over_measured"] = round(row["estimated_GB"] / max(row["tree_peak_GB"], 1e-9) - 1, 3)
+    shutil.rmtree(hf, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+def measure_refusal(work: Path, repeat: int = 5) -> dict[str, Any]:
+    """``quantkit calibrate`` on a ``model_type: bloom`` folder with ``calibration.layerwise: true``: exit code,
+    message, the whole command's wall time (``repeat`` runs; the median is the figure) and what it imported."""
+    hf = work / "bloom"
+    hf.mkdir(parents=True)
+    (hf / "config.json").write_text(json.dumps({"model_type": "bloom", "architectures": ["BloomForCausalLM"],
+                                                "hidden_size": 1024, "n_layer": 24, "n_head": 16,
+                                                "vocab_size": 250880}))  # fmt: skip
+    recipe = {"version": 1, "name": "bloom-int4", "model": {"source": str(hf)},
+              "calibration": {"layerwise": True, "data": {"kind": "npz", "path": str(work / "cal.npz")}},
+              "quantization": {"default": {"format": "int4", "group_size": 128, "algorithm": "rtn"}}}  # fmt: skip
+    (work / "r.yaml").write_text(yaml.safe_dump(recipe))
+    cmd = [*_quantkit(), "calibrate", "--recipe", str(work / "r.yaml"), "--output", str(work / "out")]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    walls, codes, load0 = [], set(), os.getloadavg()
+    r = None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        walls.append(round(time.perf_counter() - t0, 3))
+        codes.add(r.returncode)
+    assert r is not None  # noqa: S101 - repeat >= 1
+    imp = subprocess.run([sys.executable, "-X", "importtime", "-m", "quantkit.cli", *cmd[len(_quantkit()):]],
+                         capture_output=True, text=True, env=dict(env, PYTHONPATH=str(ROOT)), check=False)  # fmt: skip
+    mods = {ln.rsplit("|", 1)[1].strip().split(".")[0] for ln in imp.stderr.splitlines()
+            if ln.startswith("import time:") and ln.count("|") == 2}  # fmt: skip
+    return {"command": "quantkit calibrate --recipe r.yaml (config.json: model_type bloom; calibration.layerwise: "
+                       "true)", "returncodes": sorted(codes), "wall_s": walls,
+            "median_s": statistics.median(walls), "error": r.stderr.strip().splitlines()[-1],
+            "heavy_modules_imported": sorted(mods & set(HEAVY)), "heavy_checked": list(HEAVY),
+            "modules_imported": len(mods),
+            "load_start": [round(x, 2) for x in load0], "load_end": [round(x, 2) for x in os.getloadavg()],
+            "date": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
+
+
+def render(data: dict[str, Any]) -> str:
+    lines = ["| family | from | layers | params M | wall s | peak GB (outside) | measured GB | estimated GB |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in data.get("families", []):
+        lines.append(f"| {r['family']} | {r['from']} | {r['layers']} | {r['params_M']:.0f} | {r['wall_s']:.0f} | "
+                     f"{r['tree_peak_GB']:.2f} | {r['measured_GB']:.2f} | {r['estimated_GB']:.2f} |")
+    ref = data.get("refusal")
+    if ref:
+        lines.append(f"\nrefusal: exit {ref['returncodes']}, median {ref['median_s']:.2f} s of {ref['wall_s']}; "
+                     f"heavy modules imported: {ref['heavy_modules_imported'] or 'none'}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", nargs="*", default=[], help=f"families to run ('all': {', '.join(FAMILIES)})")
+    ap.add_argument("--depth", choices=("both", "small", "full"), default="both", help="which depths to run")
+    ap.add_argument("--refusal", action="store_true", help="measure the refusal of an unsupported family")
+    ap.add_argument("--workdir", type=Path, default=None)
+    args = ap.parse_args()
+    from provenance import run_record
+
+    from quantkit.report.build import environment
+    from quantkit.scheme.target import detect_cpu
+
+    families = list(FAMILIES) if args.family == ["all"] else args.family
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        ap.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}, all")
+    results = ROOT / "eval" / "results" / f"families_{detect_cpu().cpu_class}.json"
+    data: dict[str, Any] = json.loads(results.read_text()) if results.is_file() else {}
+    rows: list[dict[str, Any]] = data.get("families", [])
+    commands: list[str] = data.get("commands", [])
+
+    def save() -> None:
+        order = {f: i for i, f in enumerate(FAMILIES)}
+        data["families"] = sorted(rows, key=lambda r: (order.get(r["family"], 99), r["layers"]))
+        rec = run_record()
+        if rec["command"] not in commands:
+            commands.append(rec["command"])
+        data["commands"] = commands  # every run the file holds rows of (each row has its own date and load)
+        data["environment"] = {**environment(), **rec, "command": "; ".join(commands)}
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(data, indent=1) + "\n")
+
+    if args.refusal:
+        with tempfile.TemporaryDirectory(prefix="bench-fam-refusal-", dir=args.workdir) as w:
+            data["refusal"] = measure_refusal(Path(w))
+        print(json.dumps(data["refusal"]), flush=True)
+        save()
+    for family in families:
+        small, full = FAMILIES[family]["layers"]
+        for layers in {"both": (small, full), "small": (small,), "full": (full,)}[args.depth]:
+            work = Path(tempfile.mkdtemp(prefix=f"bench-fam-{family}-", dir=args.workdir))
+            try:
+                row = run_case(family, layers, work)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            print(json.dumps(row), flush=True)
+            rows = [r for r in rows if (r["family"], r["layers"]) != (family, layers)] + [row]
+            save()
+    print(render(data))
+
+
+if __name__ == "__main__":
+    main()
