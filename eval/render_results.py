@@ -457,7 +457,7 @@ def _families(data: dict[str, Any]) -> list[str]:
              "not.", "", *_table(["family"], [(f"`{r['family']}`", r) for r in rows], cols)]  # fmt: skip
     ref = data.get("refusal")
     if ref:
-        lines += ["", f"Refusal of an unsupported family: `{ref['command']}` exits {ref['returncodes']} in "
+        lines += ["", f"Refusal of an unsupported family: `{ref['command']}` exits {', '.join(map(str, ref['returncodes']))} in "
                   f"{ref['median_s']:.2f} s (median of {len(ref['wall_s'])} runs of the whole command: "
                   f"{', '.join(f'{w:.2f}' for w in ref['wall_s'])} s; load {ref['load_start'][0]:.1f} at the "
                   f"start, {ref['date']}); heavy modules imported before it: "

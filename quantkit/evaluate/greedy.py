@@ -15,7 +15,14 @@ tokens included: both run the same number of steps) after the same prompts, and 
   meet again);
 * ``teacher_forced_agreement``: the quantized model fed the prompt and FP32's continuation (no divergence can
   compound): the share of the positions where its most likely next token is FP32's;
-* ``identical_prompts``: the prompts whose ``tokens`` generated tokens are all equal.
+* ``identical_prompts``: the prompts whose ``tokens`` generated tokens are all equal;
+* ``self_consistency``: each model fed its own greedy continuation in one call (the prompt's path, not the
+  decode steps'): the share of the positions where its most likely token is the one it generated.  1.0 for a
+  model whose result does not depend on how the tokens are batched (FP32: to float rounding); at
+  ``accuracy_level`` 4 the int8 rounding of the activations turns the float rounding differences between a prompt
+  and a decode step (or between batch sizes) into other codes, and the logits part by about the level-4 error
+  itself: measured on SmolLM2-135M, 4% of max |logit| between a 33-token prompt and 32 tokens + one decode step,
+  0.95 self-consistency.  It is the noise floor of the agreement figures: the same quantized model, run two ways.
 
 Both models decode in batches with the KV cache (:class:`quantkit.frontends.llm_builder.LLMSession`), the prompt
 in one call, then one token per step.
@@ -111,12 +118,13 @@ def greedy_agreement(fp32: str | Path | None, quantized: str | Path, windows: It
                      spec: Any, *, why_no_fp32: str = "", context: int | None = None,
                      threads: int | None = None) -> dict[str, Any]:
     """``quality.greedy_agreement``: ``spec`` (``evaluation.greedy_agreement``: ``prompts``, ``prompt_tokens``,
-    ``tokens``) run on ``fp32`` and ``quantized`` with prompts from ``windows``.  ``{"measured": False, "why"}``
-    when there is no FP32 model (``why_no_fp32`` says why), no window long enough, or the prompt and the
+    ``tokens``, ``batch``) run on ``fp32`` and ``quantized`` with prompts from ``windows``.  ``{"measured": False,
+    "why"}`` when there is no FP32 model (``why_no_fp32`` says why), no window long enough, or the prompt and the
     continuation do not fit the ``context``."""
     cfg: Mapping[str, Any] = spec if isinstance(spec, Mapping) else spec.model_dump()
     n, L, T = int(cfg["prompts"]), int(cfg["prompt_tokens"]), int(cfg["tokens"])
-    head = {"prompt_tokens": L, "tokens": T}
+    batch = int(cfg.get("batch") or BATCH)
+    head = {"prompt_tokens": L, "tokens": T, "batch": batch}
     if fp32 is None:
         return {"measured": False, **head, "why": why_no_fp32 or "no FP32 model to compare with"}
     if context is not None and L + T > context:
@@ -126,8 +134,11 @@ def greedy_agreement(fp32: str | Path | None, quantized: str | Path, windows: It
     if prompts.shape[0] == 0:
         return {"measured": False, **head, "why": f"no evaluation window holds {L} tokens (prompt_tokens)"}
     t0 = time.perf_counter()
-    ref = greedy_decode(fp32, prompts, T, threads=threads)
-    got = greedy_decode(quantized, prompts, T, threads=threads)
-    forced = teacher_forced(quantized, prompts, ref, threads=threads)
+    ref = greedy_decode(fp32, prompts, T, batch=batch, threads=threads)
+    got = greedy_decode(quantized, prompts, T, batch=batch, threads=threads)
+    forced = teacher_forced(quantized, prompts, ref, batch=batch, threads=threads)
     res = agreement(ref, got, forced)
+    res["self_consistency"] = {
+        k: float((teacher_forced(m, prompts, toks, batch=batch, threads=threads) == toks).mean())
+        for k, m, toks in (("fp32", fp32, ref), ("quantized", quantized, got))}  # fmt: skip
     return {"measured": True, **head, **res, "seconds": round(time.perf_counter() - t0, 3)}

@@ -267,6 +267,13 @@ class GreedyAgreementSection(_Strict):
     )
     prompt_tokens: int = Field(32, ge=1, le=MAX_TOKENS, description="tokens per prompt")
     tokens: int = Field(32, ge=1, le=4096, description="tokens each model generates greedily after every prompt")
+    batch: int = Field(
+        16, ge=1, le=1024,
+        description="prompts decoded together (1: one at a time, as quantkit generate decodes; larger is faster). "
+        "At accuracy_level 4 the quantized model's tokens depend on it: the int8 rounding of activations turns the "
+        "float rounding differences between batch sizes into different tokens (the report's self_consistency "
+        "measures that noise)",
+    )
 
 
 class EvaluationSection(_Strict):

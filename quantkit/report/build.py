@@ -241,7 +241,9 @@ def greedy_line(g: Mapping[str, Any]) -> str:
             f"each): {100 * g['prefix_agreement']:.1f}% generated before the first divergence, "
             f"{100 * g['position_agreement']:.1f}% of positions agree"
             + (f", {100 * tf:.1f}% when fed FP32's tokens" if isinstance(tf, float) else "")
-            + f"; {g['identical_prompts']} of {g['prompts']} prompts identical")
+            + f"; {g['identical_prompts']} of {g['prompts']} prompts identical"
+            + (f"; self-consistency (noise floor) FP32 {100 * sc['fp32']:.1f}%, quantized {100 * sc['quantized']:.1f}%"
+               if isinstance(sc := g.get("self_consistency"), Mapping) else ""))
 
 
 def int4_kernel_lines(rep: Mapping[str, Any]) -> list[str]:

@@ -264,7 +264,7 @@ def test_the_threshold_key_is_validated(folders: dict[str, Path]) -> None:
     for bad in (1.0, 0.5, -2, "high"):
         with pytest.raises(RecipeError, match="export.w4a8_max_error_ratio"):
             load_recipe({**base, "export": {"w4a8_max_error_ratio": bad}})
-    for bad_g in ({"prompts": 0}, {"tokens": "many"}, {"prompt_len": 3}):
+    for bad_g in ({"prompts": 0}, {"tokens": "many"}, {"prompt_len": 3}, {"batch": 0}):
         with pytest.raises(RecipeError, match="evaluation.greedy_agreement"):
             load_recipe({**base, "evaluation": {"greedy_agreement": bad_g}})
 
@@ -305,11 +305,17 @@ def test_greedy_agreement_of_a_model_with_itself_and_without_fp32(folders: dict[
     same = greedy_agreement(q, q, wins, spec)
     assert same["measured"] and same["prefix_agreement"] == same["position_agreement"] == 1.0
     assert same["teacher_forced_agreement"] == 1.0 and same["identical_prompts"] == 6
+    assert set(same["self_consistency"]) == {"fp32", "quantized"}
+    assert all(0.5 < v <= 1.0 for v in same["self_consistency"].values())
+    # the decode batch is a setting: one prompt at a time decodes the same prompts
+    one = greedy_agreement(q, q, wins, {**spec, "batch": 1})
+    assert one["batch"] == 1 and one["prefix_agreement"] == 1.0
     # batched decoding gives the tokens of one prompt at a time
     prompts = prompts_from(wins, 6, 8)
     np.testing.assert_array_equal(greedy_decode(q, prompts, 5, batch=4), greedy_decode(q, prompts, 5, batch=1))
     none = greedy_agreement(None, q, wins, spec, why_no_fp32="FP32 baseline not evaluated: too large")
-    assert none == {"measured": False, "prompt_tokens": 8, "tokens": 5, "why": "FP32 baseline not evaluated: too large"}
+    assert none == {"measured": False, "prompt_tokens": 8, "tokens": 5, "batch": 16,
+                    "why": "FP32 baseline not evaluated: too large"}  # fmt: skip
     assert greedy_line(none) == "greedy tokens vs FP32: not measured (FP32 baseline not evaluated: too large)"
     assert not greedy_agreement(q, q, wins, {**spec, "tokens": 60}, context=64)["measured"]
 
