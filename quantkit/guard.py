@@ -318,8 +318,7 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
             if not slow else
             f"kept all layers int8: the {len(slow)} region(s) slower in int8 add {excess:.3f} ms to the int8 model's "
             f"{total:.3f} ms of kernels, less than the A/B margin ({AB_MARGIN:.0%}) - nothing to try"))
-        record["guard_s"] = round(time.perf_counter() - t0, 2)
-        result.report["latency_guard"] = record
+        _attach(result, record, t0)
         if use_cache:
             _save_decision(path, record)
         return result
@@ -345,8 +344,7 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
     if not candidates:
         record.update(float_layers=[], decision="kept all layers int8: every candidate left stray Q/DQ in ONNX "
                                                 "Runtime's graph")
-        record["guard_s"] = round(time.perf_counter() - t0, 2)
-        result.report["latency_guard"] = record
+        _attach(result, record, t0)
         if use_cache:
             _save_decision(path, record)
         return result
@@ -390,8 +388,7 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
             f"{k} ({len(candidates[k])} layer(s) in float) won {record['ab'][k]['wins']} of {len(ab['int8'])} rounds, "
             f"median {record['ab'][k]['median_ratio_to_int8']:.3f}x the all-int8 time" for k in candidates
         ) + " - not faster by the rule"
-    record["guard_s"] = round(time.perf_counter() - t0, 2)
-    chosen.report["latency_guard"] = record
+    _attach(chosen, record, t0)
     if use_cache:
         _save_decision(path, record)
     shipped = record["ab"][best[1]]["ms"] if best is not None else i8
@@ -451,6 +448,13 @@ def _stray_count(blob: bytes) -> int:
     from quantkit.report.build import classify_leftovers
 
     return sum(1 for _, kind in classify_leftovers(census(onnx.load_from_string(blob))) if kind == "stray")
+
+
+def _attach(result: Any, record: dict[str, Any], t0: float) -> None:
+    """Put the guard's record (and its time, also under the report's timings) into ``result``'s report."""
+    record["guard_s"] = round(time.perf_counter() - t0, 2)
+    result.report["latency_guard"] = record
+    result.report.setdefault("timings", {})["latency_guard_s"] = record["guard_s"]
 
 
 def _int8_nodes(plan: Any) -> set[str]:

@@ -32,6 +32,7 @@ The roles follow what ONNX Runtime's CPU provider fuses (measured; see the READM
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,36 @@ def float_island_reason(op_type: str) -> str | None:
     if op in ORT_INT8_OPS or op in ("QuantizeLinear", "DequantizeLinear"):
         return None
     return f"{op} has no int8 kernel in ONNX Runtime's CPU provider"
+
+
+def batchnorm_shift(bn: Any) -> Any:
+    """``B`` (a float32 vector) when ``bn`` (an ``onnx_ir`` node) is an inference-mode ``BatchNormalization`` that
+    is exactly ``x + B`` per channel - scale 1, mean 0, ``float32(var + epsilon) == 1``, constant initializers:
+    the form :mod:`quantkit.prep.preact_batchnorm` writes - else None.  Such a BatchNorm is int8 glue, emitted as
+    ``Add(x, B)``."""
+    import numpy as np
+
+    if bn.op_type != "BatchNormalization" or bn.domain not in ("", "ai.onnx") or len(bn.inputs) != 5:
+        return None
+    training = bn.attributes.get("training_mode")
+    if (training is not None and training.as_int() != 0) or any(
+            o.uses() or o.is_graph_output() for o in bn.outputs[1:]):
+        return None
+    params = []
+    for v in bn.inputs[1:]:
+        if v is None or v.is_graph_input() or v.const_value is None:
+            return None
+        a = np.asarray(v.const_value.numpy())
+        if a.dtype != np.float32 or a.ndim != 1:
+            return None
+        params.append(a)
+    scale, b, mean, var = params
+    eps_attr = bn.attributes.get("epsilon")
+    eps = np.float32(eps_attr.as_float() if eps_attr is not None else 1e-5)  # ONNX's default epsilon
+    if not (scale.shape == b.shape == mean.shape == var.shape and np.all(scale == 1.0) and np.all(mean == 0.0)
+            and np.all(var + eps == np.float32(1.0))):
+        return None
+    return b
 
 
 TORCH_NAME_SCOPES = "pkg.torch.onnx.name_scopes"

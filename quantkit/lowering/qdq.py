@@ -356,14 +356,14 @@ def _hard_sigmoids_as_add(graph: ir.Graph, plan: QuantPlan, result: LoweringResu
 
 def _batchnorm_shifts_as_add(graph: ir.Graph, plan: QuantPlan, result: LoweringResult, const: Any) -> None:
     """Rewrite every quantized ``BatchNormalization`` - an exact per-channel shift ``x + B``
-    (:func:`quantkit.prep.preact_batchnorm.is_shift`) - as ``Add(x, B)`` in place (same node, same output),
+    (:func:`quantkit.ops.batchnorm_shift`) - as ``Add(x, B)`` in place (same node, same output),
     ``B`` broadcast along axis 1; its constant is then quantized like any glue constant (``QLinearAdd``)."""
-    from quantkit.prep.preact_batchnorm import is_shift
+    from quantkit.ops import batchnorm_shift
 
     for node in list(graph):
         if node.op_type != "BatchNormalization" or node.name not in plan.layers:
             continue
-        b = is_shift(node)
+        b = batchnorm_shift(node)
         x = node.inputs[0]
         rank = len(x.shape) if x is not None and x.shape is not None else None
         if b is None or rank is None or rank < 2:

@@ -178,9 +178,9 @@ def rescale_factor(node: ir.Node) -> float | None:
 def _glue_ok(node: ir.Node) -> str | None:
     """None if a glue / rescale candidate can be quantized, else the reason it cannot."""
     if node.op_type == "BatchNormalization":
-        from quantkit.prep.preact_batchnorm import is_shift
+        from quantkit.ops import batchnorm_shift
 
-        if is_shift(node) is None:
+        if batchnorm_shift(node) is None:
             return ("BatchNormalization that no layer absorbs and that is not an exact per-channel shift (no int8 "
                     "kernel in ONNX Runtime; quantkit.prep.preact_batchnorm rewrites it when a Relu and Convs with "
                     "positive-scale channels follow)")

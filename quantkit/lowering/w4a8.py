@@ -182,7 +182,7 @@ def w4a8_summary(rows: list[dict[str, Any]], *, threshold: float | None, accurac
     ratios = sorted(float(r["w4a8_error_ratio"]) for r in four if isinstance(r.get("w4a8_error_ratio"), float))
     out: dict[str, Any] = {
         "threshold": threshold, "accuracy_level": accuracy_level, "linears_4bit": len(four), "checked": len(ratios),
-        "kept_level0": [str(r["layer"]) for r in four if r.get("w4a8_level0")],
+        "kept_level0": [str(r["layer"]) for r in rows if r.get("w4a8_level0")],  # an 8-bit reader of the input too
         "kept_level0_own": [str(r["layer"]) for r in four if r.get("w4a8_level0") and
                             isinstance(r.get("w4a8_error_ratio"), float) and threshold is not None and
                             r["w4a8_error_ratio"] > threshold],

@@ -15,7 +15,7 @@ and in NHWC two Transposes) that also keeps the ``Concat`` before it in float.  
 
 so ``BatchNormalization -> Relu -> Conv(W)`` becomes ``Shift -> Relu -> Conv(W * a)``, the same function up to
 float rounding, where *Shift* is the same ``BatchNormalization`` node with scale 1, mean 0, variance 1 and
-epsilon 0: exactly ``x + b/a`` per channel (:func:`is_shift`).  It stays a ``BatchNormalization`` in the float
+epsilon 0: exactly ``x + b/a`` per channel (:func:`quantkit.ops.batchnorm_shift`).  It stays a ``BatchNormalization`` in the float
 model because that is what ONNX Runtime runs fastest in FP32 (folded into an NCHWc depthwise convolution with
 the Relu; written as an ``Add`` the FP32 DenseNet-121 measured ~10% slower) and the prepared model is the FP32
 reference of every report; where it is quantized, the lowering emits it as ``Add(x, b/a)`` - int8 glue
@@ -37,7 +37,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["is_shift", "preact_batchnorm"]
+from quantkit.ops import batchnorm_shift
+
+__all__ = ["preact_batchnorm"]
 
 _DEFAULT_EPSILON = 1e-5
 
@@ -163,7 +165,7 @@ def preact_batchnorm(model: ir.Model) -> int:
 
     done = 0
     for bn in list(graph):
-        if bn.op_type != "BatchNormalization" or bn.domain not in ("", "ai.onnx") or is_shift(bn) is not None:
+        if bn.op_type != "BatchNormalization" or bn.domain not in ("", "ai.onnx") or batchnorm_shift(bn) is not None:
             continue
         got = _reason(bn)
         if isinstance(got, str):
@@ -180,25 +182,3 @@ def preact_batchnorm(model: ir.Model) -> int:
             layer.replace_input_with(1, initializer(f"{w_v.name}_bn_scaled", _scaled_weight(layer, a)))
         done += 1
     return done
-
-
-def is_shift(bn: ir.Node) -> np.ndarray | None:
-    """``B`` when ``bn`` is an inference-mode ``BatchNormalization`` that is exactly ``x + B`` per channel (scale 1,
-    mean 0, ``float32(var + epsilon) == 1``: the form this rule writes), else None."""
-    if bn.op_type != "BatchNormalization" or len(bn.inputs) != 5:
-        return None
-    training = bn.attributes.get("training_mode")
-    if (training is not None and training.as_int() != 0) or any(
-            o.uses() or o.is_graph_output() for o in bn.outputs[1:]):
-        return None
-    got = [_const(v) for v in bn.inputs[1:]]
-    params = [p for p in got if p is not None and p.dtype == np.float32 and p.ndim == 1]
-    if len(params) != 4:
-        return None
-    scale, b, mean, var = params
-    eps_attr = bn.attributes.get("epsilon")
-    eps = np.float32(eps_attr.as_float() if eps_attr is not None else _DEFAULT_EPSILON)
-    if not (scale.shape == b.shape == mean.shape == var.shape and np.all(scale == 1.0) and np.all(mean == 0.0)
-            and np.all(var + eps == np.float32(1.0))):
-        return None
-    return b

@@ -99,10 +99,10 @@ def test_preact_batchnorm_is_rewritten_exactly_in_float() -> None:
     model = _graph("dense")
     prep = prepare(ir.from_proto(model))
     assert prep.applied["preact_batchnorm"] == 1
-    from quantkit.prep.preact_batchnorm import is_shift
+    from quantkit.ops import batchnorm_shift
 
     [bn] = [n for n in prep.model.graph if n.op_type == "BatchNormalization"]
-    assert is_shift(bn) is not None  # still a BatchNorm in float (ORT's fast FP32 path), now exactly x + b/a
+    assert batchnorm_shift(bn) is not None  # still a BatchNorm in float (ORT's fast FP32 path), now exactly x + b/a
     feed = image_batches(1, seed=3)[0]
     ref, got = _run(model, feed), _run(ir.to_proto(prep.model), feed)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
