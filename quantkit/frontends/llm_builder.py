@@ -71,7 +71,7 @@ from quantkit.frontends.checkpoint import TensorInfo, checkpoint_tensors
 from quantkit.frontends.families import (
     ROTARY_CACHE_POSITIONS,
     DecoderConfig,
-    parse_config,
+    read_config,
     supported_model_types,
 )
 
@@ -109,12 +109,7 @@ _SUPPORTED_TYPES = supported_model_types()  # every model_type of quantkit.front
 def read_decoder_config(folder: str | Path) -> DecoderConfig:
     """Parse ``folder/config.json``; :class:`ModelError` on an architecture or a value this builder cannot do
     (see :func:`quantkit.frontends.families.parse_config`: everything is checked from the JSON alone)."""
-    path = Path(folder) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot read {str(path)!r}: {e}") from e
-    return parse_config(cfg, str(path))
+    return read_config(folder)
 
 
 def _inv_freq(cfg: DecoderConfig, theta: float, sc: dict[str, Any] | None, long: bool) -> tuple[np.ndarray, float]:
