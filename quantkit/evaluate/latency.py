@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -113,3 +114,11 @@ def compare_latency(
             min_ms=float(arr.min()), runs=len(ts), warmup=warmup, threads=threads, shape=shape,
         )
     return out
+
+
+def load_average() -> list[float]:
+    """The system load average over 1, 5 and 15 minutes (``os.getloadavg``; empty where there is none)."""
+    try:
+        return [round(float(x), 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return []

@@ -15,6 +15,7 @@ from typing import Any
 import onnx
 import onnxruntime as ort
 
+from quantkit.evaluate.latency import load_average
 from quantkit.lowering.verify import Census
 from quantkit.ops import FUSED_KERNELS, PASSTHROUGH
 from quantkit.recipe import RecipeModel
@@ -107,14 +108,6 @@ def _section_rows(rows: Sequence[Mapping[str, Any]], family: str, census: Census
 
 PREFILL_NO_GAIN = 1.05
 """A quantized causal LM whose prefill is at most this much faster than FP32 gets a warning with the reason."""
-
-
-def load_average() -> list[float]:
-    """The system load average over 1, 5 and 15 minutes (``os.getloadavg``; empty where there is none)."""
-    try:
-        return [round(float(x), 2) for x in os.getloadavg()]
-    except (OSError, AttributeError):
-        return []
 
 
 def model_given_name(recipe: RecipeModel, read_from: str) -> str:
