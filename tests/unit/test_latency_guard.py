@@ -18,6 +18,8 @@ from tests.conftest import image_batches, tiny_cnn
 RECIPE = {"version": 1, "name": "guard",
           "report": {"latency": {"warmup": 1, "repeat": 3}, "kernel_check_samples": 2}}
 
+pytestmark = pytest.mark.latency_guard
+
 
 def _fake_profile(monkeypatch: pytest.MonkeyPatch, slow: dict[str, tuple[float, float]] | None) -> list[int]:
     """Every region takes 1 ms in float and 0.5 ms in int8, except ``slow`` (fp32 ms, int8 ms); returns the call

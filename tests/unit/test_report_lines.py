@@ -69,7 +69,7 @@ def test_int8_report_names_its_calibrator_kernels_latency_and_model(tmp_path: Pa
     path = tmp_path / "cnn.onnx"
     onnx.save(tiny_cnn(), path)
     rec = {"version": 1, "model": {"source": str(path)}, "target": {"isa": "portable"},
-           "report": {"latency": {"warmup": 1, "repeat": 3}}}
+           "report": {"latency": {"warmup": 1, "repeat": 3, "guard": False}}}
     res = quantize(None, image_batches(4), rec, evaluation_data=image_batches(2, seed=3), progress=False)
     rep = res.report
     md, summary = _check_common(rep)
@@ -148,7 +148,7 @@ def test_weight_only_report_has_no_activation_calibrator_and_explains_a_slow_pre
 def test_mixed_report_lists_every_family_with_its_method() -> None:
     rng = np.random.default_rng(0)
     data = [{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)} for _ in range(4)]
-    rec = {"version": 1, "report": {"latency": {"warmup": 1, "repeat": 3}},
+    rec = {"version": 1, "report": {"latency": {"warmup": 1, "repeat": 3, "guard": False}},
            "quantization": {"overrides": [{"layer": "k_proj", "format": "int8_dynamic"},
                                           {"layer": "o_proj", "format": "int4", "group_size": 16}]}}
     res = quantize(tiny_encoder(), data, rec, evaluation_data=data[:2], progress=False)
