@@ -247,12 +247,27 @@ def _section(nodes: list[onnx.NodeProto], setting: int | str, target_class: str,
             "time_s": 0.0}
 
 
-def _decide(sec: dict[str, Any], measure: Any, target_class: str) -> int:
+def _decoder_layers(path: Path) -> int | None:
+    """The number of blocks of a decoder quantkit built (its recorded ``source`` folder's config), else None."""
+    m = onnx.load(str(path), load_external_data=False)
+    source = {p.key: p.value for p in m.metadata_props}.get("source")
+    if not source or not (Path(source) / "config.json").is_file():
+        return None
+    from quantkit.frontends.families import read_config
+
+    try:
+        return int(read_config(source).num_hidden_layers) or None
+    except ModelError:
+        return None
+
+
+def _decide(sec: dict[str, Any], measure: Any, target_class: str, scope: str = "") -> int:
     """Time both levels with ``measure()`` and fill ``sec``; returns the level to ship."""
-    from quantkit.report.build import load_average
+    from quantkit.evaluate.latency import load_average
 
     load = {"start": load_average()}
     rows, what = measure()
+    what += scope
     load["end"] = load_average()
     scores = {k: _score(v) for k, v in rows.items()}
     alt = str(ALTERNATIVE_LEVEL)
@@ -269,11 +284,15 @@ def _decide(sec: dict[str, Any], measure: Any, target_class: str) -> int:
 
 
 def choose_for_file(path: str | os.PathLike[str], setting: int | str, target_class: str, *, isa: str = "auto",
-                    latency_on: bool, settings: Any = None, progress: bool = True) -> dict[str, Any] | None:
+                    latency_on: bool, settings: Any = None, progress: bool = True,
+                    blocks: int | None = None) -> dict[str, Any] | None:
     """Decide the level of the built model file ``path`` (built at :func:`build_level`) and leave the shipped
     graph at ``path``; returns the report's ``int4_kernel`` section, or None when it has no ``MatMulNBits``.
 
-    Both graphs of a measurement share ``path``'s external weight file; the one not shipped is removed."""
+    Both graphs of a measurement share ``path``'s external weight file; the one not shipped is removed.
+    ``blocks``: a decoder built by quantkit is timed on its first ``blocks`` blocks only (both levels cut alike by
+    :func:`~quantkit.evaluate.streamed.truncate_decoder`, which load only those blocks' weights): the streamed run
+    never holds the whole quantized model twice, whatever its size; None times the whole graph."""
     from quantkit.progress import stage
 
     t0 = time.perf_counter()
@@ -284,19 +303,36 @@ def choose_for_file(path: str | os.PathLike[str], setting: int | str, target_cla
     sec = _section(nodes, setting, target_class, isa)
     data = q.with_name(q.name + ".data")
     size = q.stat().st_size + (data.stat().st_size if data.is_file() else 0)
+    layers = _decoder_layers(q) if blocks else None
+    cut = blocks if layers and blocks and blocks < layers else None
+    if cut:  # two sessions of the cut graphs: about cut / layers of the block weights each
+        size = int(size * cut / layers) if layers else size
     level, how, short, why = _plan(setting, target_class, isa, latency_on, 2 * size)
     sec.update(accuracy_level=level, how=how, not_measured=short or None, why=why)
     if how == "measured":
         sibling = write_level_sibling(q, ALTERNATIVE_LEVEL)
+        timed = {str(BUILD_LEVEL): q, str(ALTERNATIVE_LEVEL): sibling}
+        cuts: list[Path] = []
         try:
-            with stage(f"time MatMulNBits accuracy_level {BUILD_LEVEL} vs {ALTERNATIVE_LEVEL} on this CPU",
+            if cut:
+                from quantkit.evaluate.streamed import truncate_decoder
+
+                for lv, p in list(timed.items()):
+                    cuts.append(truncate_decoder(p, cut, q.with_name(f"{q.stem}.level-{lv}.first-{cut}-blocks.onnx")))
+                    timed[lv] = cuts[-1]
+            scope = f" on the first {cut} of {layers} blocks" if cut else ""
+            with stage(f"time MatMulNBits accuracy_level {BUILD_LEVEL} vs {ALTERNATIVE_LEVEL} on this CPU{scope}",
                        enabled=progress):
-                level = _decide(sec, lambda: measure_levels(
-                    {str(BUILD_LEVEL): str(q), str(ALTERNATIVE_LEVEL): str(sibling)}, settings), target_class)
+                level = _decide(sec, lambda: measure_levels({k: str(v) for k, v in timed.items()}, settings),
+                                target_class, scope=scope)
+            if cut:
+                sec["blocks"] = {"measured": cut, "of": layers}
             if level == ALTERNATIVE_LEVEL:
                 os.replace(sibling, q)
         finally:
             sibling.unlink(missing_ok=True)
+            for c in cuts:
+                c.unlink(missing_ok=True)
     elif level != build_level(setting):
         os.replace(write_level_sibling(q, level), q)
     _shipped(sec, level, build_level(setting))

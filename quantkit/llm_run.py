@@ -304,7 +304,8 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
     tgt = resolve_target(rec.target.isa, rec.target.device)
     try:
         int4 = choose_for_file(q_path, rec.export.accuracy_level, tgt.cpu_class, isa=tgt.isa, latency_on=latency_on,
-                               settings=rec.report.latency, progress=progress)
+                               settings=rec.report.latency, progress=progress,
+                               blocks=baseline.latency_blocks if baseline.mode != "whole" else None)
     except BaseException:
         shutil.rmtree(build_dir, ignore_errors=True)
         raise

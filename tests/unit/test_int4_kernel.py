@@ -332,3 +332,29 @@ def test_lines_and_warnings() -> None:
     assert "default of class x86-avx2, not measured here (latency is off)" in w
     [w] = llm_latency_warnings(lat(1.0), None)
     assert "compute-bound" in w and "accuracy_level" not in w
+
+
+def test_a_streamed_run_times_the_levels_on_the_cut_decoder(llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given ``blocks`` (the streamed FP32 baseline's k), both levels are timed on the decoder cut to k blocks (never
+    the whole quantized model twice); the cut graphs are removed and the whole model ships at the chosen level."""
+    from quantkit.int4_kernel import choose_for_file
+
+    cls = _this_class(monkeypatch)
+    monkeypatch.setattr("quantkit.evaluate.decode.llm_latency", lambda *a, **k: {})
+    res = quantize(recipe=_lw_recipe(llama, export={"accuracy_level": 4}), progress=False, evaluate=False)
+    built = _levels(onnx.load(str(res.path), load_external_data=False))
+    assert set(built) == {4} and res.report["int4_kernel"]["how"] == "recipe"
+    seen: list[dict[str, Any]] = []
+    monkeypatch.setattr("quantkit.int4_kernel.measure_levels", _fake({"4": (10.0, 2.0), "0": (6.0, 1.5)}, seen))
+    before = sorted(p.name for p in res.path.parent.iterdir())
+    sec = choose_for_file(res.path, "auto", cls, latency_on=True, settings=None, progress=False, blocks=1)
+    assert sec is not None
+    [info] = seen
+    (p4, l4), (p0, l0) = info["4"], info["0"]
+    L = sec["blocks"]["of"]
+    assert sec["blocks"]["measured"] == 1 < L
+    assert set(l4) == {4} and set(l0) == {0} and len(l4) == len(l0) < len(built)  # one block's kernels timed
+    assert "first-1-blocks" in Path(p4).name and not Path(p4).exists() and not Path(p0).exists()
+    assert sorted(p.name for p in res.path.parent.iterdir()) == before  # nothing of the measurement left
+    shipped = _levels(onnx.load(str(res.path), load_external_data=False))
+    assert set(shipped) == {0} and len(shipped) == len(built) and f"on the first 1 of {L} blocks" in sec["timed"]
