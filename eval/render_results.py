@@ -82,6 +82,13 @@ DOCUMENTED: dict[str, dict[str, str]] = {
     "memory_estimate.json": {
         "title": "The memory guard's estimate vs the measured peak (SmolLM2, synthetic 1.1B / 7B LLaMA shapes)",
     },
+    "embedding_phase.json": {
+        "title": "Peak memory per phase of a layer-wise run (tied tables rounded before the first block) vs the "
+                 "memory guard's estimate, before and after the row-block transpose",
+        "cpu_class": "x86-vnni",
+        "source": "measured with quantkit.memory's phase hooks on eval/bench_families.py's synthetic folders "
+                  "(the harness was not kept; eval/bench_memory_estimate.py measures whole runs)",
+    },
     "families_x86-vnni.json": {
         "title": "Every decoder family layer-wise (INT4 RTN, random bf16 weights at published widths): peak memory "
                  "and time at two depths; an unsupported family's refusal",
@@ -219,6 +226,22 @@ def _residual_cnn(data: dict[str, Any]) -> list[str]:
     lines = [f"{data.get('eval_count', '?')} test images; calibrated on {data.get('calibration_count', '?')} "
              "training images.", ""]
     return lines + _table(["method"], [(r["method"], r) for r in data["rows"]], cols)
+
+
+def _memory_phases(data: dict[str, Any]) -> list[str]:
+    """Peak RSS per phase of a layer-wise run beside quantkit.memory's estimate of the phase."""
+    phases = list(dict.fromkeys(k for r in data["rows"] for k in (*r["phases_measured_GB"], *r["phases_estimated_GB"])))
+    cols: list[Column] = [
+        ("vocab", lambda r: r.get("vocab"), "{}"),
+        ("hidden", lambda r: r.get("hidden"), "{}"),
+        ("tied", lambda r: r.get("tied"), "{}"),
+        ("code", lambda r: r.get("code"), "{}"),
+    ]
+    for ph in phases:
+        cols.append((f"{ph} GB measured", lambda r, ph=ph: r["phases_measured_GB"].get(ph), "{:.2f}"))
+        cols.append((f"{ph} GB estimated", lambda r, ph=ph: r["phases_estimated_GB"].get(ph), "{:.2f}"))
+    cols.append(("seconds", lambda r: r.get("seconds"), "{:.0f}"))
+    return [data.get("what", ""), "", *_table(["folder"], [(f"`{r['folder']}`", r) for r in data["rows"]], cols)]
 
 
 def _decode_vs_genai(data: dict[str, Any]) -> list[str]:
@@ -495,6 +518,9 @@ def body(name: str, data: Any) -> list[str]:
         return _families(data)
     if isinstance(data, dict) and isinstance(data.get("rows"), list) and data["rows"] and "methods" in data["rows"][0]:
         return _zoo(data)
+    if isinstance(data, dict) and isinstance(data.get("rows"), list) and data["rows"] and \
+            "phases_measured_GB" in data["rows"][0]:
+        return _memory_phases(data)
     if isinstance(data, dict) and isinstance(data.get("rows"), list):
         return _residual_cnn(data)
     if isinstance(data, dict) and ("fp32_exactness" in data or (

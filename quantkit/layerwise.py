@@ -115,6 +115,18 @@ def _f32(t: Any) -> np.ndarray:
     return t.to(torch.float32).numpy()
 
 
+def _f32_transposed(t: Any, chunk_bytes: int = 16 << 20) -> np.ndarray:
+    """A stored ``[R, C]`` tensor (an embedding table, an lm_head) as the C-contiguous float32 ``[C, R]`` the
+    rounding reads, converted in row blocks of ``chunk_bytes`` of float32: the float32 copy of the whole tensor
+    that ``np.ascontiguousarray(_f32(t).T)`` makes beside its transpose is never made (the same values)."""
+    R, C = (int(d) for d in t.shape)
+    out = np.empty((C, R), np.float32)
+    step = max(1, chunk_bytes // (4 * max(C, 1)))
+    for r in range(0, R, step):
+        out[:, r : r + step] = _f32(t[r : r + step]).T
+    return out
+
+
 def _pack(res: WOQResult, accuracy_level: int) -> PackedLinear:
     B, scales, zp, bs = matmul_nbits_arrays(res)
     K, N = res.shape
@@ -125,14 +137,6 @@ def _pack(res: WOQResult, accuracy_level: int) -> PackedLinear:
 # slice, so its slices are larger)
 _COLUMN_WISE = {"rtn": 16 << 20, "gptq": 256 << 20}
 _SLICE_BYTES = 64 << 20
-
-
-def _concat(parts: list[WOQResult]) -> WOQResult:
-    """Column slices of one layer's result, side by side."""
-    return WOQResult(np.concatenate([p.codes for p in parts], axis=1),
-                     np.concatenate([p.scales for p in parts], axis=1),
-                     np.concatenate([p.zero_points for p in parts], axis=1), parts[0].bits, parts[0].group_size,
-                     parts[0].symmetric, None)  # fmt: skip
 
 
 def _layer_row(name: str, lp: LayerPlan, algo: str, w: np.ndarray, res: WOQResult, stats: LayerStats | None,
@@ -322,10 +326,29 @@ class _Hook(BuildHook):
         # layer (an lm_head: 49152 or 128256 columns) is quantized in column slices: same result, a slice's
         # temporaries instead of the whole layer's
         step = N if algo not in _COLUMN_WISE else max(256, _COLUMN_WISE[algo] // (4 * K))
-        parts = [fn(np.ascontiguousarray(w[:, j : j + step]), bits=bits, group_size=lp.group_size,
-                    symmetric=lp.weight_symmetric, stats=stats, **opts) for j in range(0, N, step)]  # fmt: skip
-        res = parts[0] if len(parts) == 1 else _concat(parts)
-        del parts
+        res = None
+        if step >= N:
+            res = fn(np.ascontiguousarray(w), bits=bits, group_size=lp.group_size, symmetric=lp.weight_symmetric,
+                     stats=stats, **opts)  # fmt: skip
+        else:  # each slice's codes and scales written into the layer's arrays (no list of parts beside them)
+            codes = scales = zps = None
+            first = None
+            for j in range(0, N, step):
+                part = fn(np.ascontiguousarray(w[:, j : j + step]), bits=bits, group_size=lp.group_size,
+                          symmetric=lp.weight_symmetric, stats=stats, **opts)  # fmt: skip
+                if first is None:
+                    first = part
+                    codes = np.empty((part.codes.shape[0], N), part.codes.dtype)
+                    scales = np.empty((part.scales.shape[0], N), part.scales.dtype)
+                    zps = np.empty((part.zero_points.shape[0], N), part.zero_points.dtype)
+                assert codes is not None and scales is not None and zps is not None  # noqa: S101 - set above
+                codes[:, j : j + step] = part.codes
+                scales[:, j : j + step] = part.scales
+                zps[:, j : j + step] = part.zero_points
+                del part
+            assert first is not None and codes is not None and scales is not None and zps is not None  # noqa: S101
+            res = WOQResult(codes, scales, zps, first.bits, first.group_size, first.symmetric, None)
+            del first, codes, scales, zps
         self.result_rows.append(_layer_row(name, lp, algo, w, res, stats, block, time.perf_counter() - t0))
         if name != self.embed:  # a MatMulNBits (the embedding stored apart is a GatherBlockQuantized)
             self.result_rows[-1]["accuracy_level"] = self.accuracy_level
@@ -487,9 +510,8 @@ class _Hook(BuildHook):
     def embedding(self, table: Any, tied: bool, positions: Any = None) -> PackedLinear | None:
         q = None
         if tied:
-            E = _f32(table)
-            q = self._quantize(self.embed if self.untie_head() else "lm_head", np.ascontiguousarray(E.T),
-                               None, -1)  # fmt: skip
+            E = _f32_transposed(table)  # [H, V] float32: the only float32 copy of the table
+            q = self._quantize(self.embed if self.untie_head() else "lm_head", E, None, -1)
             if q is not None and self.plans["lm_head"].algorithm in STATS_ALGORITHMS and not self.untie_head():
                 self.notes["lm_head"] = (f"{self.plans['lm_head'].algorithm} -> rtn: a tied embedding / lm_head is "
                                          "quantized before any block runs")  # fmt: skip
@@ -591,7 +613,7 @@ class _Hook(BuildHook):
         if self.needs_stats and self.hidden is not None and norm_weight is not None and (want or check):
             stats, sample = self._gather(self._final_rows(norm_weight, norm_bias), self.cfg.hidden_size, want, check,
                                          seed=self.cfg.num_hidden_layers + 1)  # fmt: skip
-        w = np.ascontiguousarray(_f32(weight).T)
+        w = _f32_transposed(weight)
         q = self._quantize("lm_head", w, stats, self.cfg.num_hidden_layers)
         if q is None:
             return None

@@ -81,6 +81,11 @@ error; fitted: 1.1B shape, gate_proj and lm_head)."""
 SIGNROUND_WEIGHT_COPIES = 20.0
 """SignRound: float32 copies of a layer's weights alive while the rounding is optimised (the weights, the rounding
 offsets, their gradient and its sign, the best so far, ...; fitted: 1.1B shape, down_proj 19, lm_head 20)."""
+ROUNDED_TABLE_BYTES = 4 + 1
+"""A table rounded whole (a tied embedding before the first block, an lm_head after the last): per parameter its
+float32 transpose (``quantkit.layerwise._f32_transposed``, converted in row blocks) and the uint8 codes the column
+slices are written into; the packed codes and scales (``bits / 8 + 4 / 32``) and the stored tensor come on top.
+Measured (int4, RTN, bf16 tables; ``eval/results/embedding_phase.json``)."""
 SESSION_COPIES = 2.0
 """A block run in ONNX Runtime to collect statistics: its float32 weights in the serialized graph and in the
 session."""
@@ -380,7 +385,8 @@ def layerwise_estimate(sizes: DecoderSizes, *, bits: int, algorithms: Iterable[s
     """The peak of a layer-wise run (:mod:`quantkit.layerwise`, then :mod:`quantkit.llm_run`'s evaluation).
 
     Phases (each above :data:`BASE_BYTES`): the embedding table read (twice its stored bytes: the mapped shard
-    and the copy; a tied table rounded before the first block adds its float32 copy and its transpose); one block
+    and the copy; a tied table rounded before the first block: the tensor as stored, its float32 transpose, the
+    codes and the packed codes, :data:`ROUNDED_TABLE_BYTES`; the packed table then stays for the build); one block
     (stored tensors, their float32 transposes, the packed result, RTN's temporaries; with statistics the block's
     ONNX Runtime session or the largest layer's GPTQ / AWQ arrays, whichever is larger, beside ``Σxᵀx``); the
     lm_head (as a block's layer, ``vocab`` columns wide); the evaluation (the sessions it holds at once: the FP32
@@ -403,6 +409,8 @@ def layerwise_estimate(sizes: DecoderSizes, *, bits: int, algorithms: Iterable[s
     base = run_floor() if base is None else base
     algos = set(algorithms) or {"rtn"}
     stats = windows is not None and (bool(algos - {"rtn"}) or w4a8_bytes > 0)
+    # Σxᵀx (float64 K x K) only for an algorithm that reads statistics; the W4A8 check alone keeps a row sample
+    hessian = bool(algos - {"rtn"})
     rows = min(max_rows, windows[0] * windows[1]) if windows else 0
     per_param = bits / 8 + 4 / 32  # packed codes and float32 scales of groups of >= 32
     block = s.block_stored + 4 * s.block_linear + 4 * s.largest_linear + per_param * s.block_linear + RTN_TEMP_BYTES
@@ -410,23 +418,33 @@ def layerwise_estimate(sizes: DecoderSizes, *, bits: int, algorithms: Iterable[s
         states = 2 * 4 * windows[0] * windows[1] * s.hidden  # hidden states in and out (memory-mapped files)
         wide = max([n for _, n in s.block_shapes] + [s.hidden])
         session = SESSION_COPIES * 4 * s.block_linear + 4 * 4 * windows[1] * wide
-        layer = max((8 * k * k + 4 * rows * k + max(_algo_extra(a, k, n) for a in algos)
+        layer = max(((8 * k * k if hessian else 0) + 4 * rows * k + max(_algo_extra(a, k, n) for a in algos)
                      for k, n in s.block_shapes), default=0.0)  # fmt: skip
-        block += states + max(session + 8 * s.max_k * s.max_k, layer)
+        block += states + max(session + (8 * s.max_k * s.max_k if hessian else 0), layer)
         block += w4a8_bytes
+    # the table as read: the shard's mapped pages and the tensor copied out of them
     work: dict[str, float] = {"embedding": 2 * s.itemsize * s.embedding}
-    if tied and head_quantized:  # the table rounded (RTN) before the first block: float32, transposed, codes
-        work["embedding"] = s.itemsize * s.embedding + 10 * s.embedding + RTN_TEMP_BYTES
-    work["blocks"] = block
+    rounded = tied and head_quantized
+    # the tied table's packed codes (GatherBlockQuantized and the tied lm_head) stay alive until the build ends
+    kept = per_param * s.embedding if rounded else 0.0
+    if rounded:  # the table rounded (RTN) before the first block: its float32 transpose, codes, packed codes
+        work["embedding"] = max(work["embedding"], (s.itemsize + ROUNDED_TABLE_BYTES + per_param) * s.embedding
+                                + RTN_TEMP_BYTES)  # fmt: skip
+    work["blocks"] = block + kept
     head = s.head or (s.embedding if tied else 0)
     head_stats = stats and head_algorithm != "rtn"
     if head and (not tied or head_stats):  # read from the checkpoint after the last block
         if not head_quantized:
             work["lm_head"] = 2 * s.itemsize * head
         elif head_stats:
-            work["lm_head"] = s.itemsize * head + 8 * head + _algo_extra(head_algorithm, s.hidden, s.vocab)
-        else:
-            work["lm_head"] = s.itemsize * head + 10 * head + RTN_TEMP_BYTES
+            work["lm_head"] = (kept + s.itemsize * head + 8 * head + _algo_extra(head_algorithm, s.hidden, s.vocab)
+                               + w4a8_bytes)  # fmt: skip
+        else:  # rounded as the tied table is (above), then the W4A8 check's temporaries when it runs
+            work["lm_head"] = (s.itemsize + ROUNDED_TABLE_BYTES + per_param) * head + RTN_TEMP_BYTES + w4a8_bytes
+    elif head and rounded and w4a8_bytes and windows is not None:
+        # the W4A8 check of the tied lm_head (quantkit.layerwise._Hook.tied_head): the table read again and its
+        # float32 copy beside the packed codes, the check's temporaries
+        work["lm_head (W4A8 check)"] = (s.itemsize + 4) * head + kept + w4a8_bytes
     ev = dict(evaluation or {})
     fp32 = ev.get("fp32")
     fp32 = "whole" if fp32 is True else "off" if not fp32 else str(fp32)

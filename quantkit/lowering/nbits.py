@@ -117,13 +117,16 @@ def matmul_nbits_arrays(res: WOQResult) -> tuple[np.ndarray, np.ndarray, np.ndar
     if kb != res.scales.shape[0]:
         raise UnsupportedOpError(f"group_size={res.group_size} does not map onto MatMulNBits blocks of {bs}")
     mid = 1 << (res.bits - 1)
-    codes_t = np.full((N, kb * bs), 0, np.uint8)
-    codes_t[:, :K] = res.codes.T
-    codes_t[:, K:] = res.zero_points[-1][:, None]  # padding dequantizes to 0
-    if res.bits == 4:
-        B = pack_int4(codes_t).reshape(N, kb, bs // 2)
-    else:
-        B = codes_t.reshape(N, kb, bs)
+    # transposed (and for 4 bits packed) in row blocks of ~16 MB of codes: the only array of the weight's size
+    # made here is B (a tied embedding's codes are hundreds of millions of values)
+    width = kb * bs
+    B = np.empty((N, kb, bs // 2 if res.bits == 4 else bs), np.uint8)
+    step = max(1, (16 << 20) // width)
+    for r in range(0, N, step):
+        codes_t = np.full((min(step, N - r), width), 0, np.uint8)
+        codes_t[:, :K] = res.codes[:, r : r + step].T
+        codes_t[:, K:] = res.zero_points[-1][r : r + step, None]  # padding dequantizes to 0
+        B[r : r + step] = (pack_int4(codes_t) if res.bits == 4 else codes_t).reshape(len(codes_t), kb, -1)
     scales = np.ascontiguousarray(res.scales.T, dtype=np.float32)
     zp: np.ndarray | None
     if np.all(res.zero_points == mid):

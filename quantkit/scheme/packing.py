@@ -18,22 +18,38 @@ import numpy.typing as npt
 __all__ = ["pack_int4", "unpack_int4"]
 
 
+_PACK_CHUNK = 1 << 24
+"""Values packed per step (an even count): the temporaries are a few bytes per value of one chunk, not of the
+whole array (a tied embedding's codes are hundreds of millions of values)."""
+
+
 def pack_int4(values: npt.ArrayLike) -> npt.NDArray[np.uint8]:
     """Pack 4-bit integers (``[-8, 7]`` or ``[0, 15]``) into ``ceil(n/2)`` bytes, low nibble first.
 
     ``values`` is flattened in C order.  Raises ``ValueError`` if a value does not fit
-    in four bits (a caller bug: quantize first, then pack).
+    in four bits (a caller bug: quantize first, then pack).  The result is the only array of
+    the input's size made; the nibbles are formed :data:`_PACK_CHUNK` values at a time.
     """
     v = np.asarray(values)
     if v.dtype.kind not in "iu":
         raise ValueError(f"pack_int4 expects integer values, got dtype {v.dtype}")
-    flat = v.reshape(-1).astype(np.int16)
-    if flat.size and (flat.min() < -8 or flat.max() > 15):
-        raise ValueError(f"pack_int4: values must lie in [-8, 15], got [{flat.min()}, {flat.max()}]")
-    nibbles = (flat & 0xF).astype(np.uint8)
-    if nibbles.size % 2:
-        nibbles = np.concatenate([nibbles, np.zeros(1, np.uint8)])
-    return (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
+    flat = v.reshape(-1)
+    if flat.size:
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo < -8 or hi > 15:
+            raise ValueError(f"pack_int4: values must lie in [-8, 15], got [{lo}, {hi}]")
+    n = flat.size
+    out = np.empty((n + 1) // 2, np.uint8)
+    for s in range(0, n, _PACK_CHUNK):
+        part = flat[s : s + _PACK_CHUNK]
+        # the low nibble of the two's-complement value (as int16 & 0xF would give; in range, every dtype agrees)
+        nib = (part.astype(np.uint8) if part.dtype != np.uint8 else part) & np.uint8(0xF)
+        if nib.size % 2:
+            nib = np.concatenate([nib, np.zeros(1, np.uint8)])
+        o = out[s // 2 : s // 2 + nib.size // 2]
+        np.left_shift(nib[1::2], np.uint8(4), out=o)
+        o |= nib[0::2]
+    return out
 
 
 def unpack_int4(
