@@ -241,6 +241,10 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
     if windows is not None and windows.shape[1] > cfg.context_length:
         raise DataError(f"the calibration data: sequences of {windows.shape[1]} tokens do not fit the model's "
                         f"context of {cfg.context_length} positions; allowed: seq_len <= {cfg.context_length}")
+    if rec.export.kv_cache == "int8" and windows is None:
+        raise RecipeError("export.kv_cache: int8 calibrates the cache's scales on the calibration windows, and this "
+                          "run has none; allowed: export.kv_cache: float32 (the default), or set calibration.data "
+                          "(or pass calibration data)")  # fmt: skip
     inputs = _LM_INPUTS + [InputInfo(f"past_key_values.{i}.{kv}", np.dtype(np.float32),
                                      (None, cfg.num_key_value_heads, None, cfg.head_dim))
                            for i in range(cfg.num_hidden_layers) for kv in ("key", "value")]  # fmt: skip
@@ -300,6 +304,15 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
     if res.resumed_blocks:
         log.info("resumed: %d finished blocks reused from %s", res.resumed_blocks, work)
     q_path = res.path
+    kv_cache: dict[str, Any] = {"type": rec.export.kv_cache}
+    if rec.export.kv_cache == "int8" and windows is not None:  # (refused above without windows) the shipped
+        # graph's cache, in place before anything is measured on it
+        try:
+            kv_cache.update(_int8_kv_cache(q_path, windows, cfg, progress))
+        except BaseException:
+            shutil.rmtree(build_dir, ignore_errors=True)
+            raise
+        timings["kv_cache_s"] = kv_cache["calibrate_s"]
     # the MatMulNBits accuracy_level, decided (and the shipped graph put in place) before anything is measured on it
     tgt = resolve_target(rec.target.isa, rec.target.device)
     try:
@@ -409,10 +422,32 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
         "kernel_sharing": map_layer_kernels(onnx.load(str(q_path), load_external_data=False), res.rows),
         "int4_kernel": int4,  # the MatMulNBits accuracy_level shipped, how and why
         "w4a8_check": res.w4a8,  # accuracy_level 4 vs 0 per layer on its calibration inputs (quantkit.lowering.w4a8)
+        "kv_cache": kv_cache,  # the KV cache's element type (export.kv_cache) and, for int8, how it was calibrated
     }  # fmt: skip
     complete_report(report, load=load, latency_note="" if latency else
                     f"not measured: no FP32 baseline to compare with (FP32 baseline {baseline.text()})")
     return LayerwiseQuantizeResult(q_path, report, rec, timings)
+
+
+def _int8_kv_cache(path: Path, windows: np.ndarray, cfg: Any, progress: bool) -> dict[str, Any]:
+    """Calibrate the KV-cache scales of the built decoder ``path`` on ``windows`` and rewrite it to an int8 cache
+    (:mod:`quantkit.frontends.kv_cache`); the report's ``kv_cache`` section."""
+    from quantkit.frontends.kv_cache import calibrate_kv_scales, kv_cache_bytes, write_int8_kv_cache
+
+    t = time.perf_counter()
+    with stage(f"calibrate the int8 KV cache ({windows.shape[0]} windows x {windows.shape[1]} tokens)",
+               enabled=progress):  # fmt: skip
+        k, v = calibrate_kv_scales(path, windows)
+        write_int8_kv_cache(path, k, v)
+    per_pos = {kind: kv_cache_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 1, kind)
+               for kind in ("float32", "int8")}  # fmt: skip
+    return {"quant_type": "PER_CHANNEL", "bits": 8,
+            "scales": "per layer, KV head and channel: the largest |K| (after the rotary embedding; one scale per "
+                      "rotated channel pair, the pair's largest norm) and |V| of the shipped decoder over the "
+                      "calibration windows, / 127",
+            "calibration_windows": [int(windows.shape[0]), int(windows.shape[1])],
+            "bytes_per_position": per_pos["int8"], "float32_bytes_per_position": per_pos["float32"],
+            "calibrate_s": time.perf_counter() - t}  # fmt: skip
 
 
 def check_layerwise_plan(rec: RecipeModel) -> None:

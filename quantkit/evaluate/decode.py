@@ -34,6 +34,7 @@ import numpy as np
 
 from quantkit.errors import ModelError
 from quantkit.evaluate.latency import compare_latency, make_session
+from quantkit.frontends.kv_cache import match_cache_feed, ort_dtype
 
 __all__ = [
     "StepLatency",
@@ -123,7 +124,7 @@ def _feed(
                     f"input {name!r} has shape {shape}; expected [batch, heads, past_seq, head_dim]"
                 )
             heads, head_dim = _dim(shape[1], "1 (heads)", name), _dim(shape[3], "3 (head_dim)", name)
-            feed[name] = np.zeros((batch, heads, past, head_dim), np.float32)
+            feed[name] = np.zeros((batch, heads, past, head_dim), ort_dtype(inp.type))  # float32, or int8
         else:
             raise ModelError(
                 f"cannot build a decode feed for input {name!r}; known inputs: input_ids, attention_mask, "
@@ -298,7 +299,8 @@ class _ConcatRunner:
         self.s = session
         self.past, self.present = _past_names(session)
         wanted = {i.name for i in session.get_inputs()}
-        self.feed0 = {n: v for n, v in feed0.items() if n in wanted}
+        # the feed may be another model's: its empty past in this session's cache type (float32 / int8)
+        self.feed0 = match_cache_feed(session, {n: v for n, v in feed0.items() if n in wanted})
         self.keep = keeps_last(session)
 
     def prompt(self) -> np.ndarray:

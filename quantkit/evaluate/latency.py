@@ -94,16 +94,20 @@ def compare_latency(
     """Time several sessions on the same feed, interleaved in ``rounds`` so that
     machine noise (another process, frequency changes) hits all of them alike; each
     session's runs are pooled before taking the median."""
+    from quantkit.frontends.kv_cache import match_cache_feed
+
     pooled: dict[str, list[float]] = {k: [] for k in sessions}
-    for s in sessions.values():
+    # a KV-cache decoder's (zero) past in each session's own cache type: float32, or int8 (export.kv_cache)
+    feeds = {k: match_cache_feed(s, feed) for k, s in sessions.items()}
+    for k, s in sessions.items():
         for _ in range(warmup):
-            s.run(None, dict(feed))
+            s.run(None, dict(feeds[k]))
     per_round = max(1, repeat // rounds)
     for _ in range(rounds):
         for k, s in sessions.items():
             for _ in range(per_round):
                 t0 = time.perf_counter()
-                s.run(None, dict(feed))
+                s.run(None, dict(feeds[k]))
                 pooled[k].append((time.perf_counter() - t0) * 1e3)
     shape = ", ".join(f"{k}={list(v.shape)}" for k, v in feed.items())
     out = {}

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from quantkit.errors import DataError, ModelError
+from quantkit.frontends.kv_cache import match_cache_feed
 
 __all__ = ["next_token_nll", "perplexity"]
 
@@ -128,7 +129,8 @@ def perplexity(
                 f"perplexity: model input(s) {missing} are not in the data (it provides {sorted(batch)})"
             )
         ids = np.asarray(batch["input_ids"])
-        (logits,) = sess.run([out_name], {n: batch[n] for n in wanted})
+        # a decoder's empty past in the session's cache type (the data may be bound to a float32-cache model)
+        (logits,) = sess.run([out_name], match_cache_feed(sess, {n: batch[n] for n in wanted}))
         s, n = next_token_nll(logits, ids, batch.get("attention_mask"))
         del logits
         nll_sum += s

@@ -35,6 +35,9 @@ name                                   shape                                    
 ``present.<i>.key|value``              ``[batch_size, kv_heads, total_sequence_length, head_dim]`` float32
 =====================================  =========================================  =======
 
+The cache is float32 as built; :func:`quantkit.frontends.kv_cache.int8_kv_cache` (recipe ``export.kv_cache: int8``)
+turns it into an int8 cache that ``GroupQueryAttention`` quantizes and reads itself (calibrated scales as inputs).
+
 Nodes are named after the HF modules so that quantkit recipes address them like the
 torch-exported graphs of :mod:`quantkit.frontends.llm`: ``model.embed_tokens`` (Gather),
 ``model.layers.<i>.self_attn.q_proj`` ... ``model.layers.<i>.mlp.down_proj`` (MatMul with a
@@ -1270,6 +1273,9 @@ class LLMSession:
     * ``max_length=N``: one ``[batch, kv_heads, N, head_dim]`` buffer per layer and kind, bound through
       ``io_binding`` as both past and present, so GroupQueryAttention writes the new positions in place (what
       onnxruntime-genai does with ``past_present_share_buffer``); calls past ``N`` positions are refused.
+
+    The cache has the element type of the graph's ``past_key_values.*`` inputs (:attr:`cache_dtype`: float32, or
+    int8 for a decoder built with ``export.kv_cache: int8``, see :mod:`quantkit.frontends.kv_cache`).
     """
 
     def __init__(self, model_path: str | Path, *, threads: int | None = None, max_length: int | None = None,
@@ -1288,6 +1294,10 @@ class LLMSession:
             raise ModelError(f"{str(model_path)!r} has no past_key_values.* inputs: not a KV-cache decoder")
         shapes = {i.name: i.shape for i in self.session.get_inputs()}
         self.kv_heads, self.head_dim = shapes[self.past_names[0]][1], shapes[self.past_names[0]][3]
+        from quantkit.frontends.kv_cache import cache_dtypes
+
+        # float32, or int8 for a decoder built with export.kv_cache: int8 (quantkit.frontends.kv_cache)
+        self.cache_dtype = cache_dtypes(self.session)[self.past_names[0]]
         self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
         self.can_keep = any(i.name == LOGITS_TO_KEEP for i in self.session.get_overridable_initializers())
         if max_length is not None and max_length < 1:
@@ -1298,13 +1308,13 @@ class LLMSession:
     def reset(self, batch: int = 1) -> None:
         self.mask = np.zeros((batch, 0), np.int64)
         if self.max_length is None:
-            empty = np.zeros((batch, self.kv_heads, 0, self.head_dim), np.float32)
+            empty = np.zeros((batch, self.kv_heads, 0, self.head_dim), self.cache_dtype)
             self.past = {n: empty for n in self.past_names}
             return
         import onnxruntime as ort
 
         shape = (batch, self.kv_heads, self.max_length, self.head_dim)
-        self.arrays = {n: np.zeros(shape, np.float32) for n in self.past_names}
+        self.arrays = {n: np.zeros(shape, self.cache_dtype) for n in self.past_names}
         # the OrtValues wrap the arrays' memory (no copy): writing into an array fills the bound buffer
         self.buffers = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.arrays.items()}
 
@@ -1324,7 +1334,7 @@ class LLMSession:
         keep = np.asarray([logits_to_keep], np.int64) if logits_to_keep > 0 and self.can_keep else None
         if self.max_length is None or first:  # the prompt of a shared cache too: io_binding cannot bind
             past = self.past if self.max_length is None else {  # logits_to_keep (an overridable initializer)
-                n: np.zeros((ids.shape[0], self.kv_heads, 0, self.head_dim), np.float32) for n in self.past_names}
+                n: np.zeros((ids.shape[0], self.kv_heads, 0, self.head_dim), self.cache_dtype) for n in self.past_names}
             feed = {"input_ids": ids, "attention_mask": self.mask, **past}
             if keep is not None:
                 feed[LOGITS_TO_KEEP] = keep

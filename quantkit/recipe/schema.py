@@ -348,6 +348,14 @@ class ExportSection(_Strict):
         "than this many times the weight-only error (||Y4 - Y|| / ||Y0 - Y||, Y the float product), the layers "
         "reading that input are kept at level 0 (report: w4a8_check and each layer's accuracy_level). null: no check",
     )
+    kv_cache: Literal["float32", "int8"] = Field(
+        "float32",
+        description="LLM decoders built layer-wise: the element type of the KV cache (past_key_values.* / present.*). "
+        "int8: GroupQueryAttention stores keys (after the rotary embedding) and values as int8 with per-layer, "
+        "per-KV-head, per-channel scales calibrated on calibration.data (the shipped decoder's largest |K| / |V| "
+        "over the windows / 127; rotated key channels one scale per rotary pair): a quarter of the float32 cache's "
+        "bytes (docs/llm-layerwise.md, 'KV cache precision')",
+    )
     activation_storage: Literal["uint8", "as_requested"] = Field(
         "uint8",
         description="store int8-grid activations as uint8 (zero point + 128, bit-identical) - what ONNX "
