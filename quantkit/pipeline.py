@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ __all__ = [
     "check_not_empty",
     "eval_dataset",
     "evaluate_fidelity",
+    "fidelity_and_layer_sqnr",
     "latency_feed",
     "layer_sqnr",
     "measure_pair_latency",
@@ -386,16 +387,29 @@ def evaluate_fidelity(
 ) -> dict[str, Any]:
     """Run both models on ``ds`` (streaming) and compare every graph output (a KV-cache decoder: its
     ``logits`` only - the ``present.*`` caches are inputs of the next step, not results)."""
+    return _fidelity_pass(float_model, quant_model, ds, batch_size=batch_size, metric=metric, progress=progress)
+
+
+def _fidelity_pass(float_model: bytes, quant_model: bytes, ds: Dataset, *, batch_size: int, metric: str,
+                   progress: bool, probe: _LayerProbe | None = None) -> dict[str, Any]:
+    """:func:`evaluate_fidelity`; with ``probe``, the FP32 model also hands out the probe's layer tensors on its
+    first samples (``float_model`` then exposes them), so the per-layer SQNR needs no FP32 run of its own."""
     from quantkit.progress import tqdm
 
     s_f = make_session(float_model)
     s_q = make_session(quant_model)
-    names = compared_outputs([o.name for o in s_f.get_outputs()])
+    names = compared_outputs([o.name for o in s_f.get_outputs() if probe is None or o.name not in probe.extra])
     cls = {"classification": True, "embedding": False, "sqnr": False}.get(metric)
     acc = FidelityAccumulator(classification=cls)
     with tqdm(total=len(ds), desc="evaluate", unit="sample", disable=not progress) as bar:
         for feed in ds.batches(batch_size):
-            ref = s_f.run(names, feed)
+            if probe is not None and probe.wants_more():
+                more = [t for t in probe.tensors if t not in names]
+                got_f = dict(zip(names + more, s_f.run(names + more, feed), strict=True))
+                ref = [got_f[n] for n in names]
+                probe.add(feed, [got_f[t] for t in probe.tensors])
+            else:
+                ref = s_f.run(names, feed)
             got = s_q.run(names, feed)
             for n, r, g in zip(names, ref, got, strict=True):
                 if np.issubdtype(r.dtype, np.floating):
@@ -404,15 +418,21 @@ def evaluate_fidelity(
     return acc.summary()
 
 
+def _exposed(p: onnx.ModelProto, tensors: Sequence[str]) -> bytes:
+    """``p`` with ``tensors`` as extra graph outputs (serialized)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(p)
+    have = {o.name for o in m.graph.output}
+    for t in tensors:
+        if t not in have:
+            m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
+            have.add(t)
+    return m.SerializeToString()
 
-def layer_sqnr(
-    float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, plan: QuantPlan, ds: Dataset, *, limit: int = 16,
-    extra_layers: Sequence[str] = (),
-) -> dict[str, float]:
-    """Output SQNR (dB) of every quantized layer: the layer's output tensor in the quantized model
-    (exposed as an extra output, so ORT computes it with the same arithmetic) against the same tensor of
-    the FP32 model, over the first ``limit`` evaluation samples.  ``plan``: the static-INT8 layers;
-    ``extra_layers``: layers of other formats (weight-only, dynamic, 16-bit) whose node keeps its output."""
+
+def _layer_tensors(float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, plan: QuantPlan,
+                   extra_layers: Sequence[str]) -> dict[str, str]:
+    """``layer -> tensor`` compared by :func:`layer_sqnr`: the layer's output as the quantized model computes it."""
     wanted = set(plan.layers) | set(extra_layers)
     names: dict[str, str] = {}
     q_values = {o for n in quant_proto.graph.node for o in n.output}
@@ -433,35 +453,76 @@ def layer_sqnr(
             out = nxt[0].output[0]  # bias folded into the fused kernel: compare after the bias
         if out in q_values:
             names[n.name] = out
+    return names
+
+
+class _LayerProbe:
+    """The per-layer SQNR's accumulator: the quantized model (exposing the layer tensors, at ``basic``: the
+    QDQ math as stated, no fusion hides a tensor) is run on each feed whose FP32 tensors are added, up to
+    ``limit`` samples."""
+
+    def __init__(self, quant_proto: onnx.ModelProto, names: Mapping[str, str], limit: int,
+                 graph_outputs: Sequence[str]) -> None:
+        self.names = dict(names)
+        self.tensors = list(dict.fromkeys(names.values()))
+        self.extra = {t for t in self.tensors if t not in set(graph_outputs)}  # exposed only for the probe
+        self.limit = limit
+        self.seen = 0
+        self.sig = dict.fromkeys(self.tensors, 0.0)
+        self.noise = dict.fromkeys(self.tensors, 0.0)
+        self.s_q = make_session(_exposed(quant_proto, self.tensors), level="basic")
+
+    def wants_more(self) -> bool:
+        return self.seen < self.limit
+
+    def add(self, feed: Mapping[str, np.ndarray], ref: Sequence[np.ndarray]) -> None:
+        rq = self.s_q.run(self.tensors, dict(feed))
+        for t, a, b in zip(self.tensors, ref, rq, strict=True):
+            a64 = np.asarray(a).astype(np.float64)
+            self.sig[t] += float(np.sum(a64**2))
+            self.noise[t] += float(np.sum((a64 - b) ** 2))
+        self.seen += int(next(iter(feed.values())).shape[0]) if feed else 1
+
+    def result(self) -> dict[str, float]:
+        n, s = self.noise, self.sig
+        return {layer: float("inf") if n[t] == 0 else float(10 * np.log10(max(s[t], 1e-300) / n[t]))
+                for layer, t in self.names.items()}
+
+
+def layer_sqnr(
+    float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, plan: QuantPlan, ds: Dataset, *, limit: int = 16,
+    extra_layers: Sequence[str] = (),
+) -> dict[str, float]:
+    """Output SQNR (dB) of every quantized layer: the layer's output tensor in the quantized model
+    (exposed as an extra output, so ORT computes it with the same arithmetic) against the same tensor of
+    the FP32 model, over the first ``limit`` evaluation samples.  ``plan``: the static-INT8 layers;
+    ``extra_layers``: layers of other formats (weight-only, dynamic, 16-bit) whose node keeps its output."""
+    names = _layer_tensors(float_proto, quant_proto, plan, extra_layers)
     if not names:
         return {}
-
-    def exposed(p: onnx.ModelProto) -> bytes:
-        m = onnx.ModelProto()
-        m.CopyFrom(p)
-        have = {o.name for o in m.graph.output}
-        for t in names.values():
-            if t not in have:
-                m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
-        return m.SerializeToString()
-
-    s_f = make_session(exposed(float_proto), level="basic")
-    s_q = make_session(exposed(quant_proto), level="basic")
-    tensors = list(dict.fromkeys(names.values()))
-    sig = dict.fromkeys(tensors, 0.0)
-    noise = dict.fromkeys(tensors, 0.0)
-    seen = 0
+    probe = _LayerProbe(quant_proto, names, limit, [o.name for o in float_proto.graph.output])
+    s_f = make_session(_exposed(float_proto, probe.tensors), level="basic")
     for feed in ds.batches(1):
-        rf = s_f.run(tensors, feed)
-        rq = s_q.run(tensors, feed)
-        for t, a, b in zip(tensors, rf, rq, strict=True):
-            a64 = a.astype(np.float64)
-            sig[t] += float(np.sum(a64**2))
-            noise[t] += float(np.sum((a64 - b) ** 2))
-        seen += 1
-        if seen >= limit:
+        probe.add(feed, s_f.run(probe.tensors, feed))
+        if not probe.wants_more():
             break
-    out = {}
-    for layer, t in names.items():
-        out[layer] = float("inf") if noise[t] == 0 else float(10 * np.log10(max(sig[t], 1e-300) / noise[t]))
-    return out
+    return probe.result()
+
+
+def fidelity_and_layer_sqnr(
+    float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, plan: QuantPlan, ds: Dataset, *,
+    float_bytes: bytes | None = None, quant_bytes: bytes | None = None, batch_size: int = 8, metric: str = "auto",
+    progress: bool = False, limit: int = 16, extra_layers: Sequence[str] = (),
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """:func:`evaluate_fidelity` and :func:`layer_sqnr` in one pass over ``ds``: the FP32 model runs once per
+    batch, exposing the layer tensors on the first ``limit`` samples (whole batches of ``batch_size``), instead
+    of a second FP32 run of those samples for the per-layer figures."""
+    fb = float_bytes if float_bytes is not None else float_proto.SerializeToString()
+    qb = quant_bytes if quant_bytes is not None else quant_proto.SerializeToString()
+    names = _layer_tensors(float_proto, quant_proto, plan, extra_layers)
+    if not names or limit <= 0:
+        return _fidelity_pass(fb, qb, ds, batch_size=batch_size, metric=metric, progress=progress), {}
+    probe = _LayerProbe(quant_proto, names, limit, [o.name for o in float_proto.graph.output])
+    fid = _fidelity_pass(_exposed(float_proto, probe.tensors), qb, ds, batch_size=batch_size, metric=metric,
+                         progress=progress, probe=probe)
+    return fid, probe.result()

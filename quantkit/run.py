@@ -36,10 +36,9 @@ from quantkit.pipeline import (
     check_context,
     decoder_context,
     eval_dataset,
-    evaluate_fidelity,
     extra_perplexities,
+    fidelity_and_layer_sqnr,
     latency_feed,
-    layer_sqnr,
     measure_pair_latency,
     save_model,
     verify_kernels,
@@ -194,10 +193,12 @@ def _quality(job: Job, lowered: Lowered, qproto: onnx.ModelProto, ev: Dataset, p
         if extra:
             quality["perplexity_extra"] = extra
         return quality, {}
-    fid = evaluate_fidelity(job.float_bytes, qbytes, ev, batch_size=rec.evaluation.batch_size,
-                            metric=rec.evaluation.metric, progress=progress)
     others = [n for h, layers in lowered.layers.items() if h != "static" for n in layers]
-    sq = layer_sqnr(job.float_proto, qproto, lowered.static, ev, limit=16, extra_layers=others)
+    # one FP32 pass: the FP32 model also hands out the layer tensors of the first 16 samples
+    fid, sq = fidelity_and_layer_sqnr(job.float_proto, qproto, lowered.static, ev, float_bytes=job.float_bytes,
+                                      quant_bytes=qbytes, batch_size=rec.evaluation.batch_size,
+                                      metric=rec.evaluation.metric, progress=progress, limit=16,
+                                      extra_layers=others)
     return {"fidelity": fid}, sq
 
 

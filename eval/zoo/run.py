@@ -208,7 +208,8 @@ def _env() -> dict[str, Any]:
     return {"cpu": info.model_name, "cpu_class": info.cpu_class, "onnxruntime": ort.__version__,
             "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
             "python": platform.python_version(), "cores": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "eval/zoo/run.py", *sys.argv[1:]])}
+            "date": time.strftime("%Y-%m-%d"), "peak_rss": "per process (wait4 in a launcher)",
+            "command": " ".join(["python", "eval/zoo/run.py", *sys.argv[1:]])}
 
 
 def _islands(c: dict[str, Any]) -> str:
@@ -217,23 +218,45 @@ def _islands(c: dict[str, Any]) -> str:
     return f" ({c['float_islands']}: " + ", ".join(f"{k} x{v}" for k, v in ops.items()) + ")" if ops else ""
 
 
+# quantkit's in-process stages (report.json "timings") that check, evaluate and measure the model it built: the rest
+# of its wall time (process start and imports, load, prepare, calibrate + lower, saving) is the quantization
+EVALUATION_STAGES = ("verify_s", "kernel_check_s", "evaluate_s", "latency_s", "latency_guard_s")
+
+
+def time_split(q: dict[str, Any]) -> dict[str, float] | None:
+    """quantkit's wall time split into ``quantize_s`` (wall minus the evaluation stages: what ORT's
+    ``quantize_static`` process does - start, load, calibrate, write the QDQ model) and ``evaluate_s`` (the
+    evaluation stages: census, kernel check, fidelity, latency, latency guard); None without stage timings."""
+    st = q.get("stages_s") or {}
+    if not st or not q.get("wall_s"):
+        return None
+    ev = sum(float(st.get(k, 0.0)) for k in EVALUATION_STAGES)
+    return {"quantize_s": q["wall_s"] - ev, "evaluate_s": ev}
+
+
 def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
     lines = [f"CPU: {env['cpu']} ({env['cpu_class']}), {env['cores']} cores; onnxruntime {env['onnxruntime']}; "
-             f"{env['date']}; `{env['command']}`", "",
+             f"{env['date']}; `{env['command']}`"
+             + (f"; load average {env['load_average_at_start']} at start, {env['load_average_at_end']} at end"
+                if env.get("load_average_at_start") and env.get("load_average_at_end") else ""), "",
              "| model | quantkit fused/float/stray (float islands) | ORT | SQNR dB qk / ORT | top-1 qk / ORT | kernel-vs-math dB qk / ORT "
-             "| x FP32 qk / ORT | x ORT | wall s qk / ORT | x ORT time | qk calibrate+lower s (x ORT) | RSS MiB qk / ORT |",
+             "| x FP32 qk / ORT | x ORT | quantize s qk / ORT (x ORT) | qk evaluation s (x ORT) | wall s qk (x ORT) "
+             "| peak RSS MiB qk / ORT |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(v: Any, fmt: str = ".1f") -> str:
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    def x(a: Any, b: Any) -> str:
+        return f(a / b, ".2f") if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "-"
 
     for row in rows:
         q = row["methods"].get("quantkit", {})
         o = row["methods"].get(row.get("ort_best", "ort"), {})
         c = q.get("census", {})
         co = o.get("census", {})
-        st = q.get("stages_s", {})  # quantization proper; the rest of the wall time is verification and evaluation
-        core = sum(st.get(k, 0.0) for k in ("load_s", "prepare_s", "calibrate_s", "lower_s")) or None
+        sp = time_split(q) or {}
+        qs, es, ow = sp.get("quantize_s"), sp.get("evaluate_s"), o.get("wall_s")
         lines.append(
             f"| {row['model']} | {c.get('fused', '-')}/{c.get('float_gemm', '-')}/{c.get('stray', '-')}{_islands(c)} "
             f"| {co.get('fused', '-')}/{co.get('float_gemm', '-')}/{co.get('stray', '-')} ({row.get('ort_best', '-')}) "
@@ -241,11 +264,19 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
             f"| {f(q.get('top1_agreement'), '.2f')} / {f(o.get('top1_agreement'), '.2f')} "
             f"| {f(q.get('kernel_vs_math_sqnr_db'))} / {f(o.get('kernel_vs_math_sqnr_db'))} "
             f"| {f(q.get('x_fp32'), '.2f')} / {f(o.get('x_fp32'), '.2f')} "
-            f"| {f(q.get('x_fp32', 0) / o['x_fp32'] if o.get('x_fp32') else None, '.2f')} "
-            f"| {f(q.get('wall_s'))} / {f(o.get('wall_s'))} "
-            f"| {f(q['wall_s'] / o['wall_s'] if q.get('wall_s') and o.get('wall_s') else None, '.2f')} "
-            f"| {f(core)} ({f(core / o['wall_s'] if core and o.get('wall_s') else None, '.2f')}) "
+            f"| {x(q.get('x_fp32'), o.get('x_fp32'))} "
+            f"| {f(qs)} / {f(ow)} ({x(qs, ow)}) "
+            f"| {f(es)} ({x(es, ow)}) "
+            f"| {f(q.get('wall_s'))} ({x(q.get('wall_s'), ow)}) "
             f"| {f(q.get('peak_rss_mb'), '.0f')} / {f(o.get('peak_rss_mb'), '.0f')} |")
+    lines += ["", "Times are each tool's own process, wall clock. *quantize*: quantkit's wall time minus its evaluation "
+              "stages (process start, load, prepare, calibrate + lower, writing the model), against the wall time of "
+              "ORT's `quantize_static` process (the better setting's); *evaluation*: quantkit's " +
+              ", ".join(f"`{k}`" for k in EVALUATION_STAGES) + " (report.json `timings`; ORT does none of it). "
+              + ("Peak RSS: each process's own `ru_maxrss`, from `wait4` in a small launcher."
+                 if env.get("peak_rss") else
+                 "Peak RSS in this file is **not** per process (measured before the launcher: a child's `ru_maxrss` "
+                 "then included the driver's resident memory; repeated values are the driver's peak).")]
     return "\n".join(lines)
 
 
@@ -270,7 +301,7 @@ def main() -> None:
     for n in names:
         print(f"== {n}", flush=True)
         rows.append(run_model(n, work, repeat=args.repeat))
-        print(_table(rows[-1:], env).splitlines()[-1], flush=True)
+        print(_table(rows[-1:], env).splitlines()[4], flush=True)  # the model's row
     text = _table(rows, env)
     print(text)
     env["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
