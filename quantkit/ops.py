@@ -54,7 +54,13 @@ GLUE: frozenset[str] = frozenset(
 """``BatchNormalization`` is glue only in the exact ``x + B`` form (scale 1, mean 0, variance + epsilon 1) that
 :mod:`quantkit.prep.preact_batchnorm` writes for a pre-activation BatchNorm: lowered as ``Add(x, B)``
 (``QLinearAdd``); any other BatchNorm that no layer absorbed has no int8 kernel and stays float."""
-PASSTHROUGH: frozenset[str] = frozenset({"Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "MaxPool"})
+PASSTHROUGH: frozenset[str] = frozenset({"Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "MaxPool", "Split",
+                                        "Slice", "Expand", "Tile", "DepthToSpace", "Gather", "Resize"})
+"""Measured on ONNX Runtime 1.32's CPU provider (``DQ -> op -> Q`` with one scale and zero point on both sides:
+the op then runs on the codes, bit-exact): all of these; ``Split`` into several outputs too.  ``Resize`` only in
+``nearest`` mode (a ``linear`` / ``cubic`` Resize keeps its DQ and Q: no int8 kernel, it stays a float island),
+``Gather`` only with constant indices (a channel or token picked out of an activation), ``SpaceToDepth`` and
+``Pad`` are not dropped (a ``Pad`` before a ``Conv`` is folded into the Conv's pads by :mod:`quantkit.prep`)."""
 RESCALE: frozenset[str] = frozenset({"Mul", "Div"})
 """Ops that are a *rescale* when one operand is a positive scalar constant (``Div``: the divisor); any other
 ``Div`` stays float (ONNX Runtime has no QLinear kernel for it), any other ``Mul`` is glue."""
@@ -110,6 +116,9 @@ def float_island_reason(op_type: str) -> str | None:
     op with an int8 kernel left in float there is a stray round trip.  ``op_type`` may carry a domain prefix
     (``com.microsoft.Gelu``) as the census writes it."""
     op = op_type.split(".")[-1]
+    if op.startswith("Resize(") and op != "Resize(nearest)":
+        return (f"{op}: ONNX Runtime runs only a nearest Resize on int8 codes; a {op[7:-1]} Resize has no int8 "
+                "kernel")
     if op in DELIBERATELY_FLOAT:
         return DELIBERATELY_FLOAT[op]
     if op in GEMM_LIKE_FLOAT_KERNELS:

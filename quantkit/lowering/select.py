@@ -175,8 +175,24 @@ def rescale_factor(node: ir.Node) -> float | None:
     return 1.0 / v if node.op_type == "Div" else v
 
 
+def _passthrough_ok(node: ir.Node) -> str | None:
+    """None if a passthrough candidate runs on the codes in ONNX Runtime, else the reason it cannot."""
+    if not node.inputs or node.inputs[0] is None or constant_array(node.inputs[0]) is not None:
+        return "its data input is a constant"
+    if node.op_type == "Resize":
+        mode = node.attributes.get("mode")
+        m = mode.as_string() if mode is not None else "nearest"
+        if m != "nearest":
+            return f"Resize in {m!r} mode (ONNX Runtime runs only a nearest Resize on int8 codes; it stays float)"
+    if node.op_type == "Gather" and (len(node.inputs) < 2 or constant_array(node.inputs[1]) is None):
+        return "Gather with computed indices"
+    return None
+
+
 def _glue_ok(node: ir.Node) -> str | None:
     """None if a glue / rescale candidate can be quantized, else the reason it cannot."""
+    if node.op_type in PASSTHROUGH:
+        return _passthrough_ok(node)
     if node.op_type == "BatchNormalization":
         from quantkit.ops import batchnorm_shift
 
@@ -450,6 +466,16 @@ def _place_tensors(model: ir.Model, plan: QuantPlan, q: Any) -> None:
                 _add_tensor(plan, v, plan.layers[qp.name or ""], node.name, clip=(0.0, 1.0))
             else:
                 _add_tensor(plan, v, lp, node.name)
+        if node.op_type in PASSTHROUGH and len(node.outputs) > 1:  # Split: every output on the input's grid
+            src_tq = plan.tensors.get(node.inputs[0].name or "") if node.inputs[0] is not None else None
+            for out in node.outputs:
+                is_out = id(out) in graph_outputs
+                if (any(u.name in plan.layers for u in _consumers(out)) and not (is_out and not q.quantize_outputs)
+                        ) or (is_out and q.quantize_outputs):
+                    lp_out = lp if src_tq is None else dataclasses.replace(
+                        lp, calibrator=src_tq.calibrator, act_dtype=src_tq.dtype, act_symmetric=src_tq.symmetric)
+                    _add_tensor(plan, out, lp_out, None, inherit_from=node.inputs[0].name)
+            continue
         target, bounds = _output_target(node, q, graph_outputs, plan.folded_gates)
         users = _consumers(target)
         needs = node.op_type not in WEIGHTED or not WEIGHTED[node.op_type].float_output_ok

@@ -383,6 +383,16 @@ def _describe(node: onnx.NodeProto) -> str:
     return f"{_op_key(node)} {node.name!r}"
 
 
+def _describe_consumer(node: onnx.NodeProto) -> str:
+    """:func:`_describe`, with a Resize's interpolation mode when it is not ``nearest`` (``Resize(linear)``): only
+    a nearest Resize runs on int8 codes in ONNX Runtime, so a float island is told from a stray by it."""
+    if node.op_type == "Resize" and node.domain in ("", "ai.onnx"):
+        mode = next((a.s.decode() for a in node.attribute if a.name == "mode"), "nearest")
+        if mode != "nearest":
+            return f"Resize({mode}) {node.name!r}"
+    return _describe(node)
+
+
 def _match(layer: onnx.NodeProto, orig: _OrigIndex, opt: _OptIndex) -> tuple[onnx.NodeProto | None, str]:
     """Find the optimized node that runs ``layer``, and how it was found."""
     exact = opt.by_name.get(layer.name)
@@ -485,7 +495,7 @@ def _leftovers(opt: _OptIndex) -> list[LeftoverQDQ]:
         if node.op_type not in _QDQ_OPS or not node.input or not node.output:
             continue
         data_in, data_out = node.input[0], node.output[0]
-        consumers = [_describe(c) for c in opt.consumers.get(data_out, [])]
+        consumers = [_describe_consumer(c) for c in opt.consumers.get(data_out, [])]
         if data_out in opt.graph_outputs:
             consumers.append(f"graph output {data_out!r}")
         prod = opt.through_layout(data_in)  # past ORT's NHWC Transposes

@@ -17,27 +17,15 @@ from onnx import TensorProto, helper, numpy_helper
 from quantkit.api import quantize
 from quantkit.prep import prepare
 from tests.conftest import image_batches
+from tests.tiny_graphs import TinyGraph
 
 C = 8
 
 
 def _graph(kind: str, seed: int = 0, gamma_sign: float = 1.0) -> onnx.ModelProto:
     """``input[N,3,16,16] -> Conv -> Relu -> <block> -> Conv -> Relu -> out``."""
-    rng = np.random.default_rng(seed)
-    inits: list[onnx.TensorProto] = []
-    nodes: list[onnx.NodeProto] = []
-
-    def w(name: str, *shape: int, s: float = 0.3) -> str:
-        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * s).astype(np.float32), name))
-        return name
-
-    def c(name: str, value: Any) -> str:
-        inits.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
-        return name
-
-    def node(op: str, ins: list[str], out: str, **attrs: Any) -> str:
-        nodes.append(helper.make_node(op, ins, [out], name=f"{out}_node", **attrs))
-        return out
+    g = TinyGraph(seed)
+    rng, w, c, node = g.rng, g.w, g.c, g.node
 
     x = node("Relu", [node("Conv", ["input", w("w0", C, 3, 3, 3), w("b0", C, s=0.1)], "c0", pads=[1, 1, 1, 1])],
              "r0")
@@ -72,11 +60,7 @@ def _graph(kind: str, seed: int = 0, gamma_sign: float = 1.0) -> onnx.ModelProto
         raise ValueError(kind)
     out = node("Relu", [node("Conv", [a, w("w3", C, C, 3, 3, s=0.1), w("b3", C, s=0.1)], "c3", pads=[1, 1, 1, 1])],
                "out")
-    g = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 16, 16])],
-                          [helper.make_tensor_value_info(out, TensorProto.FLOAT, ["N", C, 16, 16])], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    return m
+    return g.model(kind, out, ["N", C, 16, 16])
 
 
 def _run(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> np.ndarray:

@@ -20,6 +20,7 @@ from quantkit.lowering.select import rescale_factor, select
 from quantkit.prep import prepare
 from quantkit.recipe import load_recipe
 from tests.conftest import image_batches
+from tests.tiny_graphs import TinyGraph
 
 C = 16
 
@@ -30,21 +31,8 @@ def _recipe() -> dict[str, Any]:
 
 def _block(kind: str, seed: int = 0) -> onnx.ModelProto:
     """input[N,3,16,16] -> Conv3x3 -> <block> -> Conv3x3 -> Relu -> out: one mobile block between two int8 Convs."""
-    rng = np.random.default_rng(seed)
-    inits: list[onnx.TensorProto] = []
-    nodes: list[onnx.NodeProto] = []
-
-    def w(name: str, *shape: int, s: float = 0.3) -> str:
-        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * s).astype(np.float32), name))
-        return name
-
-    def c(name: str, value: Any) -> str:
-        inits.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
-        return name
-
-    def node(op: str, ins: list[str], out: str, **attrs: Any) -> str:
-        nodes.append(helper.make_node(op, ins, [out], name=f"{out}_node", **attrs))
-        return out
+    g = TinyGraph(seed)
+    rng, w, c, node = g.rng, g.w, g.c, g.node
 
     x = node("Conv", ["input", w("w0", C, 3, 3, 3), w("b0", C, s=0.1)], "c0", pads=[1, 1, 1, 1])
     if kind == "hardswish":
@@ -70,15 +58,34 @@ def _block(kind: str, seed: int = 0) -> onnx.ModelProto:
         gate = (node("HardSigmoid", [f2], "g", alpha=1 / 6, beta=0.5) if kind == "se_hardsigmoid"
                 else node("Sigmoid", [f2], "g"))
         a = node("Mul", [gate, x], "a0")  # the gate first, as torchvision exports it
+    elif kind == "channel_shuffle":  # ShuffleNet: split, one branch convolved, concat, shuffle the channels
+        x = node("Relu", [x], "r0")
+        sp = g.multi("Split", [x, c("halves", [C // 2, C // 2], np.int64)], ["s0", "s1"], "split_node", axis=1)
+        b = node("Relu", [node("Conv", [sp[1], w("wb", C // 2, C // 2, 1, 1), w("bb", C // 2, s=0.1)], "cb")], "rb")
+        cat = node("Concat", [sp[0], b], "cat", axis=1)
+        c("shape5", [-1, 2, C // 2, 16, 16], np.int64)
+        c("shape4", [-1, C, 16, 16], np.int64)
+        t = node("Transpose", [node("Reshape", [cat, "shape5"], "r5")], "tr", perm=[0, 2, 1, 3, 4])
+        a = node("Reshape", [t, "shape4"], "a0")
+    elif kind in ("resize_nearest", "resize_linear"):  # a decoder's upsampling x2, then a strided Conv back down
+        x = node("Relu", [x], "r0")
+        c("scales", [1, 1, 2, 2])
+        up = node("Resize", [x, "", "scales"], "up", mode=kind.split("_")[1])
+        a = node("Relu", [node("Conv", [up, w("wd", C, C, 2, 2, s=0.2), w("bd", C, s=0.1)], "cd", strides=[2, 2])],
+                 "a0")
+    elif kind == "slice":  # a slice of the channels (a split written as Slice), zero-padded back by a Concat
+        x = node("Relu", [x], "r0")
+        for n, v in (("st", [0]), ("en", [C // 2]), ("ax", [1])):
+            c(n, v, np.int64)
+        half = node("Slice", [x, "st", "en", "ax"], "half")
+        b = node("Relu", [node("Conv", [half, w("wb", C // 2, C // 2, 3, 3), w("bb", C // 2, s=0.1)], "cb",
+                               pads=[1, 1, 1, 1])], "rb")
+        a = node("Concat", [half, b], "a0", axis=1)
     else:
         raise ValueError(kind)
     y = node("Relu", [node("Conv", [a, w("w1", C, C, 3, 3, s=0.1), w("b1", C, s=0.1)], "c1", pads=[1, 1, 1, 1])],
              "out")
-    g = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 16, 16])],
-                          [helper.make_tensor_value_info(y, TensorProto.FLOAT, ["N", C, 16, 16])], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    return m
+    return g.model(kind, y, ["N", C, 16, 16])
 
 
 def _run(model: onnx.ModelProto, feed: dict[str, np.ndarray], level: str = "all") -> np.ndarray:
@@ -106,7 +113,12 @@ EXPECTED = {
     # the HardSigmoid gate is folded into the second SE Conv (bias + 3, Q's saturation is the clip): no node
     "se_hardsigmoid": {"QLinearConv": 4, "QLinearGlobalAveragePool": 1, "QLinearMul": 1},
     "se_sigmoid": {"QLinearConv": 4, "QLinearGlobalAveragePool": 1, "QLinearSigmoid": 1, "QLinearMul": 1},
+    # the Split, Reshape / Transpose / Reshape and the Resize / Slice run on the codes (no kernel of their own)
+    "channel_shuffle": {"QLinearConv": 3, "QLinearConcat": 1},
+    "resize_nearest": {"QLinearConv": 3},
+    "slice": {"QLinearConv": 3, "QLinearConcat": 1},
 }
+LAYOUT_OPS = {"channel_shuffle": 5}  # its own Transpose, and ORT back to NCHW and to NHWC around the 5-D shuffle
 FLOAT_OPS = ("HardSwish", "HardSigmoid", "Sigmoid", "Mul", "Add", "Div", "Clip", "Relu", "Conv", "GlobalAveragePool",
              "QuickGelu", "FusedConv")
 
@@ -124,7 +136,7 @@ def test_block_is_one_fused_int8_chain(kind: str) -> None:
         res.census.leftover_qdq_nodes
     assert res.report["census"]["leftover_by_kind"]["stray"] == 0
     # no layout churn: the whole chain stays in ORT's NHWC int8 form (one Transpose in, one out)
-    assert res.census.op_counts.get("Transpose", 0) == 2, res.census.op_counts
+    assert res.census.op_counts.get("Transpose", 0) == LAYOUT_OPS.get(kind, 2), res.census.op_counts
     assert all(f.fused for f in res.census.per_layer.values()), res.census.per_layer
     # fused kernels compute the QDQ math the graph states (ORT_ENABLE_ALL vs ORT_DISABLE_ALL, every layer)
     check = res.report["kernels"]["check"]
@@ -261,3 +273,15 @@ def test_a_constant_factor_spanning_decades_stays_float() -> None:
     entirely, so that Mul stays float (with its reason) rather than silently zeroing them."""
     plan = select(prepare(ir.from_proto(_block("layer_scale"))).model, load_recipe(_recipe()))
     assert "a0_node" not in plan.layers and "constant factor loses" in plan.skipped["a0_node"]
+
+
+def test_a_linear_resize_is_a_float_island_not_a_stray() -> None:
+    """Only a nearest Resize runs on int8 codes: a linear one stays float between its DQ and the next Conv's Q,
+    reported as a float island with its reason (never as a stray round trip)."""
+    res = quantize(_block("resize_linear"), image_batches(8), _recipe(), evaluation_data=image_batches(4, seed=9),
+                   progress=False)
+    assert res.census.op_counts.get("Resize") == 1
+    assert res.report["census"]["leftover_by_kind"]["stray"] == 0, res.census.leftover_qdq_nodes
+    islands = res.report["census"]["float_islands"]
+    assert "Resize(linear)" in islands and "nearest" in islands["Resize(linear)"]["reason"], islands
+    assert "linear" in res.plan.skipped["up_node"], res.plan.skipped
