@@ -467,14 +467,16 @@ def _place_tensors(model: ir.Model, plan: QuantPlan, q: Any) -> None:
             else:
                 _add_tensor(plan, v, lp, node.name)
         if node.op_type in PASSTHROUGH and len(node.outputs) > 1:  # Split: every output on the input's grid
-            src_tq = plan.tensors.get(node.inputs[0].name or "") if node.inputs[0] is not None else None
+            src_v = node.inputs[0]
+            src_name = src_v.name if src_v is not None else None
+            src_tq = plan.tensors.get(src_name or "")
             for out in node.outputs:
                 is_out = id(out) in graph_outputs
                 if (any(u.name in plan.layers for u in _consumers(out)) and not (is_out and not q.quantize_outputs)
                         ) or (is_out and q.quantize_outputs):
                     lp_out = lp if src_tq is None else dataclasses.replace(
                         lp, calibrator=src_tq.calibrator, act_dtype=src_tq.dtype, act_symmetric=src_tq.symmetric)
-                    _add_tensor(plan, out, lp_out, None, inherit_from=node.inputs[0].name)
+                    _add_tensor(plan, out, lp_out, None, inherit_from=src_name)
             continue
         target, bounds = _output_target(node, q, graph_outputs, plan.folded_gates)
         users = _consumers(target)
