@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 
-from zoo_models import ALL, CI_SUBSET, ENCODERS, build, cache_root  # noqa: E402
+from zoo_models import ALL, CI_SUBSET, ENCODERS, PROBES, build, cache_root  # noqa: E402
 
 GEMM_OPS = {"Conv", "MatMul", "Gemm", "FusedConv", "FusedGemm", "FusedMatMul", "NhwcFusedConv"}
 
@@ -282,7 +282,7 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="ci", help=f"ci, all, or a comma list of: {', '.join(ALL)}")
+    ap.add_argument("--models", default="ci", help=f"ci, all, or a comma list of: {', '.join((*ALL, *PROBES))}")
     ap.add_argument("--repeat", type=int, default=60, help="latency runs per model (interleaved rounds)")
     ap.add_argument("--out", help="write the rows and the environment as JSON here (and a .md beside it)")
     ap.add_argument("--table", help="print (and with --out rewrite) the table of an earlier --out JSON; no runs")
