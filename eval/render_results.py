@@ -89,6 +89,23 @@ DOCUMENTED: dict[str, dict[str, str]] = {
         "source": "measured with quantkit.memory's phase hooks on eval/bench_families.py's synthetic folders "
                   "(the harness was not kept; eval/bench_memory_estimate.py measures whole runs)",
     },
+    "kv_cache_int8_x86-vnni.json": {
+        "title": "SmolLM2-135M with an 8-bit KV cache (export.kv_cache: int8) vs float32: perplexity at 2048 "
+                 "positions, cache bytes, memory, decode and prefill time",
+    },
+    "readme_main_job_x86-vnni.json": {
+        "title": "README command 1 on a fresh clone, output to a file: wall time by stage, longest silence "
+                 "between log lines, the run's figures",
+    },
+    "zoo_x86-vnni.json": {
+        "title": "Conformance zoo: quantkit's default recipe vs ONNX Runtime's quantize_static on every zoo model",
+    },
+    "zoo_partial_x86-vnni.json": {
+        "title": "Conformance zoo, partial run (four models) after the evaluation-time work",
+    },
+    "zoo_probes_x86-vnni.json": {
+        "title": "Architectures outside the zoo (ShuffleNet v2, RegNet-Y): the lowering rules on unseen blocks",
+    },
     "families_x86-vnni.json": {
         "title": "Every decoder family layer-wise (INT4 RTN, random bf16 weights at published widths): peak memory "
                  "and time at two depths; an unsupported family's refusal",
