@@ -179,3 +179,68 @@ def test_region_times_attribute_every_layer_in_both_models(tmp_path: Path, monke
                         ir.to_proto(res.model).SerializeToString(), res.float_model, layers, feed, threads=1, runs=5)
     assert set(times) == set(layers)
     assert all(f > 0 and q > 0 for f, q in times.values()), times  # every layer found in both profiles
+
+
+@pytest.mark.parametrize(("int8_ms", "expected_rounds"), [((0.5, 0.5, 0.5), 1), ((2.0, 0.5, 2.0), 2),
+                                                          ((2.0, 2.0, 2.0), 3)])
+def test_region_times_stop_once_no_region_can_be_slower_in_every_round(
+        monkeypatch: pytest.MonkeyPatch, int8_ms: tuple[float, ...], expected_rounds: int) -> None:
+    """The profile rounds stop after a round that leaves no region slower in int8 in every round so far: the
+    verdict (:func:`slow_regions`) cannot change, and a model with no slow region is profiled once, not three
+    times."""
+    import quantkit.guard as guard
+    import quantkit.search.profile as profile
+
+    model = prepare(ir.from_proto(tiny_cnn())).model
+    calls: list[bytes] = []
+
+    class FakeProfile:
+        node_sum_ms = 1.0
+
+        def __init__(self, ms: float) -> None:
+            self.ms = ms
+
+        def by_layer(self, names: Any, aliases: Any = None) -> dict[str, float]:
+            return dict.fromkeys(names, self.ms)
+
+    def fake(blob: bytes, feed: Any, **kw: Any) -> FakeProfile:
+        calls.append(blob)
+        return FakeProfile(1.0 if blob == b"fp32" else int8_ms[(len(calls) - 1) // 2])
+
+    monkeypatch.setattr(profile, "profile_model", fake)
+    times = guard.region_times(b"fp32", b"int8", model, ["conv0"], {}, threads=1)
+    assert len(times["conv0"]) == expected_rounds and len(calls) == 2 * expected_rounds
+    assert (set(slow_regions(times)) == {"conv0"}) == (expected_rounds == 3 and int8_ms[-1] > 1.0)
+
+
+def test_wins_needed_is_the_sign_test_at_the_guard_level() -> None:
+    from quantkit.guard import AB_EXTRA_ROUNDS, wins_needed
+
+    assert wins_needed(AB_ROUNDS) == AB_MIN_WINS == 8  # P(X >= 8 | 10) = 0.055
+    assert wins_needed(AB_ROUNDS + AB_EXTRA_ROUNDS) == 15  # P(X >= 15 | 20) = 0.021; 14 would be 0.058
+
+
+@pytest.mark.parametrize(("first", "second", "ships"), [
+    ([0.87] * 7 + [1.1] * 3, [0.87] * 8 + [1.1] * 2, True),  # 7 of 10, then 15 of 20: a blurred win confirmed
+    ([0.87] * 7 + [1.1] * 3, [0.87] * 6 + [1.1] * 4, False),  # 13 of 20: still a tie
+    ([0.87] * 5 + [1.1] * 5, None, False),  # no majority: no second batch
+])
+def test_an_ab_short_of_the_sign_test_by_a_majority_runs_one_more_batch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: list[float], second: list[float] | None,
+        ships: bool) -> None:
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    import quantkit.guard as guard
+
+    _fake_profile(monkeypatch, {"conv0": (0.1, 0.5)})
+    batches = [first, second]
+
+    def fake(blobs: dict[str, bytes], feed: Any, **kw: Any) -> dict[str, list[float]]:
+        ratios = batches.pop(0)
+        assert ratios is not None, "a second batch was run without a majority in the first"
+        return {k: [{"fp32": 2.0, "int8": 1.0}.get(k, r) for r in ratios] for k in blobs}
+
+    monkeypatch.setattr(guard, "ab_compare", fake)
+    res = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, progress=False, use_cache=False)
+    rec = res.report["latency_guard"]
+    assert len(rec["ab"]["rounds_ms"]["int8"]) == (10 if second is None else 20)
+    assert bool(rec["float_layers"]) == ships, rec["decision"]
