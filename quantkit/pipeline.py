@@ -174,12 +174,15 @@ def calibrate_ranges(
     use_cache: bool,
     tensors: Collection[str] | None = None,
     mean_layers: Collection[str] | None = None,
+    candidates: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] | None = None,
 ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, np.ndarray] | None, dict[str, Any]]:
     """Ranges of every planned tensor (+ per-channel input means for bias correction), or of ``tensors`` and the
     means of ``mean_layers`` only (what an earlier plan on the same model did not calibrate yet).
 
     Calibrators that can work from collected statistics (``from_statistics``: all built-ins)
-    share one cached pass; others stream in a pass of their own.
+    share one cached pass; others stream in a pass of their own.  ``candidates`` (filled when given): for the
+    tensors of the ``auto`` calibrator, ``candidate calibrator -> tensor -> range`` (the returned range of such a
+    tensor is its first candidate's, until the run chooses).
     """
     from quantkit.algorithms.bias_correction import ChannelMean
     from quantkit.calibrate.cache import StatsCache, cache_key, model_hash
@@ -229,6 +232,11 @@ def calibrate_ranges(
                 got.collectors[name], dtype=tq.dtype, symmetric=tq.symmetric,
                 **(options if tq.calibrator == rec.calibration.calibrator else {}))
     ranges = {name: c.compute_range() for name, c in calibrators.items()}
+    if candidates is not None:
+        for name, c in calibrators.items():
+            if hasattr(c, "ranges_by_candidate"):  # the auto calibrator
+                for cand, rng in c.ranges_by_candidate().items():
+                    candidates.setdefault(cand, {})[name] = rng
     means = None
     if mean_keys:
         means = {layer: got.collectors[k].mean for layer, k in mean_keys.items() if got.collectors[k].mean is not None}
@@ -391,14 +399,18 @@ def evaluate_fidelity(
 
 
 def _fidelity_pass(float_model: bytes, quant_model: bytes, ds: Dataset, *, batch_size: int, metric: str,
-                   progress: bool, probe: _LayerProbe | None = None) -> dict[str, Any]:
+                   progress: bool, probe: _LayerProbe | None = None, plain_model: bytes | None = None
+                   ) -> dict[str, Any]:
     """:func:`evaluate_fidelity`; with ``probe``, the FP32 model also hands out the probe's layer tensors on its
-    first samples (``float_model`` then exposes them), so the per-layer SQNR needs no FP32 run of its own."""
+    first samples (``float_model`` then exposes them), so the per-layer SQNR needs no FP32 run of its own;
+    ``plain_model`` (the FP32 model as it is) runs the samples after those."""
     from quantkit.progress import tqdm
 
     s_f = make_session(float_model)
     s_q = make_session(quant_model)
     names = compared_outputs([o.name for o in s_f.get_outputs() if probe is None or o.name not in probe.extra])
+    s_plain = None  # once the probe has its samples, the FP32 model without the exposed layer tensors (which
+    # block fusions: a ViT's FP32 run ~1.5x slower exposed) runs the rest
     cls = {"classification": True, "embedding": False, "sqnr": False}.get(metric)
     acc = FidelityAccumulator(classification=cls)
     with tqdm(total=len(ds), desc="evaluate", unit="sample", disable=not progress) as bar:
@@ -408,6 +420,10 @@ def _fidelity_pass(float_model: bytes, quant_model: bytes, ds: Dataset, *, batch
                 got_f = dict(zip(names + more, s_f.run(names + more, feed), strict=True))
                 ref = [got_f[n] for n in names]
                 probe.add(feed, [got_f[t] for t in probe.tensors])
+            elif probe is not None and plain_model is not None:
+                if s_plain is None:
+                    s_plain = make_session(plain_model)
+                ref = s_plain.run(names, feed)
             else:
                 ref = s_f.run(names, feed)
             got = s_q.run(names, feed)
@@ -524,5 +540,5 @@ def fidelity_and_layer_sqnr(
         return _fidelity_pass(fb, qb, ds, batch_size=batch_size, metric=metric, progress=progress), {}
     probe = _LayerProbe(quant_proto, names, limit, [o.name for o in float_proto.graph.output])
     fid = _fidelity_pass(_exposed(float_proto, probe.tensors), qb, ds, batch_size=batch_size, metric=metric,
-                         progress=progress, probe=probe)
+                         progress=progress, probe=probe, plain_model=fb)
     return fid, probe.result()

@@ -52,6 +52,9 @@ class Artifacts:
     dynamic: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # (layers, scheme key) -> DynamicArtifact
     absmax: dict[str, Any] = field(default_factory=dict)  # input tensor -> ChannelAbsMax
     calibration_info: dict[str, Any] = field(default_factory=dict)
+    # the ``auto`` calibrator: candidate -> tensor -> range, and the run's choice (``calibrator_choice``)
+    range_candidates: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    calibrator_choice: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

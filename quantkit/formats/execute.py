@@ -76,8 +76,8 @@ def lower_plan(job: Job) -> Lowered:
         elif not sel:
             continue
         t = time.perf_counter()
-        h.lower(job, model, sel, out)
+        h.lower(job, out.model, sel, out)  # static INT8 (first) may replace the clone with its chosen lowering
         out.timings[f"lower_{h.name}_s"] = time.perf_counter() - t
     if out.static.layers:  # int8 codes were chosen for this CPU class
-        model.metadata_props["quantkit.target"] = json.dumps(job.target.as_dict())
+        out.model.metadata_props["quantkit.target"] = json.dumps(job.target.as_dict())
     return out

@@ -44,20 +44,31 @@ class StaticInt8(FormatHandler):
         t = time.perf_counter()
         self._calibrate(job, qplan)
         out.timings["calibrate_s"] = time.perf_counter() - t
+        means = {k: v for k, v in art.means.items() if k in qplan.layers} if rec.quantization.bias_correction else None
+        hessians = None
+        if job.target.pair_safe:
+            t = time.perf_counter()
+            hessians = self._hessians(job, qplan)
+            if hessians is not None:
+                out.timings["pair_hessians_s"] = time.perf_counter() - t
+        auto = self._auto_tensors(job, qplan)
+        chosen = None
+        if auto:  # every candidate lowered and run; the winner's lowered model is the one that ships
+            t = time.perf_counter()
+            chosen = choose_calibrator(job, qplan, auto, means, hessians)
+            out.timings["calibrator_choice_s"] = time.perf_counter() - t
         ranges = {k: art.ranges[k] for k in qplan.calibrated_tensors()}
         out.zero_range = sorted(n for n, (lo, hi) in ranges.items() if float(np.max(hi)) - float(np.min(lo)) <= 0.0)
         if out.zero_range:
             log.warning("%d activation tensor(s) never varied over the calibration data: %s", len(out.zero_range),
                         ", ".join(out.zero_range[:8]))
-        t = time.perf_counter()
-        hessians = self._hessians(job, qplan)
-        if hessians is not None:
-            out.timings["pair_hessians_s"] = time.perf_counter() - t
-        means = {k: v for k, v in art.means.items() if k in qplan.layers} if rec.quantization.bias_correction else None
-        with stage("lower to INT8 QDQ", enabled=job.progress):
-            out.lowering = lower_int8(model, qplan, ranges, activation_storage=rec.export.activation_storage,
-                                      matmul_form=rec.export.matmul_form, input_means=means or None,
-                                      target=job.target, hessians=hessians, pair_cache=art.pair_cache)
+        if chosen is not None:
+            out.model, out.lowering = chosen
+        else:
+            with stage("lower to INT8 QDQ", enabled=job.progress):
+                out.lowering = lower_int8(model, qplan, ranges, activation_storage=rec.export.activation_storage,
+                                          matmul_form=rec.export.matmul_form, input_means=means or None,
+                                          target=job.target, hessians=hessians, pair_cache=art.pair_cache)
         out.static = qplan
         out.layers[self.name] = {k: "int8" for k in qplan.layers}
 
@@ -81,10 +92,22 @@ class StaticInt8(FormatHandler):
             ranges, means, info = calibrate_ranges(job.float_model, job.float_proto, job.float_bytes, qplan,
                                                    job.calibration, job.recipe, progress=job.progress,
                                                    use_cache=job.use_cache, tensors=missing,
-                                                   mean_layers=means_missing)
+                                                   mean_layers=means_missing, candidates=art.range_candidates)
+        chosen = art.calibrator_choice.get("chosen")
+        if chosen:  # an earlier plan on this model chose: its new ``auto`` tensors take the same candidate
+            ranges.update({k: v for k, v in art.range_candidates.get(chosen, {}).items() if k in ranges})
         art.ranges.update(ranges)
         art.means.update(means or {})
         art.calibration_info.update(info)
+
+    @staticmethod
+    def _auto_tensors(job: Job, qplan: Any) -> list[str]:
+        """The plan's tensors calibrated by ``auto`` while no candidate is chosen yet (empty once one is)."""
+        art = job.artifacts
+        if art.calibrator_choice or len(art.range_candidates) < 2:
+            return []
+        first = next(iter(art.range_candidates.values()))
+        return sorted(k for k in qplan.calibrated_tensors() if k in first)
 
     @staticmethod
     def _hessians(job: Job, qplan: Any) -> dict[str, np.ndarray] | None:
@@ -104,3 +127,75 @@ class StaticInt8(FormatHandler):
                     max_batch_output_bytes=rec.calibration.max_batch_output_bytes, progress=job.progress))
         return {k: v for k, v in cache.items() if k in qplan.layers}
 
+
+
+def choose_calibrator(job: Job, qplan: Any, tensors: list[str], means: dict[str, np.ndarray] | None,
+                      hessians: dict[str, np.ndarray] | None) -> tuple[ir.Model, Any]:
+    """The ``auto`` calibrator's choice: the plan lowered once per candidate's ranges of ``tensors`` (the other
+    tensors keep theirs), each run with this CPU's fused kernels (``ORT_ENABLE_ALL``: the model that ships) on the
+    first ``samples`` calibration samples against the FP32 model; the candidate with the highest output SQNR
+    (mean over the compared outputs, dB) wins, the first listed on a tie.  Sets the chosen ranges in the
+    artifacts (a later plan on the same model - the latency guard's - keeps the choice; the record the report
+    shows is in ``calibration_info``) and returns the winner's lowered model and its ``LoweringResult``."""
+    import onnx_ir as ir
+
+    from quantkit.evaluate.latency import make_session
+    from quantkit.lowering.qdq import lower_int8
+    from quantkit.pipeline import compared_outputs
+
+    art, rec = job.artifacts, job.recipe
+    options = dict(rec.calibration.calibrator_options) if rec.calibration.calibrator == "auto" else {}
+    samples = int(options.get("samples", 16))
+    feeds: list[dict[str, np.ndarray]] = []
+    for feed in job.calibration.batches(1) if job.calibration is not None else ():
+        feeds.append(feed)
+        if len(feeds) >= samples:
+            break
+    s_f = make_session(job.float_bytes)
+    names = compared_outputs([o.name for o in s_f.get_outputs()])
+    refs = [s_f.run(names, f) for f in feeds]
+    del s_f
+    scores: dict[str, float] = {}
+    best: tuple[ir.Model, Any] | None = None
+    with stage(f"calibrator auto: {', '.join(art.range_candidates)} compared on {len(feeds)} calibration samples",
+               enabled=job.progress):
+        for cand, cand_ranges in art.range_candidates.items():
+            ranges = {k: art.ranges[k] for k in qplan.calibrated_tensors()}
+            ranges.update({k: cand_ranges[k] for k in tensors})
+            model = ir.from_proto(job.float_proto)
+            low = lower_int8(model, qplan, ranges, activation_storage=rec.export.activation_storage,
+                             matmul_form=rec.export.matmul_form, input_means=means or None, target=job.target,
+                             hessians=hessians, pair_cache=art.pair_cache)
+            sess = make_session(ir.to_proto(model).SerializeToString())
+            scores[cand] = _output_sqnr(refs, [sess.run(names, f) for f in feeds])
+            del sess
+            if best is None or scores[cand] > max(v for c, v in scores.items() if c != cand):
+                best = (model, low)  # only the best so far is kept: one lowered model in memory at a time
+    chosen = max(scores, key=lambda c: (scores[c], -list(scores).index(c)))
+    for k in tensors:
+        art.ranges[k] = art.range_candidates[chosen][k]
+    record = {"chosen": chosen, "output_sqnr_db": {c: round(v, 3) for c, v in scores.items()},
+              "samples": len(feeds), "tensors": len(tensors),
+              "how": "each candidate's ranges lowered and run with this CPU's fused kernels on the first calibration "
+                     "samples; the highest output SQNR against FP32 wins"}
+    art.calibrator_choice.update(record)
+    art.calibration_info["calibrator_choice"] = record
+    log.info("calibrator auto: %s chosen (output SQNR on %d calibration samples: %s)", chosen, len(feeds),
+             ", ".join(f"{c} {v:.2f} dB" for c, v in scores.items()))
+    assert best is not None  # at least two candidates were scored (_auto_tensors)
+    return best
+
+
+def _output_sqnr(refs: list[list[np.ndarray]], got: list[list[np.ndarray]]) -> float:
+    """Mean over outputs of ``10 log10(sum ref^2 / sum (got - ref)^2)`` over all samples (float outputs only;
+    an exact output counts as 200 dB)."""
+    dbs = []
+    for j in range(len(refs[0]) if refs else 0):
+        if not np.issubdtype(np.asarray(refs[0][j]).dtype, np.floating):
+            continue
+        sig = sum(float(np.sum(np.asarray(r[j], np.float64) ** 2)) for r in refs)
+        err = sum(float(np.sum((np.asarray(g[j], np.float64) - np.asarray(r[j], np.float64)) ** 2))
+                  for r, g in zip(refs, got, strict=True))
+        db = 200.0 if err == 0.0 else float(10 * np.log10(max(sig, 1e-300) / err))
+        dbs.append(db if np.isfinite(db) else -np.inf)  # a NaN output never wins
+    return float(np.mean(dbs)) if dbs else 0.0

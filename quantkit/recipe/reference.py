@@ -74,10 +74,13 @@ DESCRIPTIONS: dict[str, str] = {
     "calibration.data": "The calibration dataset. May be omitted when the Python API is handed the data.",
     "calibration.data.kind": "The kind of dataset; the keys each kind takes are listed below.",
     "calibration.batch_size": "Samples per calibration batch.",
-    "calibration.calibrator": "How a tensor's range is chosen from its statistics. `mse` (the default): the "
-    "range with the least expected quantize-dequantize error; `entropy`: KL divergence (TensorRT's method); "
-    "`percentile`; `minmax`. Third-party calibrators register under the entry-point group "
-    "`quantkit.calibrators`.",
+    "calibration.calibrator": "How a tensor's range is chosen from its statistics. `auto` (the default): the "
+    "ranges of each candidate calibrator (`calibrator_options.candidates`, default `[mse, minmax]`), the model "
+    "lowered once per candidate and run with this CPU's fused kernels on `calibrator_options.samples` (16) "
+    "calibration samples; the candidate with the highest output SQNR against FP32 is kept for every `auto` "
+    "tensor and named in the report. `mse`: the range with the least expected quantize-dequantize error of the "
+    "tensor itself; `entropy`: KL divergence (TensorRT's method); `percentile`; `minmax`. Third-party "
+    "calibrators register under the entry-point group `quantkit.calibrators`.",
     "calibration.calibrator_options": "Keyword options of the chosen calibrator (checked by name and value "
     "when the recipe loads).",
     # quantization

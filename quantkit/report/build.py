@@ -369,6 +369,9 @@ def method_of(rep: Mapping[str, Any]) -> dict[str, Any]:
             stats.append("input second moments in kernel order (pair-safe rounding; never cached: K x K floats per "
                          "layer)")
         out["static"] = {"layers": len(static), "activation_calibrators": cals, "statistics": stats}
+        choice = cal.get("calibrator_choice")
+        if isinstance(choice, dict) and choice.get("chosen"):
+            out["static"]["calibrator_choice"] = choice
     woq = rep.get("weight_only") or []
     if woq:
         algos: dict[str, int] = {}
@@ -408,8 +411,12 @@ def method_lines(rep: Mapping[str, Any]) -> list[str]:
     for fam, m in (rep.get("method") or method_of(rep)).items():
         what = f"Method, {names.get(fam, fam)} on {_n(m['layers'], 'layer')}: "
         if fam == "static":
-            what += "activation calibrator " + ", ".join(f"{k} ({_n(v, 'tensor')})"
-                                                         for k, v in m["activation_calibrators"].items())
+            choice = m.get("calibrator_choice") or {}
+            what += "activation calibrator " + ", ".join(
+                f"{k} ({_n(v, 'tensor')})" if k != "auto" or not choice else f"auto -> {choice['chosen']} "
+                f"({_n(v, 'tensor')}; output SQNR on {choice['samples']} calibration samples: "
+                + ", ".join(f"{c} {db:.2f} dB" for c, db in choice["output_sqnr_db"].items()) + ")"
+                for k, v in m["activation_calibrators"].items())
         elif fam == "weight_only":
             what += ("algorithm " + ", ".join(f"{k} x{v}" for k, v in sorted(m["algorithms"].items(), key=lambda kv: -kv[1]))
                      + "; no activation calibrator (activations stay float)")

@@ -114,7 +114,7 @@ def test_override_resolution_order() -> None:
     by_op = resolve_layer(rec, "block2/conv", "Conv")
     assert by_op.rule == "op_type:Conv" and by_op.format == "fp32"
     default = resolve_layer(rec, "block2/mm", "MatMul")
-    assert default.rule == "default" and default.format == "int8" and default.calibrator == "mse"
+    assert default.rule == "default" and default.format == "int8" and default.calibrator == "auto"
 
 
 def test_relative_paths_resolve_against_recipe_folder(tmp_path: Path) -> None:

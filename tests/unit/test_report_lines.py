@@ -86,9 +86,11 @@ def test_int8_report_names_its_calibrator_kernels_latency_and_model(tmp_path: Pa
     assert rep["measurement"]["load_average"] == {"start": list(LOAD), "end": list(LOAD)}
     # the method actually run: static INT8 with its activation calibrator and the statistics it collected
     method = rep["method"]
-    assert set(method) == {"static"} and set(method["static"]["activation_calibrators"]) == {"mse"}
+    assert set(method) == {"static"} and set(method["static"]["activation_calibrators"]) == {"auto"}
     line = _line(md.splitlines(), "Method, static INT8")
-    assert "activation calibrator mse (" in line and "input second moments in kernel order" in line
+    assert re.search(r"activation calibrator auto -> (mse|minmax) \(\d+ tensors; output SQNR on \d+ calibration "
+                     r"samples: mse [\d.]+ dB, minmax [\d.]+ dB\)", line), line
+    assert "input second moments in kernel order" in line
     assert re.search(r"\(0 of these \d+ statistics reused from the cache \S+, \d+ collected\)", line), line
     cal = _line(md.splitlines(), "Calibration data: ")
     assert "calibrator" not in cal
@@ -156,7 +158,7 @@ def test_mixed_report_lists_every_family_with_its_method() -> None:
     md, summary = _check_common(rep)
     assert rep["kind"] == "mixed" and set(rep["method"]) == {"static", "weight_only", "dynamic"}
     lines = md.splitlines()
-    assert "activation calibrator mse (" in _line(lines, "Method, static INT8 (W8A8, Q/DQ) on 1 layer: ")
+    assert "activation calibrator auto -> " in _line(lines, "Method, static INT8 (W8A8, Q/DQ) on 1 layer: ")
     assert "algorithm rtn x1; no activation calibrator" in _line(lines, "Method, weight-only (MatMulNBits) on 1 layer: ")
     assert "(SmoothQuant)" in _line(lines, "Method, int8_dynamic")
     assert _line(summary, "- formats: ") == "- formats: int4 1, int8 1, int8_dynamic 1"
