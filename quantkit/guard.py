@@ -197,16 +197,30 @@ def slow_int8_layers(float_bytes: bytes, quant_bytes: bytes, float_model: Any, l
                                      rounds=rounds, runs=runs))
 
 
+AB_ROUND_MS = 20.0
+"""Each model's share of an A/B round lasts at least this long: a 1 ms model runs ~20 times per round, not 3 (the
+median of 3 sub-millisecond runs is the scheduler's jitter: a squeeze-excite CNN's stem in float, 0.83x the all-int8
+time, won only 14 of 20 such rounds)."""
+
+
 def ab_compare(blobs: Mapping[str, bytes], feed: dict[str, Any], *, threads: int | None, rounds: int = AB_ROUNDS,
-               per_round: int = 3, warmup: int = 3) -> dict[str, list[float]]:
-    """``name -> [median ms of each round]``: every model run ``per_round`` times per round, the models
-    interleaved in each round (so that machine noise hits them alike) and their order rotated between rounds."""
+               per_round: int = 3, warmup: int = 3, max_per_round: int = 50) -> dict[str, list[float]]:
+    """``name -> [median ms of each round]``: every model run ``per_round`` times per round - more for a fast
+    model, up to ``max_per_round``, so that the slowest of them fills :data:`AB_ROUND_MS` - the models interleaved
+    in each round (so that machine noise hits them alike) and their order rotated between rounds."""
     from quantkit.evaluate.latency import make_session
 
     sessions = {k: make_session(b, threads=threads) for k, b in blobs.items()}
+    slowest = 0.0
     for s in sessions.values():
+        last = 0.0
         for _ in range(warmup):
+            t0 = time.perf_counter()
             s.run(None, dict(feed))
+            last = (time.perf_counter() - t0) * 1e3
+        slowest = max(slowest, last)  # the last warm-up run of each
+    if slowest > 0.0:
+        per_round = max(per_round, min(max_per_round, int(np.ceil(AB_ROUND_MS / slowest))))
     names = list(sessions)
     out: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):

@@ -91,9 +91,9 @@ def compare_latency(
     threads: int = 0,
     rounds: int = 3,
 ) -> dict[str, Latency]:
-    """Time several sessions on the same feed, interleaved in ``rounds`` so that
-    machine noise (another process, frequency changes) hits all of them alike; each
-    session's runs are pooled before taking the median."""
+    """Time several sessions on the same feed, interleaved in ``rounds`` (their order rotated from round to
+    round) so that machine noise (another process, frequency changes, the previous session's spinning threads)
+    hits all of them alike; each session's runs are pooled before taking the median."""
     from quantkit.frontends.kv_cache import match_cache_feed
 
     pooled: dict[str, list[float]] = {k: [] for k in sessions}
@@ -103,8 +103,12 @@ def compare_latency(
         for _ in range(warmup):
             s.run(None, dict(feeds[k]))
     per_round = max(1, repeat // rounds)
-    for _ in range(rounds):
-        for k, s in sessions.items():
+    names = list(sessions)
+    for r in range(rounds):
+        # the order rotates between rounds: a session's intra-op threads spin a while after its runs and slow the
+        # one timed next (a 2-core machine: MobileNetV2's FP32 model 12.5 ms timed after nothing, 9.1 ms timed last)
+        for k in names[r % len(names):] + names[: r % len(names)]:
+            s = sessions[k]
             for _ in range(per_round):
                 t0 = time.perf_counter()
                 s.run(None, dict(feeds[k]))

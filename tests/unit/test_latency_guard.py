@@ -244,3 +244,30 @@ def test_an_ab_short_of_the_sign_test_by_a_majority_runs_one_more_batch(
     rec = res.report["latency_guard"]
     assert len(rec["ab"]["rounds_ms"]["int8"]) == (10 if second is None else 20)
     assert bool(rec["float_layers"]) == ships, rec["decision"]
+
+
+def test_ab_rounds_of_a_fast_model_hold_enough_runs_to_outlast_the_jitter(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    import quantkit.evaluate.latency as latency
+    from quantkit.guard import AB_ROUND_MS, ab_compare
+
+    runs: dict[str, int] = {}
+
+    class Sleepy:
+        def __init__(self, name: str, ms: float) -> None:
+            self.name, self.ms = name, ms
+
+        def run(self, *a: Any) -> None:
+            runs[self.name] = runs.get(self.name, 0) + 1
+            time.sleep(self.ms / 1e3)
+
+    monkeypatch.setattr(latency, "make_session", lambda blob, threads=None: Sleepy(blob.decode(), 2.0))
+    out = ab_compare({"fp32": b"fp32", "int8": b"int8"}, {}, threads=1, rounds=4, warmup=2)
+    assert [len(v) for v in out.values()] == [4, 4]
+    per_round = (runs["int8"] - 2) // 4
+    assert per_round >= AB_ROUND_MS / 2.0 * 0.5 and per_round <= 50  # ~10 runs of 2 ms, not 3
+    runs.clear()
+    monkeypatch.setattr(latency, "make_session", lambda blob, threads=None: Sleepy(blob.decode(), 30.0))
+    ab_compare({"fp32": b"fp32", "int8": b"int8"}, {}, threads=1, rounds=2, warmup=1)
+    assert runs["int8"] == 1 + 2 * 3  # a model slower than a round's budget keeps the 3 runs per round
