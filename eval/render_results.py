@@ -104,7 +104,7 @@ DOCUMENTED: dict[str, dict[str, str]] = {
         "title": "Conformance zoo, partial run (four models) after the evaluation-time work",
     },
     "zoo_probes_x86-vnni.json": {
-        "title": "Architectures outside the zoo (ShuffleNet v2, RegNet-Y): the lowering rules on unseen blocks",
+        "title": "Architectures outside the zoo (ShuffleNet v2, RegNet-Y, LR-ASPP segmentation): the lowering rules on unseen blocks",
     },
     "families_x86-vnni.json": {
         "title": "Every decoder family layer-wise (INT4 RTN, random bf16 weights at published widths): peak memory "

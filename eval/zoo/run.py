@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 
-from zoo_models import ALL, CI_SUBSET, ENCODERS, PROBES, build, cache_root  # noqa: E402
+from zoo_models import ALL, CI_SUBSET, ENCODERS, PROBES, SEGMENTATION, build, cache_root  # noqa: E402
 
 GEMM_OPS = {"Conv", "MatMul", "Gemm", "FusedConv", "FusedGemm", "FusedMatMul", "NhwcFusedConv"}
 
@@ -154,7 +154,7 @@ def _fidelity(fp32: Any, q: Any, q_ref: Any, feeds: list[dict[str, np.ndarray]],
 
 
 def run_model(name: str, work: Path, *, repeat: int) -> dict[str, Any]:
-    from quantkit.evaluate.latency import compare_latency, make_session
+    from quantkit.evaluate.latency import make_session
 
     paths = build(name)
     folder = work / name
@@ -180,7 +180,7 @@ def run_model(name: str, work: Path, *, repeat: int) -> dict[str, Any]:
         if r["rc"] == 0:
             models[key] = dst
     feeds = _feeds(paths["evaluation"])
-    classify = name not in ENCODERS
+    classify = name not in ENCODERS and name not in SEGMENTATION
     fp32 = make_session(str(paths["model"]))
     for key, path in models.items():
         if key == "fp32":
@@ -188,14 +188,7 @@ def run_model(name: str, work: Path, *, repeat: int) -> dict[str, Any]:
         m = row["methods"][key]
         m["census"] = _census(path)
         m.update(_fidelity(fp32, make_session(str(path)), make_session(str(path), level="disabled"), feeds, classify))
-    sessions = {k: make_session(str(p)) for k, p in models.items()}
-    lat = compare_latency(sessions, feeds[0], warmup=max(3, repeat // 10), repeat=repeat)
-    fp32_ms = lat["fp32"].median_ms
-    row["fp32_ms"] = fp32_ms
-    for key in models:
-        if key != "fp32":
-            row["methods"][key]["ms"] = lat[key].median_ms
-            row["methods"][key]["x_fp32"] = fp32_ms / lat[key].median_ms
+    _time_row(row, models, feeds[0], repeat)
     orts = [k for k in ("ort", "ort_rr") if "sqnr_db" in row["methods"][k]]
     if orts:
         row["ort_best"] = max(orts, key=lambda k: row["methods"][k]["sqnr_db"])
@@ -203,6 +196,48 @@ def run_model(name: str, work: Path, *, repeat: int) -> dict[str, Any]:
             row["sqnr_diff_ci95"] = sqnr_diff_interval(row["methods"]["quantkit"]["per_sample"],
                                                        row["methods"][row["ort_best"]]["per_sample"])
     return row
+
+
+LATENCY_ROUNDS = 10
+"""Interleaved rounds of the batch-1 timing (every model ``repeat / rounds`` runs per round): a stall of the machine
+hits all models of a round alike (3 rounds let one stall decide a 2 ms model's median)."""
+
+
+def _time_row(row: dict[str, Any], models: dict[str, Path], feed: dict[str, np.ndarray], repeat: int) -> None:
+    """Batch-1 latency of FP32 and every quantized model, interleaved (:data:`LATENCY_ROUNDS`), into ``row``."""
+    from quantkit.evaluate.latency import compare_latency, make_session
+
+    sessions = {k: make_session(str(p)) for k, p in models.items()}
+    lat = compare_latency(sessions, feed, warmup=max(3, repeat // 10), repeat=repeat, rounds=LATENCY_ROUNDS)
+    fp32_ms = lat["fp32"].median_ms
+    row["fp32_ms"] = fp32_ms
+    for key in models:
+        if key != "fp32":
+            row["methods"][key]["ms"] = lat[key].median_ms
+            row["methods"][key]["x_fp32"] = fp32_ms / lat[key].median_ms
+
+
+def retime(path: Path, repeat: int) -> dict[str, Any]:
+    """Re-time the models of an earlier ``--out`` JSON (kept under the zoo's runs folder), machine otherwise idle:
+    every row's latency columns are replaced, the rest kept; ``environment.retimed`` says when and how."""
+    data = json.loads(path.read_text())
+    work = cache_root() / "runs"
+    load0 = [round(x, 2) for x in os.getloadavg()]
+    for row in data["rows"]:
+        name = row["model"]
+        paths = build(name)
+        models = {"fp32": paths["model"]}
+        for key in row["methods"]:
+            p = work / name / ("quantkit/model.onnx" if key == "quantkit" else f"{key}.onnx")
+            if row["methods"][key].get("rc") == 0 and p.is_file():
+                models[key] = p
+        print(f"== {name}: {', '.join(models)}", flush=True)
+        _time_row(row, models, _feeds(paths["evaluation"])[0], repeat)
+    data["environment"]["retimed"] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"), "repeat": repeat, "rounds": LATENCY_ROUNDS,
+        "load_average_at_start": load0, "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+        "command": " ".join(["python", "eval/zoo/run.py", *sys.argv[1:]])}
+    return data
 
 
 def sqnr_diff_interval(a: dict[str, list[float]], b: dict[str, list[float]], *, resamples: int = 2000,
@@ -261,10 +296,14 @@ def _ci(ci: Any) -> str:
 
 
 def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
+    rt = env.get("retimed") or {}
     lines = [f"CPU: {env['cpu']} ({env['cpu_class']}), {env['cores']} cores; onnxruntime {env['onnxruntime']}; "
              f"{env['date']}; `{env['command']}`"
              + (f"; load average {env['load_average_at_start']} at start, {env['load_average_at_end']} at end"
-                if env.get("load_average_at_start") and env.get("load_average_at_end") else ""), "",
+                if env.get("load_average_at_start") and env.get("load_average_at_end") else "")
+             + (f"; latency columns re-timed {rt['date']} (`{rt['command']}`, {rt['repeat']} runs per model in "
+                f"{rt['rounds']} interleaved rounds, load average {rt['load_average_at_start']} at start, "
+                f"{rt['load_average_at_end']} at end)" if rt else ""), "",
              "| model | quantkit fused/float/stray (float islands) | ORT | SQNR dB qk / ORT [qk - ORT, 95% CI] "
              "| top-1 qk / ORT | kernel-vs-math dB qk / ORT "
              "| x FP32 qk / ORT | x ORT | quantize s qk / ORT (x ORT) | qk evaluation s (x ORT) | wall s qk (x ORT) "
@@ -315,7 +354,15 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=60, help="latency runs per model (interleaved rounds)")
     ap.add_argument("--out", help="write the rows and the environment as JSON here (and a .md beside it)")
     ap.add_argument("--table", help="print (and with --out rewrite) the table of an earlier --out JSON; no runs")
+    ap.add_argument("--retime", help="re-time the models of an earlier --out JSON in place (latency columns only)")
     args = ap.parse_args()
+    if args.retime:
+        data = retime(Path(args.retime), args.repeat)
+        Path(args.retime).write_text(json.dumps(data, indent=1))
+        text = _table(data["rows"], data["environment"])
+        Path(args.retime).with_suffix(".md").write_text(text + "\n")
+        print(text)
+        return
     if args.table:
         data = json.loads(Path(args.table).read_text())
         text = _table(data["rows"], data["environment"])

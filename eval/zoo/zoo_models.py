@@ -47,9 +47,14 @@ TORCHVISION_MODELS = {
     "densenet121": {},
     "convnext_tiny": {},
 }
-PROBES = {"shufflenet_v2_x0_5": {}, "regnet_y_400mf": {}}
+PROBES = {"shufflenet_v2_x0_5": {}, "regnet_y_400mf": {},
+          "lraspp_mobilenet_v3_large": {"weights_backbone": None, "num_classes": 21}}
 """Architectures outside the zoo's table (``--models shufflenet_v2_x0_5,...``, never in ``all``): checks that the
-lowering rules hold on blocks the zoo does not have (ShuffleNet's channel shuffle, RegNet's squeeze-excite)."""
+lowering rules hold on blocks the zoo does not have (ShuffleNet's channel shuffle, RegNet's squeeze-excite,
+LR-ASPP's segmentation head: a pooled attention branch multiplied in, bilinear upsampling, per-pixel logits)."""
+SEGMENTATION = ("lraspp_mobilenet_v3_large",)
+"""Probes from ``torchvision.models.segmentation``: exported as ``input -> logits [N, classes, H, W]`` (the
+model's ``out``); judged by output SQNR (a per-pixel top-1 would need the class axis, not the last one)."""
 ENCODERS = ("bert_base", "distilbert")
 ALL = (*TORCHVISION_MODELS, "vit_6l", *ENCODERS, "efficientnet_lite0", "se_cnn")
 KNOWN = (*ALL, *PROBES)
@@ -141,6 +146,18 @@ def build_torch(name: str, size: int) -> Any:
         # of a trained head so the output carries the network's signal
         torch.nn.init.normal_(vit.heads.head.weight, std=0.02)
         return vit
+    if name in SEGMENTATION:
+        seg = getattr(importlib.import_module("torchvision.models.segmentation"), name)(weights=None, **PROBES[name])
+
+        class Out(torch.nn.Module):  # the segmentation models return {"out": logits}
+            def __init__(self) -> None:
+                super().__init__()
+                self.seg = seg
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.seg(x)["out"]
+
+        return warm_batchnorm(Out(), size)
     ctor: Callable[..., Any] = getattr(tvm, name)
     return warm_batchnorm(ctor(weights=None, **{**TORCHVISION_MODELS, **PROBES}[name]), size)
 
