@@ -36,7 +36,6 @@ class StaticInt8(FormatHandler):
         return select(job.float_model, job.plan)
 
     def lower(self, job: Job, model: ir.Model, layers: Any, out: Lowered) -> None:
-        from quantkit.lowering.qdq import lower_int8
 
         qplan = layers
         art = job.artifacts
@@ -66,9 +65,7 @@ class StaticInt8(FormatHandler):
             out.model, out.lowering = chosen
         else:
             with stage("lower to INT8 QDQ", enabled=job.progress):
-                out.lowering = lower_int8(model, qplan, ranges, activation_storage=rec.export.activation_storage,
-                                          matmul_form=rec.export.matmul_form, input_means=means or None,
-                                          target=job.target, hessians=hessians, pair_cache=art.pair_cache)
+                out.lowering = _lower(job, model, qplan, ranges, means, hessians)
         out.static = qplan
         out.layers[self.name] = {k: "int8" for k in qplan.layers}
 
@@ -140,7 +137,6 @@ def choose_calibrator(job: Job, qplan: Any, tensors: list[str], means: dict[str,
     import onnx_ir as ir
 
     from quantkit.evaluate.latency import make_session
-    from quantkit.lowering.qdq import lower_int8
     from quantkit.pipeline import compared_outputs
 
     art, rec = job.artifacts, job.recipe
@@ -156,22 +152,21 @@ def choose_calibrator(job: Job, qplan: Any, tensors: list[str], means: dict[str,
     refs = [s_f.run(names, f) for f in feeds]
     del s_f
     scores: dict[str, float] = {}
-    best: tuple[ir.Model, Any] | None = None
+    best: tuple[str, ir.Model, Any] | None = None
     with stage(f"calibrator auto: {', '.join(art.range_candidates)} compared on {len(feeds)} calibration samples",
                enabled=job.progress):
         for cand, cand_ranges in art.range_candidates.items():
             ranges = {k: art.ranges[k] for k in qplan.calibrated_tensors()}
             ranges.update({k: cand_ranges[k] for k in tensors})
             model = ir.from_proto(job.float_proto)
-            low = lower_int8(model, qplan, ranges, activation_storage=rec.export.activation_storage,
-                             matmul_form=rec.export.matmul_form, input_means=means or None, target=job.target,
-                             hessians=hessians, pair_cache=art.pair_cache)
+            low = _lower(job, model, qplan, ranges, means, hessians)
             sess = make_session(ir.to_proto(model).SerializeToString())
             scores[cand] = _output_sqnr(refs, [sess.run(names, f) for f in feeds])
             del sess
-            if best is None or scores[cand] > max(v for c, v in scores.items() if c != cand):
-                best = (model, low)  # only the best so far is kept: one lowered model in memory at a time
-    chosen = max(scores, key=lambda c: (scores[c], -list(scores).index(c)))
+            if best is None or scores[cand] > scores[best[0]]:  # a tie keeps the earlier candidate
+                best = (cand, model, low)  # only the best so far is kept: one lowered model in memory at a time
+    assert best is not None  # at least two candidates were scored (_auto_tensors)
+    chosen = best[0]
     for k in tensors:
         art.ranges[k] = art.range_candidates[chosen][k]
     record = {"chosen": chosen, "output_sqnr_db": {c: round(v, 3) for c, v in scores.items()},
@@ -182,8 +177,18 @@ def choose_calibrator(job: Job, qplan: Any, tensors: list[str], means: dict[str,
     art.calibration_info["calibrator_choice"] = record
     log.info("calibrator auto: %s chosen (output SQNR on %d calibration samples: %s)", chosen, len(feeds),
              ", ".join(f"{c} {v:.2f} dB" for c, v in scores.items()))
-    assert best is not None  # at least two candidates were scored (_auto_tensors)
-    return best
+    return best[1], best[2]
+
+
+def _lower(job: Job, model: ir.Model, qplan: Any, ranges: dict[str, Any], means: dict[str, np.ndarray] | None,
+           hessians: dict[str, np.ndarray] | None) -> Any:
+    """:func:`quantkit.lowering.qdq.lower_int8` of ``qplan`` on ``model`` (in place) with the recipe's export settings."""
+    from quantkit.lowering.qdq import lower_int8
+
+    rec = job.recipe
+    return lower_int8(model, qplan, ranges, activation_storage=rec.export.activation_storage,
+                      matmul_form=rec.export.matmul_form, input_means=means or None, target=job.target,
+                      hessians=hessians, pair_cache=job.artifacts.pair_cache)
 
 
 def _output_sqnr(refs: list[list[np.ndarray]], got: list[list[np.ndarray]]) -> float:
