@@ -150,16 +150,18 @@ def _quantize_whole(model: Any, calibration_data: Any, rec: RecipeModel, evaluat
         from quantkit.guard import apply_latency_guard
         from quantkit.pipeline import first_feed
         from quantkit.run import execute
+        from quantkit.staging import StageArea
 
-        def lower(plan: PrecisionPlan) -> bytes:  # the guard's candidate, lowered only (a winner is re-run in full)
-            return ir.to_proto(execute(float_model, plan, cal, progress=False, use_cache=use_cache,
-                                       artifacts=artifacts)[1].model).SerializeToString()
+        def lower(plan: PrecisionPlan) -> ir.Model:  # the guard's candidate, lowered only (a winner is re-run in full)
+            return execute(float_model, plan, cal, progress=False, use_cache=use_cache, artifacts=artifacts)[1].model
 
         first = result
         t_guard = time.perf_counter()
-        result = apply_latency_guard(result, run, first_feed(cal, rec.report.latency.batch_size),
-                                     float_bytes=ir.to_proto(result.float_model).SerializeToString(),
-                                     use_cache=use_cache and rec.calibration.cache, lower=lower)
+        with StageArea() as area:  # the guard's sessions open the models staged on disk
+            result = apply_latency_guard(result, run, first_feed(cal, rec.report.latency.batch_size),
+                                         float_bytes=area.stage(result.float_model, "fp32-").path,
+                                         use_cache=use_cache and rec.calibration.cache, lower=lower,
+                                         stage_area=area)
         _guard_timings(first, result, time.perf_counter() - t_guard, t_start)
     return result
 

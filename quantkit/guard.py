@@ -51,9 +51,12 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from quantkit.staging import StageArea
 
 log = logging.getLogger("quantkit")
 
@@ -146,7 +149,7 @@ TOTAL = "<int8 model>"
 """Key of :func:`region_times` for the quantized model's whole kernel time (the sum of its node medians)."""
 
 
-def region_times(float_bytes: bytes, quant_bytes: bytes, float_model: Any, layers: list[str],
+def region_times(float_bytes: bytes | str, quant_bytes: bytes | str, float_model: Any, layers: list[str],
                  feed: dict[str, Any], *, threads: int | None, rounds: int = PROFILE_ROUNDS,
                  runs: int = PROFILE_RUNS, int8_nodes: Iterable[str] = ()) -> dict[str, list[tuple[float, float]]]:
     """``layer -> [(fp32 ms, int8 ms) per round]``: each round profiles the float and the quantized model once
@@ -180,7 +183,7 @@ def slow_regions(times: Mapping[str, list[tuple[float, float]]]) -> dict[str, tu
     return slow
 
 
-def layer_times(float_bytes: bytes, quant_bytes: bytes, float_model: Any, layers: list[str],
+def layer_times(float_bytes: bytes | str, quant_bytes: bytes | str, float_model: Any, layers: list[str],
                 feed: dict[str, Any], *, threads: int | None, runs: int = 20) -> dict[str, tuple[float, float]]:
     """``layer -> (fp32 ms, int8 ms)``: the median time of each layer's region (:func:`layer_regions`) in the
     float and in the quantized model, one profile each."""
@@ -188,7 +191,7 @@ def layer_times(float_bytes: bytes, quant_bytes: bytes, float_model: Any, layers
     return {name: rows[0] for name, rows in times.items() if name != TOTAL}
 
 
-def slow_int8_layers(float_bytes: bytes, quant_bytes: bytes, float_model: Any, layers: list[str],
+def slow_int8_layers(float_bytes: bytes | str, quant_bytes: bytes | str, float_model: Any, layers: list[str],
                      feed: dict[str, Any], *, threads: int | None, runs: int = PROFILE_RUNS,
                      rounds: int = PROFILE_ROUNDS) -> dict[str, tuple[float, float]]:
     """The layers whose region is slower in int8 than in float in every one of ``rounds`` profiles
@@ -203,7 +206,7 @@ median of 3 sub-millisecond runs is the scheduler's jitter: a squeeze-excite CNN
 time, won only 14 of 20 such rounds)."""
 
 
-def ab_compare(blobs: Mapping[str, bytes], feed: dict[str, Any], *, threads: int | None, rounds: int = AB_ROUNDS,
+def ab_compare(blobs: Mapping[str, bytes | str], feed: dict[str, Any], *, threads: int | None, rounds: int = AB_ROUNDS,
                per_round: int = 3, warmup: int = 3, max_per_round: int = 50) -> dict[str, list[float]]:
     """``name -> [median ms of each round]``: every model run ``per_round`` times per round - more for a fast
     model, up to ``max_per_round``, so that the slowest of them fills :data:`AB_ROUND_MS` - the models interleaved
@@ -246,13 +249,13 @@ def ab_verdict(int8_ms: list[float], guarded_ms: list[float]) -> tuple[bool, int
     return bool(ratios) and wins >= need and med <= 1.0 - AB_MARGIN, wins, med
 
 
-def _cache_path(quant_bytes: bytes, feed: Mapping[str, Any], threads: int | None) -> Any:
+def _cache_path(quant_digest: str, feed: Mapping[str, Any], threads: int | None) -> Any:
     import onnxruntime as ort
 
     from quantkit.frontends.cache import cache_dir
     from quantkit.search.cost import _cpu
 
-    key = json.dumps({"model": hashlib.sha256(quant_bytes).hexdigest(), "cpu": _cpu(), "cores": os.cpu_count(),
+    key = json.dumps({"model": quant_digest, "cpu": _cpu(), "cores": os.cpu_count(),
                       "ort": ort.__version__, "threads": threads,
                       "feed": {k: list(np.shape(v)) for k, v in sorted(feed.items())}, "version": 1},
                      sort_keys=True)
@@ -282,13 +285,15 @@ def _ms(rows: list[float]) -> float:
 
 
 def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str, Any], *,
-                        float_bytes: bytes, use_cache: bool = True,
-                        lower: Callable[[Any], bytes] | None = None) -> Any:
+                        float_bytes: bytes | str, use_cache: bool = True,
+                        lower: Callable[[Any], Any] | None = None, stage_area: StageArea | None = None) -> Any:
     """The guard of the module doc.  ``result``: a :class:`quantkit.run.QuantizeResult` of the recipe's plan;
     ``rerun(plan)`` executes another plan the same way (lowering, census, kernel check, evaluation, report);
-    ``lower(plan)``, when given, only lowers it (the serialized model): the A/B times that candidate and only
-    a winner is re-run in full; ``feed``: the latency feed.  Returns the result to ship (``result`` itself, or
-    the rerun with the slower layers in float), with ``latency_guard`` in its report."""
+    ``lower(plan)``, when given, only lowers it (the ``onnx_ir`` model): the A/B times that candidate and only
+    a winner is re-run in full; ``feed``: the latency feed; ``float_bytes``: the float model, serialized or a
+    path.  ``stage_area``: where the quantized models are staged for the sessions (:mod:`quantkit.staging`;
+    None: serialized).  Returns the result to ship (``result`` itself, or the rerun with the slower layers in
+    float), with ``latency_guard`` in its report."""
     rec = result.recipe
     if not rec.report.latency.guard or result.precision is None:
         return result
@@ -298,8 +303,16 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
     import onnx_ir as ir
 
     threads = rec.report.latency.threads
-    quant_bytes = ir.to_proto(result.model).SerializeToString()
-    path = _cache_path(quant_bytes, feed, threads)
+
+    def source(model: Any, stem: str) -> tuple[bytes | str, str]:  # what a session opens, and its content hash
+        if stage_area is None:
+            blob = ir.to_proto(model).SerializeToString()
+            return blob, hashlib.sha256(blob).hexdigest()
+        staged = stage_area.stage(model, stem)
+        return staged.path, stage_area.digest(staged)
+
+    quant_bytes, quant_digest = source(result.model, "quantized-")
+    path = _cache_path(quant_digest, feed, threads)
     cached = _load_decision(path) if use_cache else None
     record: dict[str, Any]
     if cached is not None and set(cached["float_layers"]) <= set(layers):
@@ -366,15 +379,16 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
     log.info("latency guard: %d layer region(s) measured slower in int8 than in float in every round; trying in "
              "float: %s", len(slow), "; ".join(f"{k}: {', '.join(v[:6])}" for k, v in candidates.items()))
     built: dict[str, Any] = {}
-    blobs = {"fp32": float_bytes, "int8": quant_bytes}
+    blobs: dict[str, bytes | str] = {"fp32": float_bytes, "int8": quant_bytes}
+    digests: dict[str, str] = {}
     base_stray = _stray_count(quant_bytes)
     for key, names in list(candidates.items()):
         plan = _float_plan(result, names)
         if lower is not None:
-            blob = lower(plan)
+            blob, digests[key] = source(lower(plan), f"candidate-{key}-")
         else:
             built[key] = rerun(plan)
-            blob = ir.to_proto(built[key].model).SerializeToString()
+            blob, digests[key] = source(built[key].model, f"candidate-{key}-")
         n_stray = _stray_count(blob)
         if n_stray > base_stray:  # ORT's graph around the float layers would hold Q/DQ round trips: not shipped
             record["candidates"][key]["rejected"] = (f"{n_stray} stray Q/DQ in ONNX Runtime's graph (the all-int8 "
@@ -416,7 +430,7 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
         key = best[1]
         names = candidates[key]
         chosen = built.get(key) or rerun(_float_plan(result, names))  # the full run (census, kernel check, ...)
-        if ir.to_proto(chosen.model).SerializeToString() != blobs[key]:
+        if source(chosen.model, "shipped-")[1] != digests[key]:
             log.warning("latency guard: the re-run built another model than the one timed (lowering is expected "
                         "to be deterministic); shipping the re-run, which is the one verified")
             record["rerun_differs_from_timed"] = True
@@ -495,14 +509,16 @@ def stranded_layers(float_model: Any, plan: Any, medians: Mapping[str, tuple[flo
     return sorted(out)
 
 
-def _stray_count(blob: bytes) -> int:
-    """Stray Q/DQ (:func:`quantkit.report.build.classify_leftovers`) in ONNX Runtime's optimized graph."""
+def _stray_count(blob: bytes | str) -> int:
+    """Stray Q/DQ (:func:`quantkit.report.build.classify_leftovers`) in ONNX Runtime's optimized graph of a
+    serialized model or a model file."""
     import onnx
 
     from quantkit.lowering.verify import census
     from quantkit.report.build import classify_leftovers
 
-    return sum(1 for _, kind in classify_leftovers(census(onnx.load_from_string(blob))) if kind == "stray")
+    model = blob if isinstance(blob, str) else onnx.load_from_string(blob)
+    return sum(1 for _, kind in classify_leftovers(census(model)) if kind == "stray")
 
 
 def _attach(result: Any, record: dict[str, Any], t0: float) -> None:

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from quantkit.evaluate.metrics import FidelityAccumulator
 from quantkit.frontends import LoadedModel
 from quantkit.lowering.select import QuantPlan
 from quantkit.recipe import RecipeModel
+from quantkit.staging import StagedModel
 
 __all__ = [
     "EXTERNAL_DATA_THRESHOLD",
@@ -165,7 +166,7 @@ def extra_perplexities(recipe: RecipeModel, tokenizer: Any, inputs: list[Any], m
 def calibrate_ranges(
     float_model: ir.Model,
     float_proto: onnx.ModelProto,
-    float_bytes: bytes,
+    float_bytes: bytes | None,
     plan: QuantPlan,
     cal: Dataset,
     rec: RecipeModel,
@@ -175,6 +176,8 @@ def calibrate_ranges(
     tensors: Collection[str] | None = None,
     mean_layers: Collection[str] | None = None,
     candidates: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] | None = None,
+    source: str | None = None,
+    digest: Callable[[], str] | None = None,
 ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, np.ndarray] | None, dict[str, Any]]:
     """Ranges of every planned tensor (+ per-channel input means for bias correction), or of ``tensors`` and the
     means of ``mean_layers`` only (what an earlier plan on the same model did not calibrate yet).
@@ -182,7 +185,9 @@ def calibrate_ranges(
     Calibrators that can work from collected statistics (``from_statistics``: all built-ins)
     share one cached pass; others stream in a pass of their own.  ``candidates`` (filled when given): for the
     tensors of the ``auto`` calibrator, ``candidate calibrator -> tensor -> range`` (the returned range of such a
-    tensor is its first candidate's, until the run chooses).
+    tensor is its first candidate's, until the run chooses).  ``source``: the float model staged on disk
+    (:mod:`quantkit.staging`), which the statistics pass opens instead of serializing ``float_proto``;
+    ``digest``: the model's content hash for the statistics cache (else the hash of ``float_bytes``).
     """
     from quantkit.algorithms.bias_correction import ChannelMean
     from quantkit.calibrate.cache import StatsCache, cache_key, model_hash
@@ -210,10 +215,14 @@ def calibrate_ranges(
             requests[key] = Request(tensor, functools.partial(ChannelMean, axis), ChannelMean.from_state)
     cache = None
     if use_cache and rec.calibration.cache:
-        key = cache_key(model_hash(float_bytes), cal.fingerprint(), {"bins": bins})
+        if digest is not None:
+            model_digest = digest()
+        else:
+            model_digest = model_hash(float_bytes if float_bytes is not None else float_proto.SerializeToString())
+        key = cache_key(model_digest, cal.fingerprint(), {"bins": bins})
         cache = StatsCache(cache_dir(), key)
     uncached = uncached_reason(use_cache, rec)
-    got = gather(float_proto, cal, requests, cache=cache, batch_size=rec.calibration.batch_size,
+    got = gather(source if source is not None else float_proto, cal, requests, cache=cache, batch_size=rec.calibration.batch_size,
                  max_batch_output_bytes=rec.calibration.max_batch_output_bytes, progress=progress,
                  uncached=uncached)
     options = dict(rec.calibration.calibrator_options)
@@ -224,7 +233,7 @@ def calibrate_ranges(
         log.info("calibrators without from_statistics (%s) need a pass of their own",
                  ", ".join(sorted({cal_tensors[n].calibrator for n in streaming})))
         calibrators.update(collect_statistics(
-            float_proto, cal, streaming, batch_size=rec.calibration.batch_size,
+            source if source is not None else float_proto, cal, streaming, batch_size=rec.calibration.batch_size,
             max_batch_output_bytes=rec.calibration.max_batch_output_bytes, progress=progress))
     for name, tq in cal_tensors.items():
         if name in requests:
@@ -281,10 +290,11 @@ def _cropped(ds: Dataset, tokens: int) -> Any:
         yield {k: (v[:, :tokens] if v.ndim == 2 and v.dtype == np.int64 else v) for k, v in feed.items()}
 
 
-def verify_kernels(qproto: onnx.ModelProto, target: Any, ds: Dataset | None, samples: int) -> dict[str, Any]:
+def verify_kernels(qproto: onnx.ModelProto, target: Any, ds: Dataset | None, samples: int,
+                   staged: StagedModel | None = None) -> dict[str, Any]:
     """The target, the CPU we run on, the model's portability per CPU class (from its weights) and, on
     ``samples`` feeds of ``ds`` (token sequences cut to :data:`KERNEL_CHECK_TOKENS`), whether this CPU's
-    fused kernels agree with the QDQ math."""
+    fused kernels agree with the QDQ math (``staged``: the model staged on disk, opened by path)."""
     from quantkit.lowering.kernel_check import kernel_vs_reference, portability
     from quantkit.scheme.target import detect_cpu
 
@@ -293,7 +303,7 @@ def verify_kernels(qproto: onnx.ModelProto, target: Any, ds: Dataset | None, sam
     if ds is not None and samples > 0:
         at_risk = {r["layer"] for r in port["layers_at_risk"]}
         out["check"] = kernel_vs_reference(qproto, _cropped(ds, KERNEL_CHECK_TOKENS), samples=samples,
-                                           emulate=at_risk).as_dict()
+                                           emulate=at_risk, staged=staged).as_dict()
     return out
 
 
@@ -369,8 +379,9 @@ def latency_feed(ds: Dataset, rec: RecipeModel) -> dict[str, np.ndarray]:
     return feed
 
 
-def measure_pair_latency(float_bytes: bytes, q_bytes: bytes, ds: Dataset, rec: RecipeModel) -> dict[str, Any]:
-    """FP32 vs quantized latency on the same feed, interleaved, same run."""
+def measure_pair_latency(float_bytes: bytes | str, q_bytes: bytes | str, ds: Dataset, rec: RecipeModel
+                         ) -> dict[str, Any]:
+    """FP32 vs quantized latency on the same feed, interleaved, same run (each model as bytes or a path)."""
     lat = rec.report.latency
     feed = latency_feed(ds, rec)
     threads = lat.threads or 0
@@ -398,8 +409,8 @@ def evaluate_fidelity(
     return _fidelity_pass(float_model, quant_model, ds, batch_size=batch_size, metric=metric, progress=progress)
 
 
-def _fidelity_pass(float_model: bytes, quant_model: bytes, ds: Dataset, *, batch_size: int, metric: str,
-                   progress: bool, probe: _LayerProbe | None = None, plain_model: bytes | None = None
+def _fidelity_pass(float_model: bytes | str, quant_model: bytes | str, ds: Dataset, *, batch_size: int, metric: str,
+                   progress: bool, probe: _LayerProbe | None = None, plain_model: bytes | str | None = None
                    ) -> dict[str, Any]:
     """:func:`evaluate_fidelity`; with ``probe``, the FP32 model also hands out the probe's layer tensors on its
     first samples (``float_model`` then exposes them), so the per-layer SQNR needs no FP32 run of its own;
@@ -475,10 +486,10 @@ def _layer_tensors(float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, p
 class _LayerProbe:
     """The per-layer SQNR's accumulator: the quantized model (exposing the layer tensors, at ``basic``: the
     QDQ math as stated, no fusion hides a tensor) is run on each feed whose FP32 tensors are added, up to
-    ``limit`` samples."""
+    ``limit`` samples.  ``staged``: the quantized model staged on disk (its variant is opened by path)."""
 
     def __init__(self, quant_proto: onnx.ModelProto, names: Mapping[str, str], limit: int,
-                 graph_outputs: Sequence[str]) -> None:
+                 graph_outputs: Sequence[str], staged: StagedModel | None = None) -> None:
         self.names = dict(names)
         self.tensors = list(dict.fromkeys(names.values()))
         self.extra = {t for t in self.tensors if t not in set(graph_outputs)}  # exposed only for the probe
@@ -486,7 +497,8 @@ class _LayerProbe:
         self.seen = 0
         self.sig = dict.fromkeys(self.tensors, 0.0)
         self.noise = dict.fromkeys(self.tensors, 0.0)
-        self.s_q = make_session(_exposed(quant_proto, self.tensors), level="basic")
+        self.s_q = make_session(staged.variant(self.tensors) if staged is not None
+                                else _exposed(quant_proto, self.tensors), level="basic")
 
     def wants_more(self) -> bool:
         return self.seen < self.limit
@@ -529,16 +541,28 @@ def fidelity_and_layer_sqnr(
     float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, plan: QuantPlan, ds: Dataset, *,
     float_bytes: bytes | None = None, quant_bytes: bytes | None = None, batch_size: int = 8, metric: str = "auto",
     progress: bool = False, limit: int = 16, extra_layers: Sequence[str] = (),
+    float_staged: StagedModel | None = None, quant_staged: StagedModel | None = None,
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """:func:`evaluate_fidelity` and :func:`layer_sqnr` in one pass over ``ds``: the FP32 model runs once per
     batch, exposing the layer tensors on the first ``limit`` samples (whole batches of ``batch_size``), instead
-    of a second FP32 run of those samples for the per-layer figures."""
-    fb = float_bytes if float_bytes is not None else float_proto.SerializeToString()
-    qb = quant_bytes if quant_bytes is not None else quant_proto.SerializeToString()
+    of a second FP32 run of those samples for the per-layer figures.  ``float_staged`` / ``quant_staged``: the
+    models staged on disk (:mod:`quantkit.staging`): sessions open them and their variants by path."""
+    fb: bytes | str
+    qb: bytes | str
+    if float_staged is not None:
+        fb = float_staged.path
+    else:
+        fb = float_bytes if float_bytes is not None else float_proto.SerializeToString()
+    if quant_staged is not None:
+        qb = quant_staged.path
+    else:
+        qb = quant_bytes if quant_bytes is not None else quant_proto.SerializeToString()
     names = _layer_tensors(float_proto, quant_proto, plan, extra_layers)
     if not names or limit <= 0:
         return _fidelity_pass(fb, qb, ds, batch_size=batch_size, metric=metric, progress=progress), {}
-    probe = _LayerProbe(quant_proto, names, limit, [o.name for o in float_proto.graph.output])
-    fid = _fidelity_pass(_exposed(float_proto, probe.tensors), qb, ds, batch_size=batch_size, metric=metric,
+    probe = _LayerProbe(quant_proto, names, limit, [o.name for o in float_proto.graph.output], staged=quant_staged)
+    exposed = (float_staged.variant(probe.tensors) if float_staged is not None
+               else _exposed(float_proto, probe.tensors))
+    fid = _fidelity_pass(exposed, qb, ds, batch_size=batch_size, metric=metric,
                          progress=progress, probe=probe, plain_model=fb)
     return fid, probe.result()

@@ -49,6 +49,7 @@ from quantkit.recipe import RecipeModel
 from quantkit.recipe.plan import PrecisionPlan
 from quantkit.report.build import build_report, load_average, write_report
 from quantkit.scheme.target import resolve_target
+from quantkit.staging import StageArea, StagedModel
 
 log = logging.getLogger("quantkit")
 
@@ -153,12 +154,14 @@ def checked_proto(model: ir.Model) -> onnx.ModelProto:
 
 
 def execute(float_model: ir.Model, plan: PrecisionPlan, cal: Dataset | None, *, progress: bool = True,
-            use_cache: bool = True, artifacts: Artifacts | None = None) -> tuple[Job, Lowered]:
-    """Lower ``plan`` on ``float_model`` (Gemm layers in MatMul-only formats are rewritten in place first)."""
+            use_cache: bool = True, artifacts: Artifacts | None = None, stage_area: StageArea | None = None
+            ) -> tuple[Job, Lowered]:
+    """Lower ``plan`` on ``float_model`` (Gemm layers in MatMul-only formats are rewritten in place first);
+    ``stage_area``: where the job stages models for its sessions (:mod:`quantkit.staging`)."""
     rec = plan.recipe
     prepare_float(float_model, plan)
     job = Job(float_model, plan, cal, resolve_target(rec.target.isa, rec.target.device), progress=progress,
-              use_cache=use_cache, artifacts=artifacts or Artifacts())
+              use_cache=use_cache, artifacts=artifacts or Artifacts(), stage=stage_area)
     lowered = lower_plan(job)
     if not lowered.formats():
         log.warning("the plan quantizes no layer: the model is emitted in float")
@@ -171,12 +174,12 @@ def _is_lm(rec: RecipeModel, proto: onnx.ModelProto) -> bool:
             and any(i.name == "input_ids" for i in proto.graph.input))
 
 
-def _quality(job: Job, lowered: Lowered, qproto: onnx.ModelProto, ev: Dataset, progress: bool, tokenizer: Any = None
-             ) -> tuple[dict[str, Any], dict[str, float]]:
+def _quality(job: Job, lowered: Lowered, qproto: onnx.ModelProto, ev: Dataset, progress: bool, tokenizer: Any = None,
+             q_staged: StagedModel | None = None) -> tuple[dict[str, Any], dict[str, float]]:
     """Perplexity (causal LM) or fidelity per output, and the static layers' output SQNR."""
     rec = job.recipe
-    qbytes = qproto.SerializeToString()
     if _is_lm(rec, job.float_proto):
+        qbytes = qproto.SerializeToString()
         from quantkit.evaluate.perplexity import perplexity
         from quantkit.progress import tqdm
 
@@ -195,21 +198,22 @@ def _quality(job: Job, lowered: Lowered, qproto: onnx.ModelProto, ev: Dataset, p
         return quality, {}
     others = [n for h, layers in lowered.layers.items() if h != "static" for n in layers]
     # one FP32 pass: the FP32 model also hands out the layer tensors of the first 16 samples
-    fid, sq = fidelity_and_layer_sqnr(job.float_proto, qproto, lowered.static, ev, float_bytes=job.float_bytes,
-                                      quant_bytes=qbytes, batch_size=rec.evaluation.batch_size,
-                                      metric=rec.evaluation.metric, progress=progress, limit=16,
-                                      extra_layers=others)
+    fid, sq = fidelity_and_layer_sqnr(job.float_proto, qproto, lowered.static, ev,
+                                      batch_size=rec.evaluation.batch_size, metric=rec.evaluation.metric,
+                                      progress=progress, limit=16, extra_layers=others,
+                                      float_staged=job.float_staged, quant_staged=q_staged)
     return {"fidelity": fid}, sq
 
 
-def _latency(job: Job, qproto: onnx.ModelProto, ds: Dataset) -> dict[str, Any]:
+def _latency(job: Job, qproto: onnx.ModelProto, ds: Dataset, q_staged: StagedModel | None = None) -> dict[str, Any]:
     rec = job.recipe
     if _is_lm(rec, job.float_proto):
         from quantkit.evaluate.decode import llm_latency
 
         return llm_latency(job.float_bytes, qproto.SerializeToString(), rec.report.latency,
                            vocab_input=model_inputs(job.float_model))
-    return measure_pair_latency(job.float_bytes, qproto.SerializeToString(), ds, rec)
+    return measure_pair_latency(job.float_source, qproto.SerializeToString() if q_staged is None else q_staged.path,
+                                ds, rec)
 
 
 def run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, cal: Dataset, *,
@@ -220,18 +224,31 @@ def run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, ca
     """Execute ``plan``, check the emitted model, evaluate it against FP32 and build the report.
 
     ``int4_decided``: the ``int4_kernel`` section of an earlier run of the same model (a latency guard's re-run):
-    its MatMulNBits accuracy_level is kept instead of being timed again."""
+    its MatMulNBits accuracy_level is kept instead of being timed again.  The run's sessions open the float and
+    the quantized model staged in a private folder (:mod:`quantkit.staging`), removed when the run ends."""
+    with StageArea() as area:
+        return _run_plan(loaded, float_model, plan, cal, area, evaluation_data=evaluation_data, evaluate=evaluate,
+                         measure_latency=measure_latency, progress=progress, use_cache=use_cache, timings=timings,
+                         t_start=t_start, artifacts=artifacts, search=search, int4_decided=int4_decided)
+
+
+def _run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, cal: Dataset, area: StageArea, *,
+              evaluation_data: Any, evaluate: bool, measure_latency: bool | None, progress: bool, use_cache: bool,
+              timings: dict[str, float], t_start: float, artifacts: Artifacts | None, search: dict[str, Any] | None,
+              int4_decided: dict[str, Any] | None) -> QuantizeResult:
     rec = plan.recipe
     # the evaluation set is built (and refused when empty) before the work, not after it
     ev = eval_dataset(rec, loaded, evaluation_data, model_inputs(float_model)) if evaluate else None
     if ev is not None:
         check_context(ev, decoder_context(float_model), "the evaluation data")
     t = time.perf_counter()
-    job, lowered = execute(float_model, plan, cal, progress=progress, use_cache=use_cache, artifacts=artifacts)
+    job, lowered = execute(float_model, plan, cal, progress=progress, use_cache=use_cache, artifacts=artifacts,
+                           stage_area=area)
     qproto = checked_proto(lowered.model)
     timings.update(lowered.timings)
     timings["lower_s"] = time.perf_counter() - t
     latency_on = bool(rec.report.latency.enabled if measure_latency is None else measure_latency)
+    lowered_proto = qproto
     # the MatMulNBits accuracy_level, decided before the model is evaluated: every figure is of the shipped one
     qproto, int4 = choose_for_model(
         lowered.model, qproto, rec.export.accuracy_level, job.target.cpu_class, isa=job.target.isa,
@@ -240,19 +257,23 @@ def run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, ca
     if int4 is not None and int4["how"] == "measured":
         timings["accuracy_level_s"] = int4["time_s"]
     t = time.perf_counter()
-    cen = census(qproto, quantizable=lowered.fused_layers())
+    q_staged = None  # the shipped model staged for the sessions below (an LLM's perplexity and decode take bytes)
+    if not _is_lm(rec, job.float_proto):
+        q_staged = area.stage(lowered.model if qproto is lowered_proto else ir.from_proto(qproto), "quantized-")
+    cen = census(qproto if q_staged is None else q_staged.path, quantizable=lowered.fused_layers())
     timings["verify_s"] = time.perf_counter() - t
     kernels: dict[str, Any] = {}
     if lowered.static.layers or lowered.layers.get("dynamic"):
         t = time.perf_counter()
         with stage("check the fused kernels against the QDQ math", enabled=progress):
-            kernels = verify_kernels(qproto, job.target, ev or cal, rec.report.kernel_check_samples)
+            kernels = verify_kernels(qproto, job.target, ev or cal, rec.report.kernel_check_samples,
+                                     staged=q_staged)
         timings["kernel_check_s"] = time.perf_counter() - t
     quality: dict[str, Any] = {}
     per_layer: dict[str, float] = {}
     if ev is not None:
         t = time.perf_counter()
-        quality, per_layer = _quality(job, lowered, qproto, ev, progress, loaded.tokenizer)
+        quality, per_layer = _quality(job, lowered, qproto, ev, progress, loaded.tokenizer, q_staged)
         timings["evaluate_s"] = time.perf_counter() - t
     latency: dict[str, Any] = {}
     load: dict[str, Any] | None = None
@@ -260,7 +281,7 @@ def run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, ca
         t = time.perf_counter()
         load = {"start": load_average()}  # the machine's load while the figures were measured
         with stage("measure latency (FP32 vs quantized, interleaved)", enabled=progress):
-            latency = _latency(job, qproto, ev or cal)
+            latency = _latency(job, qproto, ev or cal, q_staged)
         load["end"] = load_average()
         timings["latency_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - t_start

@@ -55,7 +55,7 @@ class GatherResult:
 
 
 def gather(
-    model: onnx.ModelProto,
+    model: onnx.ModelProto | str,
     dataset: Any,
     requests: Mapping[str, Request],
     *,

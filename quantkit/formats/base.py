@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from quantkit.lowering.qdq import LoweringResult
     from quantkit.lowering.select import QuantPlan
     from quantkit.scheme.target import Target
+    from quantkit.staging import StageArea, StagedModel
 
 __all__ = ["Artifacts", "FormatHandler", "Job", "Lowered"]
 
@@ -72,6 +73,7 @@ class Job:
     progress: bool = True
     use_cache: bool = True
     artifacts: Artifacts = field(default_factory=Artifacts)
+    stage: StageArea | None = None  # where models are staged for sessions (quantkit.staging); None: bytes
 
     @property
     def recipe(self) -> RecipeModel:
@@ -84,6 +86,33 @@ class Job:
     @functools.cached_property
     def float_bytes(self) -> bytes:
         return self.float_proto.SerializeToString()
+
+    @functools.cached_property
+    def float_staged(self) -> StagedModel | None:
+        """The float model staged on disk (None without a stage area); handlers never edit the float model, so
+        it is written once per job."""
+        return None if self.stage is None else self.stage.stage(self.float_model, "fp32-")
+
+    @property
+    def float_source(self) -> bytes | str:
+        """What a session of the float model opens: the staged path, else the serialized model."""
+        staged = self.float_staged
+        return staged.path if staged is not None else self.float_bytes
+
+    def float_digest(self) -> str:
+        """Content hash of the float model (statistics cache key)."""
+        from quantkit.calibrate.cache import model_hash
+
+        staged = self.float_staged
+        if staged is not None:
+            return staged.area.digest(staged)
+        return model_hash(self.float_bytes)
+
+    def stage_model(self, model: ir.Model, stem: str) -> bytes | str:
+        """What a session of ``model`` opens: staged in this job's area, else serialized."""
+        if self.stage is None:
+            return ir.to_proto(model).SerializeToString()
+        return self.stage.stage(model, stem).path
 
 
 @dataclass

@@ -86,10 +86,12 @@ class StaticInt8(FormatHandler):
         if job.calibration is None:
             raise DataError("static int8 layers need calibration data: set calibration.data or pass calibration_data")
         with stage("calibrate: activation statistics over the calibration data", enabled=job.progress):
-            ranges, means, info = calibrate_ranges(job.float_model, job.float_proto, job.float_bytes, qplan,
-                                                   job.calibration, job.recipe, progress=job.progress,
-                                                   use_cache=job.use_cache, tensors=missing,
-                                                   mean_layers=means_missing, candidates=art.range_candidates)
+            staged = job.float_staged
+            ranges, means, info = calibrate_ranges(
+                job.float_model, job.float_proto, None, qplan, job.calibration, job.recipe, progress=job.progress,
+                use_cache=job.use_cache, tensors=missing, mean_layers=means_missing,
+                candidates=art.range_candidates, source=None if staged is None else staged.path,
+                digest=job.float_digest)
         chosen = art.calibrator_choice.get("chosen")
         if chosen:  # an earlier plan on this model chose: its new ``auto`` tensors take the same candidate
             ranges.update({k: v for k, v in art.range_candidates.get(chosen, {}).items() if k in ranges})
@@ -119,8 +121,9 @@ class StaticInt8(FormatHandler):
         if todo:
             rec = job.recipe
             with stage("pair-safe rounding: input second moments (one pass)", enabled=job.progress):
+                staged = job.float_staged
                 cache.update(collect_kernel_hessians(
-                    job.float_proto, job.calibration, todo, batch_size=rec.calibration.batch_size,
+                    job.float_proto if staged is None else staged.path, job.calibration, todo, batch_size=rec.calibration.batch_size,
                     max_batch_output_bytes=rec.calibration.max_batch_output_bytes, progress=job.progress))
         return {k: v for k, v in cache.items() if k in qplan.layers}
 
@@ -147,7 +150,7 @@ def choose_calibrator(job: Job, qplan: Any, tensors: list[str], means: dict[str,
         feeds.append(feed)
         if len(feeds) >= samples:
             break
-    s_f = make_session(job.float_bytes)
+    s_f = make_session(job.float_source)
     names = compared_outputs([o.name for o in s_f.get_outputs()])
     refs = [s_f.run(names, f) for f in feeds]
     del s_f
@@ -160,7 +163,7 @@ def choose_calibrator(job: Job, qplan: Any, tensors: list[str], means: dict[str,
             ranges.update({k: cand_ranges[k] for k in tensors})
             model = ir.from_proto(job.float_proto)
             low = _lower(job, model, qplan, ranges, means, hessians)
-            sess = make_session(ir.to_proto(model).SerializeToString())
+            sess = make_session(job.stage_model(model, f"candidate-{cand}-"))
             scores[cand] = _output_sqnr(refs, [sess.run(names, f) for f in feeds])
             del sess
             if best is None or scores[cand] > scores[best[0]]:  # a tie keeps the earlier candidate

@@ -17,7 +17,7 @@ and wrong on another.  Two checks, both on the emitted ONNX model:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -33,6 +33,9 @@ from quantkit.scheme.saturation import (
     saturation_excess,
 )
 from quantkit.scheme.target import CPU_CLASSES, cpu_class_saturates
+
+if TYPE_CHECKING:
+    from quantkit.staging import StagedModel
 
 __all__ = ["KernelCheck", "PairRisk", "emulate_saturation", "kernel_vs_reference", "pair_risks", "portability"]
 
@@ -247,13 +250,30 @@ def _matmul_integer_to_float_math(node: onnx.NodeProto, a: np.ndarray, c: dict[s
     return y + c[ins[6]].astype(np.float64) if ins[6] else y
 
 
+class _Opener:
+    """Sessions of the kernel check's models: from bytes, or - with the checked model staged on disk
+    (:mod:`quantkit.staging`) - sub-models written next to its weights (their initializers reference them)."""
+
+    def __init__(self, model: onnx.ModelProto, staged: StagedModel | None) -> None:
+        self.staged = staged
+        self.graph = model if staged is None else staged.graph()  # what sub-models copy initializers from
+
+    def open(self, blob: bytes, *levels: str) -> list[Any]:
+        from quantkit.evaluate.latency import make_session
+
+        src: bytes | str = blob if self.staged is None else self.staged.area.write_bytes(blob, "part-")
+        return [make_session(src, level=level) for level in levels]
+
+
 def _float_layer_rows(model: onnx.ModelProto, codes: set[str], env: dict[str, np.ndarray],
-                      cache: dict[str, Any]) -> list[tuple[str, str, np.ndarray, np.ndarray]]:
+                      cache: dict[str, Any], opener: _Opener | None = None
+                      ) -> list[tuple[str, str, np.ndarray, np.ndarray]]:
     """Each float-output int8 layer run alone on the reference's input codes, fused and as the math it
     states: a QDQ MatMul / Gemm against its ``ORT_DISABLE_ALL`` run, a ``MatMulIntegerToFloat`` (whose
     reference run would use the same kernel) against exact integer arithmetic in NumPy."""
     from quantkit.evaluate.latency import make_session
 
+    opener = opener if opener is not None else _Opener(model, None)
     rows = []
     if "::direct" not in cache:
         built = _direct_layers_model(model, env)
@@ -268,9 +288,8 @@ def _float_layer_rows(model: onnx.ModelProto, codes: set[str], env: dict[str, np
                          _matmul_integer_to_float_math(n, feed[n.input[0]], {**consts[n.output[0]], **feed})))
     layers = _float_int8_layers(model, codes)
     if "::float" not in cache:  # every float-output layer alone, side by side: one session per level
-        iso = _isolation_model(model, [t for t, _ in layers], codes, env, max_nodes=_MAX_LAYER_NODES)
-        cache["::float"] = None if iso is None else (
-            make_session(iso[0], level="all"), make_session(iso[0], level="disabled"), iso[1])
+        iso = _isolation_model(opener.graph, [t for t, _ in layers], codes, env, max_nodes=_MAX_LAYER_NODES)
+        cache["::float"] = None if iso is None else (*opener.open(iso[0], "all", "disabled"), iso[1])
     combined = cache["::float"]
     if combined is not None:
         fused, ref, mapping = combined
@@ -282,10 +301,10 @@ def _float_layer_rows(model: onnx.ModelProto, codes: set[str], env: dict[str, np
         return rows
     for t, layer in layers:
         if t not in cache:
-            lm = _layer_model(model, t, codes, env)
+            lm = _layer_model(opener.graph, t, codes, env)
             if lm is not None and len(onnx.load_from_string(lm).graph.node) > _MAX_LAYER_NODES:
                 lm = None
-            cache[t] = None if lm is None else (make_session(lm, level="all"), make_session(lm, level="disabled"))
+            cache[t] = None if lm is None else tuple(opener.open(lm, "all", "disabled"))
         pair = cache[t]
         if pair is None:
             continue
@@ -448,7 +467,7 @@ def _isolation_model(model: onnx.ModelProto, targets: list[str], codes: set[str]
 
 def kernel_vs_reference(
     model: onnx.ModelProto, feeds: Any, *, samples: int = 16, layer_samples: int = 2, max_off: float = 1e-3,
-    emulate: set[str] | None = None,
+    emulate: set[str] | None = None, staged: StagedModel | None = None,
 ) -> KernelCheck:
     """Run ``model`` with the fused kernels of this CPU (``ORT_ENABLE_ALL``) and as the QDQ reference
     (``ORT_DISABLE_ALL``) on up to ``samples`` feeds (an iterable of feed dicts).
@@ -461,26 +480,30 @@ def kernel_vs_reference(
       *parted*; ``agree`` is False when any has.
     In the whole-model runs the one-step differences compound with depth (reported as ``drift_db``,
     not judged).  ``emulate``: layers whose ``x86-avx2`` saturation is emulated on the first feed's
-    reference codes (:func:`emulate_saturation`)."""
+    reference codes (:func:`emulate_saturation`).  ``staged``: ``model`` staged on disk (:mod:`quantkit.staging`):
+    the sessions open it and its sub-models by path instead of serializing the weights again."""
     from quantkit.evaluate.latency import make_session
 
+    opener = _Opener(model, staged)
     qt = _quantized_tensors(model)
     zps = {t: z for t, _, z in qt}
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    have = {o.name for o in m.graph.output}
     init_names = {t.name for t in model.graph.initializer} | {i.name for i in model.graph.input}
     # computed inputs of MatMulIntegerToFloat (per-token codes, scales, zero points): captured for the
     # layer-alone check, not compared themselves
     direct_ins = list(dict.fromkeys(i for n in model.graph.node if n.op_type == "MatMulIntegerToFloat"
                                     for i in n.input if i and i not in init_names))
-    for t in [t for t, _, _ in qt] + direct_ins:
-        if t not in have:
-            m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
-            have.add(t)
-    data = m.SerializeToString()
-    fused = make_session(data, level="all")
-    ref = make_session(data, level="disabled")
+    exposed = [t for t, _, _ in qt] + direct_ins
+    if staged is not None:
+        fused, ref = (make_session(staged.variant(exposed), level=lv) for lv in ("all", "disabled"))
+    else:
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        have = {o.name for o in m.graph.output}
+        for t in exposed:
+            if t not in have:
+                m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
+                have.add(t)
+        fused, ref = opener.open(m.SerializeToString(), "all", "disabled")
     out_names = [o.name for o in model.graph.output]
     t_names = [t for t, _, _ in qt if t not in out_names]
     names = out_names + t_names
@@ -512,8 +535,8 @@ def kernel_vs_reference(
         if res.samples < layer_samples:
             env = {**{k: np.asarray(v) for k, v in feed.items()}, **direct_env, **b}
             if "::all" not in layer_sessions:  # every layer alone, side by side in one session
-                built = _isolation_model(model, t_names, set(t_names), env)
-                layer_sessions["::all"] = None if built is None else (make_session(built[0], level="all"), built[1])
+                built = _isolation_model(opener.graph, t_names, set(t_names), env)
+                layer_sessions["::all"] = None if built is None else (opener.open(built[0], "all")[0], built[1])
             combined = layer_sessions["::all"]
             if combined is not None:
                 sess, mapping = combined
@@ -523,14 +546,14 @@ def kernel_vs_reference(
                     iso[t].add(y, b[t], zps.get(t))
             for t in t_names if combined is None else ():
                 if t not in layer_sessions:
-                    lm = _layer_model(model, t, set(t_names), env)
-                    layer_sessions[t] = None if lm is None else make_session(lm, level="all")
+                    lm = _layer_model(opener.graph, t, set(t_names), env)
+                    layer_sessions[t] = None if lm is None else opener.open(lm, "all")[0]
                 sess = layer_sessions[t]
                 if sess is None:
                     continue
                 ins = {i.name: env[i.name] for i in sess.get_inputs()}
                 iso[t].add(sess.run([t], ins)[0], b[t], zps.get(t))
-            for t, layer, got, want in _float_layer_rows(model, set(t_names), env, float_sessions):
+            for t, layer, got, want in _float_layer_rows(model, set(t_names), env, float_sessions, opener):
                 entry = float_iso.setdefault(t, (layer, _Agg(), [0]))
                 entry[1].add(got, want, None)
                 tol = _FLOAT_TOL * max(float(np.max(np.abs(want))), 1e-30)

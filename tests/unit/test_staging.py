@@ -1,0 +1,94 @@
+"""Models staged on disk for sessions (quantkit.staging): same results as serialized bytes, the model left as it was,
+variants and sub-models over the same weights, and the folder gone when the area closes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from quantkit.api import quantize
+from quantkit.evaluate.latency import make_session
+from quantkit.lowering.kernel_check import kernel_vs_reference
+from quantkit.pipeline import fidelity_and_layer_sqnr
+from quantkit.staging import STAGE_PREFIX, StageArea
+from quantkit.tempdirs import MARKER
+from tests.conftest import image_batches, tiny_cnn
+from tests.unit.test_target import _conv_with_wrapping_bias
+
+RECIPE = {"version": 1, "name": "unit", "report": {"latency": {"enabled": False, "guard": False}}}
+
+
+def test_a_staged_model_runs_as_its_bytes_do_and_is_left_unchanged(tmp_path: Path) -> None:
+    proto = tiny_cnn(seed=3)
+    model = ir.from_proto(proto)
+    before = {name: v.const_value.numpy().copy() for name, v in model.graph.initializers.items()}
+    feed = image_batches(1)[0]
+    with StageArea(str(tmp_path), size_threshold=0) as area:
+        assert area.folder.name.startswith(STAGE_PREFIX) and (area.folder / MARKER).is_file()
+        staged = area.stage(model, "m-")
+        graph = staged.graph()
+        assert graph.graph.initializer and all(
+            t.data_location == onnx.TensorProto.EXTERNAL for t in graph.graph.initializer)
+        assert len(Path(staged.path).read_bytes()) < len(proto.SerializeToString())  # the weights are elsewhere
+        want = make_session(proto.SerializeToString()).run(None, feed)
+        got = make_session(staged.path).run(None, feed)
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_array_equal(w, g)
+        inner = proto.graph.node[1].output[0]
+        sess = make_session(staged.variant([inner]))
+        assert [o.name for o in sess.get_outputs()][-1] == inner
+        np.testing.assert_array_equal(
+            sess.run([inner], feed)[0],
+            make_session(staged.variant([inner])).run([inner], feed)[0])  # one file per set of outputs, reused
+        digest = area.digest(staged)
+        assert area.digest(area.stage(model, "again-")) == digest  # the same content, the same key
+        for name, v in model.graph.initializers.items():  # staging did not touch the in-memory model
+            np.testing.assert_array_equal(v.const_value.numpy(), before[name])
+        changed = ir.from_proto(tiny_cnn(seed=4))
+        assert area.digest(area.stage(changed, "other-")) != digest
+        folder = area.folder
+    assert not folder.exists()
+
+
+def test_kernel_check_and_fidelity_are_the_same_on_a_staged_model(tmp_path: Path) -> None:
+    res = quantize(tiny_cnn(seed=1), image_batches(8), RECIPE, evaluate=False, progress=False)
+    qproto = ir.to_proto(res.model)
+    fproto = ir.to_proto(res.float_model)
+    feeds = [{"input": f["input"][:1]} for f in image_batches(4, seed=9)]
+    plain = kernel_vs_reference(qproto, feeds, samples=4).as_dict()
+    ev = image_batches(4, seed=7)
+    from quantkit.data import as_dataset, model_inputs
+
+    ds = as_dataset(ev, model_inputs(res.float_model))
+    fid, sq = fidelity_and_layer_sqnr(fproto, qproto, res.plan, ds, limit=4)
+    with StageArea(str(tmp_path), size_threshold=0) as area:
+        q_staged = area.stage(res.model, "q-")
+        f_staged = area.stage(res.float_model, "f-")
+        assert kernel_vs_reference(qproto, feeds, samples=4, staged=q_staged).as_dict() == plain
+        fid_s, sq_s = fidelity_and_layer_sqnr(fproto, qproto, res.plan, ds, limit=4, float_staged=f_staged,
+                                              quant_staged=q_staged)
+    assert sq_s == sq and sq
+    assert fid_s == fid
+
+
+def test_a_staged_kernel_check_still_names_the_layer_whose_kernel_parts(tmp_path: Path) -> None:
+    """The layer-alone sub-models reference the staged weights: the wrapping int32 bias is still caught."""
+    model = _conv_with_wrapping_bias()
+    feeds = [{"x": np.random.default_rng(i).uniform(0, 5, (1, 4, 8, 8)).astype(np.float32)} for i in range(2)]
+    with StageArea(str(tmp_path), size_threshold=0) as area:
+        chk = kernel_vs_reference(model, feeds, samples=2, staged=area.stage(ir.from_proto(model), "w-"))
+    assert not chk.agree
+    assert chk.first_parted is not None and chk.first_parted["layer"] == "conv" and chk.first_parted["off"] > 0.1
+
+
+def test_a_run_leaves_no_stage_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    quantize(tiny_cnn(seed=2), image_batches(4), RECIPE, evaluation_data=image_batches(2, seed=5), progress=False)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(STAGE_PREFIX)]
