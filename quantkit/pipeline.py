@@ -42,6 +42,7 @@ __all__ = [
     "eval_dataset",
     "evaluate_fidelity",
     "fidelity_and_layer_sqnr",
+    "layer_probe",
     "latency_feed",
     "layer_sqnr",
     "measure_pair_latency",
@@ -285,16 +286,39 @@ KERNEL_CHECK_TOKENS = 64
 does not depend on the context length (a 512-token LLM window costs 8x the time and finds nothing more)."""
 
 
-def _cropped(ds: Dataset, tokens: int) -> Any:
+def _cropped(ds: Dataset, tokens: int, state: dict[str, bool] | None = None) -> Any:
+    """``ds``'s samples one at a time, token sequences cut to ``tokens``; ``state["cropped"]``: whether the feed
+    just yielded was cut."""
     for feed in ds.batches(1):
-        yield {k: (v[:, :tokens] if v.ndim == 2 and v.dtype == np.int64 else v) for k, v in feed.items()}
+        out = {k: (v[:, :tokens] if v.ndim == 2 and v.dtype == np.int64 else v) for k, v in feed.items()}
+        if state is not None:
+            state["cropped"] = any(out[k].shape != np.shape(v) for k, v in feed.items())
+        yield out
+
+
+class _UncutOnly:
+    """A :class:`_LayerProbe` seen by the kernel check: it observes only the feeds the check did not cut (the
+    per-layer SQNR stays a figure of the evaluation samples as they are)."""
+
+    def __init__(self, probe: _LayerProbe, state: dict[str, bool]) -> None:
+        self.probe, self.state = probe, state
+        self.tensors = probe.tensors
+
+    def wants_more(self) -> bool:
+        return self.probe.wants_more()
+
+    def observe(self, feed: Mapping[str, np.ndarray], quantized: Sequence[np.ndarray]) -> None:
+        if not self.state.get("cropped"):
+            self.probe.observe(feed, quantized)
 
 
 def verify_kernels(qproto: onnx.ModelProto, target: Any, ds: Dataset | None, samples: int,
-                   staged: StagedModel | None = None) -> dict[str, Any]:
+                   staged: StagedModel | None = None, probe: _LayerProbe | None = None) -> dict[str, Any]:
     """The target, the CPU we run on, the model's portability per CPU class (from its weights) and, on
     ``samples`` feeds of ``ds`` (token sequences cut to :data:`KERNEL_CHECK_TOKENS`), whether this CPU's
-    fused kernels agree with the QDQ math (``staged``: the model staged on disk, opened by path)."""
+    fused kernels agree with the QDQ math (``staged``: the model staged on disk, opened by path).  ``probe``: a
+    :func:`layer_probe` fed the reference run's layer tensors of every feed that was not cut (so the evaluation
+    does not run the QDQ math again for them)."""
     from quantkit.lowering.kernel_check import kernel_vs_reference, portability
     from quantkit.scheme.target import detect_cpu
 
@@ -302,8 +326,10 @@ def verify_kernels(qproto: onnx.ModelProto, target: Any, ds: Dataset | None, sam
     out: dict[str, Any] = {"target": target.as_dict(), "cpu": detect_cpu().as_dict(), "portability": port}
     if ds is not None and samples > 0:
         at_risk = {r["layer"] for r in port["layers_at_risk"]}
-        out["check"] = kernel_vs_reference(qproto, _cropped(ds, KERNEL_CHECK_TOKENS), samples=samples,
-                                           emulate=at_risk, staged=staged).as_dict()
+        state: dict[str, bool] = {}
+        out["check"] = kernel_vs_reference(qproto, _cropped(ds, KERNEL_CHECK_TOKENS, state), samples=samples,
+                                           emulate=at_risk, staged=staged,
+                                           observer=None if probe is None else _UncutOnly(probe, state)).as_dict()
     return out
 
 
@@ -410,31 +436,30 @@ def evaluate_fidelity(
 
 
 def _fidelity_pass(float_model: bytes | str, quant_model: bytes | str, ds: Dataset, *, batch_size: int, metric: str,
-                   progress: bool, probe: _LayerProbe | None = None, plain_model: bytes | str | None = None
-                   ) -> dict[str, Any]:
-    """:func:`evaluate_fidelity`; with ``probe``, the FP32 model also hands out the probe's layer tensors on its
-    first samples (``float_model`` then exposes them), so the per-layer SQNR needs no FP32 run of its own;
-    ``plain_model`` (the FP32 model as it is) runs the samples after those."""
+                   progress: bool, probe: _LayerProbe | None = None) -> dict[str, Any]:
+    """:func:`evaluate_fidelity`; with ``probe`` still short of samples, its FP32 session (exposing the layer
+    tensors) runs the first samples one at a time and hands them to the probe, so the per-layer SQNR needs no FP32
+    run of its own; ``float_model`` (the FP32 model as it is: exposed layer tensors block fusions, a ViT's FP32
+    run is ~1.5x slower exposed) runs the rest."""
     from quantkit.progress import tqdm
 
     s_f = make_session(float_model)
     s_q = make_session(quant_model)
-    names = compared_outputs([o.name for o in s_f.get_outputs() if probe is None or o.name not in probe.extra])
-    s_plain = None  # once the probe has its samples, the FP32 model without the exposed layer tensors (which
-    # block fusions: a ViT's FP32 run ~1.5x slower exposed) runs the rest
+    names = compared_outputs([o.name for o in s_f.get_outputs()])
     cls = {"classification": True, "embedding": False, "sqnr": False}.get(metric)
     acc = FidelityAccumulator(classification=cls)
     with tqdm(total=len(ds), desc="evaluate", unit="sample", disable=not progress) as bar:
         for feed in ds.batches(batch_size):
             if probe is not None and probe.wants_more():
-                more = [t for t in probe.tensors if t not in names]
-                got_f = dict(zip(names + more, s_f.run(names + more, feed), strict=True))
-                ref = [got_f[n] for n in names]
-                probe.add(feed, [got_f[t] for t in probe.tensors])
-            elif probe is not None and plain_model is not None:
-                if s_plain is None:
-                    s_plain = make_session(plain_model)
-                ref = s_plain.run(names, feed)
+                parts: list[list[np.ndarray]] = []
+                # one sample at a time: a batch exposing every layer tensor allocates them all at once (ResNet-50,
+                # 8 samples x 119 tensors: 3x slower per sample than one at a time)
+                for one in _single_samples(feed):
+                    got_f = probe.run_float(one, names)
+                    parts.append([got_f[n] for n in names])
+                    if probe.wants_more():  # exactly the first ``limit`` samples, whatever the batch size
+                        probe.add(one, [got_f[t] for t in probe.tensors])
+                ref = parts[0] if len(parts) == 1 else [np.concatenate(c) for c in zip(*parts, strict=True)]
             else:
                 ref = s_f.run(names, feed)
             got = s_q.run(names, feed)
@@ -443,6 +468,15 @@ def _fidelity_pass(float_model: bytes | str, quant_model: bytes | str, ds: Datas
                     acc.update(n, r, g)
             bar.update(next(iter(feed.values())).shape[0])
     return acc.summary()
+
+
+def _single_samples(feed: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """``feed`` split into feeds of one sample each (along axis 0; one feed when it holds one sample or a scalar)."""
+    arrays = {k: np.asarray(v) for k, v in feed.items()}
+    n = {a.shape[0] if a.ndim else 1 for a in arrays.values()}
+    if len(n) != 1 or (count := n.pop()) <= 1 or any(a.ndim == 0 for a in arrays.values()):
+        return [arrays]
+    return [{k: a[i : i + 1] for k, a in arrays.items()} for i in range(count)]
 
 
 def _exposed(p: onnx.ModelProto, tensors: Sequence[str]) -> bytes:
@@ -483,38 +517,89 @@ def _layer_tensors(float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, p
     return names
 
 
+def _energies(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
+    """``(sum ref^2, sum (ref - got)^2)`` of two flat arrays (:func:`quantkit.lowering.kernel_check.energies`)."""
+    from quantkit.lowering.kernel_check import energies
+
+    sig, noise, _ = energies(ref, got)
+    return sig, noise
+
+
 class _LayerProbe:
-    """The per-layer SQNR's accumulator: the quantized model (exposing the layer tensors, at ``basic``: the
-    QDQ math as stated, no fusion hides a tensor) is run on each feed whose FP32 tensors are added, up to
-    ``limit`` samples.  ``staged``: the quantized model staged on disk (its variant is opened by path)."""
+    """The per-layer SQNR's accumulator over the first ``limit`` samples: each sample's layer tensors from the FP32
+    model (``float_exposed``: it exposes them) against the same tensors of the quantized model computed by the QDQ
+    math as stated (no fusion hides a tensor).  The quantized tensors come either from the kernel check's
+    reference run of the same sample (:meth:`observe`: no run of its own) or from the probe's own session of the
+    quantized model (:meth:`add`, at ``basic``; ``staged``: the quantized model staged on disk, its variant opened
+    by path)."""
 
     def __init__(self, quant_proto: onnx.ModelProto, names: Mapping[str, str], limit: int,
-                 graph_outputs: Sequence[str], staged: StagedModel | None = None) -> None:
+                 graph_outputs: Sequence[str], float_exposed: bytes | str, staged: StagedModel | None = None) -> None:
         self.names = dict(names)
         self.tensors = list(dict.fromkeys(names.values()))
         self.extra = {t for t in self.tensors if t not in set(graph_outputs)}  # exposed only for the probe
         self.limit = limit
         self.seen = 0
+        self.observed = 0  # samples whose quantized tensors came from the kernel check's reference run
         self.sig = dict.fromkeys(self.tensors, 0.0)
         self.noise = dict.fromkeys(self.tensors, 0.0)
-        self.s_q = make_session(staged.variant(self.tensors) if staged is not None
-                                else _exposed(quant_proto, self.tensors), level="basic")
+        self._quant = (quant_proto, staged)
+        self._float_exposed = float_exposed
+        self._s_q: Any = None
+        self._s_f: Any = None
 
     def wants_more(self) -> bool:
         return self.seen < self.limit
 
+    def run_float(self, feed: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        """The FP32 model on ``feed``: ``outputs`` and the probe's layer tensors by name."""
+        if self._s_f is None:
+            self._s_f = make_session(self._float_exposed)
+        want = list(dict.fromkeys([*outputs, *self.tensors]))
+        return dict(zip(want, self._s_f.run(want, dict(feed)), strict=True))
+
     def add(self, feed: Mapping[str, np.ndarray], ref: Sequence[np.ndarray]) -> None:
-        rq = self.s_q.run(self.tensors, dict(feed))
+        """Fold in one feed: ``ref`` the FP32 layer tensors (in :attr:`tensors` order); the quantized model runs."""
+        if self._s_q is None:
+            proto, staged = self._quant
+            self._s_q = make_session(staged.variant(self.tensors) if staged is not None
+                                     else _exposed(proto, self.tensors), level="basic")
+        self._accumulate(feed, ref, self._s_q.run(self.tensors, dict(feed)))
+
+    def observe(self, feed: Mapping[str, np.ndarray], quantized: Sequence[np.ndarray]) -> None:
+        """Fold in one feed whose quantized layer tensors (QDQ math, :attr:`tensors` order) another run computed;
+        the FP32 model runs."""
+        got = self.run_float(feed, [])
+        self._accumulate(feed, [got[t] for t in self.tensors], quantized)
+        self.observed += int(next(iter(feed.values())).shape[0]) if feed else 1
+
+    def _accumulate(self, feed: Mapping[str, np.ndarray], ref: Sequence[np.ndarray],
+                    rq: Sequence[np.ndarray]) -> None:
         for t, a, b in zip(self.tensors, ref, rq, strict=True):
-            a64 = np.asarray(a).astype(np.float64)
-            self.sig[t] += float(np.sum(a64**2))
-            self.noise[t] += float(np.sum((a64 - b) ** 2))
+            sig, noise = _energies(np.asarray(a).ravel(), np.asarray(b).ravel())
+            self.sig[t] += sig
+            self.noise[t] += noise
         self.seen += int(next(iter(feed.values())).shape[0]) if feed else 1
 
     def result(self) -> dict[str, float]:
         n, s = self.noise, self.sig
         return {layer: float("inf") if n[t] == 0 else float(10 * np.log10(max(s[t], 1e-300) / n[t]))
                 for layer, t in self.names.items()}
+
+
+def layer_probe(float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, plan: QuantPlan, *, limit: int = 16,
+                extra_layers: Sequence[str] = (), float_staged: StagedModel | None = None,
+                quant_staged: StagedModel | None = None) -> _LayerProbe | None:
+    """The per-layer SQNR's probe of ``plan``'s layers (and ``extra_layers``) over ``limit`` samples; ``None`` when
+    no layer tensor can be compared.  Hand it to :func:`verify_kernels` (its reference run then supplies the
+    quantized tensors) and to :func:`fidelity_and_layer_sqnr` (which fills what is still missing)."""
+    names = _layer_tensors(float_proto, quant_proto, plan, extra_layers)
+    if not names or limit <= 0:
+        return None
+    tensors = list(dict.fromkeys(names.values()))
+    exposed = (float_staged.variant(tensors) if float_staged is not None else _exposed(float_proto, tensors))
+    return _LayerProbe(quant_proto, names, limit, [o.name for o in float_proto.graph.output], exposed,
+                       staged=quant_staged)
 
 
 def layer_sqnr(
@@ -528,8 +613,9 @@ def layer_sqnr(
     names = _layer_tensors(float_proto, quant_proto, plan, extra_layers)
     if not names:
         return {}
-    probe = _LayerProbe(quant_proto, names, limit, [o.name for o in float_proto.graph.output])
-    s_f = make_session(_exposed(float_proto, probe.tensors), level="basic")
+    probe = _LayerProbe(quant_proto, names, limit, [o.name for o in float_proto.graph.output],
+                        _exposed(float_proto, list(dict.fromkeys(names.values()))))
+    s_f = make_session(probe._float_exposed, level="basic")
     for feed in ds.batches(1):
         probe.add(feed, s_f.run(probe.tensors, feed))
         if not probe.wants_more():
@@ -542,11 +628,13 @@ def fidelity_and_layer_sqnr(
     float_bytes: bytes | None = None, quant_bytes: bytes | None = None, batch_size: int = 8, metric: str = "auto",
     progress: bool = False, limit: int = 16, extra_layers: Sequence[str] = (),
     float_staged: StagedModel | None = None, quant_staged: StagedModel | None = None,
+    probe: _LayerProbe | None = None,
 ) -> tuple[dict[str, Any], dict[str, float]]:
-    """:func:`evaluate_fidelity` and :func:`layer_sqnr` in one pass over ``ds``: the FP32 model runs once per
-    batch, exposing the layer tensors on the first ``limit`` samples (whole batches of ``batch_size``), instead
-    of a second FP32 run of those samples for the per-layer figures.  ``float_staged`` / ``quant_staged``: the
-    models staged on disk (:mod:`quantkit.staging`): sessions open them and their variants by path."""
+    """:func:`evaluate_fidelity` and :func:`layer_sqnr` in one pass over ``ds``: on the first ``limit`` samples
+    the FP32 run exposes the layer tensors (one sample at a time), instead of a second FP32 run of those samples
+    for the per-layer figures.  ``probe``: a :func:`layer_probe` made earlier (the kernel check may have filled it
+    already: then no sample is run for it here); ``float_staged`` / ``quant_staged``: the models staged on disk
+    (:mod:`quantkit.staging`): sessions open them and their variants by path."""
     fb: bytes | str
     qb: bytes | str
     if float_staged is not None:
@@ -557,12 +645,8 @@ def fidelity_and_layer_sqnr(
         qb = quant_staged.path
     else:
         qb = quant_bytes if quant_bytes is not None else quant_proto.SerializeToString()
-    names = _layer_tensors(float_proto, quant_proto, plan, extra_layers)
-    if not names or limit <= 0:
-        return _fidelity_pass(fb, qb, ds, batch_size=batch_size, metric=metric, progress=progress), {}
-    probe = _LayerProbe(quant_proto, names, limit, [o.name for o in float_proto.graph.output], staged=quant_staged)
-    exposed = (float_staged.variant(probe.tensors) if float_staged is not None
-               else _exposed(float_proto, probe.tensors))
-    fid = _fidelity_pass(exposed, qb, ds, batch_size=batch_size, metric=metric,
-                         progress=progress, probe=probe, plain_model=fb)
-    return fid, probe.result()
+    if probe is None:
+        probe = layer_probe(float_proto, quant_proto, plan, limit=limit, extra_layers=extra_layers,
+                            float_staged=float_staged, quant_staged=quant_staged)
+    fid = _fidelity_pass(fb, qb, ds, batch_size=batch_size, metric=metric, progress=progress, probe=probe)
+    return fid, ({} if probe is None else probe.result())

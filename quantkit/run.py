@@ -39,6 +39,7 @@ from quantkit.pipeline import (
     extra_perplexities,
     fidelity_and_layer_sqnr,
     latency_feed,
+    layer_probe,
     measure_pair_latency,
     save_model,
     verify_kernels,
@@ -174,8 +175,13 @@ def _is_lm(rec: RecipeModel, proto: onnx.ModelProto) -> bool:
             and any(i.name == "input_ids" for i in proto.graph.input))
 
 
+def _other_layers(lowered: Lowered) -> list[str]:
+    """Layers of the formats other than static INT8 (weight-only, dynamic, 16-bit): their node keeps its output."""
+    return [n for h, layers in lowered.layers.items() if h != "static" for n in layers]
+
+
 def _quality(job: Job, lowered: Lowered, qproto: onnx.ModelProto, ev: Dataset, progress: bool, tokenizer: Any = None,
-             q_staged: StagedModel | None = None) -> tuple[dict[str, Any], dict[str, float]]:
+             q_staged: StagedModel | None = None, probe: Any = None) -> tuple[dict[str, Any], dict[str, float]]:
     """Perplexity (causal LM) or fidelity per output, and the static layers' output SQNR."""
     rec = job.recipe
     if _is_lm(rec, job.float_proto):
@@ -196,12 +202,11 @@ def _quality(job: Job, lowered: Lowered, qproto: onnx.ModelProto, ev: Dataset, p
         if extra:
             quality["perplexity_extra"] = extra
         return quality, {}
-    others = [n for h, layers in lowered.layers.items() if h != "static" for n in layers]
     # one FP32 pass: the FP32 model also hands out the layer tensors of the first 16 samples
     fid, sq = fidelity_and_layer_sqnr(job.float_proto, qproto, lowered.static, ev,
                                       batch_size=rec.evaluation.batch_size, metric=rec.evaluation.metric,
-                                      progress=progress, limit=16, extra_layers=others,
-                                      float_staged=job.float_staged, quant_staged=q_staged)
+                                      progress=progress, limit=16, extra_layers=_other_layers(lowered),
+                                      float_staged=job.float_staged, quant_staged=q_staged, probe=probe)
     return {"fidelity": fid}, sq
 
 
@@ -262,18 +267,22 @@ def _run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, c
         q_staged = area.stage(lowered.model if qproto is lowered_proto else ir.from_proto(qproto), "quantized-")
     cen = census(qproto if q_staged is None else q_staged.path, quantizable=lowered.fused_layers())
     timings["verify_s"] = time.perf_counter() - t
+    # the per-layer SQNR's probe: the kernel check's QDQ-math runs of evaluation samples fill it (no run of its own)
+    probe = (layer_probe(job.float_proto, qproto, lowered.static, limit=16, extra_layers=_other_layers(lowered),
+                         float_staged=job.float_staged, quant_staged=q_staged)
+             if ev is not None and not _is_lm(rec, job.float_proto) else None)
     kernels: dict[str, Any] = {}
     if lowered.static.layers or lowered.layers.get("dynamic"):
         t = time.perf_counter()
         with stage("check the fused kernels against the QDQ math", enabled=progress):
             kernels = verify_kernels(qproto, job.target, ev or cal, rec.report.kernel_check_samples,
-                                     staged=q_staged)
+                                     staged=q_staged, probe=probe)
         timings["kernel_check_s"] = time.perf_counter() - t
     quality: dict[str, Any] = {}
     per_layer: dict[str, float] = {}
     if ev is not None:
         t = time.perf_counter()
-        quality, per_layer = _quality(job, lowered, qproto, ev, progress, loaded.tokenizer, q_staged)
+        quality, per_layer = _quality(job, lowered, qproto, ev, progress, loaded.tokenizer, q_staged, probe)
         timings["evaluate_s"] = time.perf_counter() - t
     latency: dict[str, Any] = {}
     load: dict[str, Any] | None = None

@@ -38,6 +38,7 @@ Memory is O(bins) whatever the number of samples.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -81,6 +82,20 @@ def histogram_quantile(counts: npt.ArrayLike, edges: npt.ArrayLike, q: npt.Array
     before = np.where(k > 0, cum[np.maximum(k - 1, 0)], 0.0)
     frac = np.where(c[k] > 0, (target - before) / np.where(c[k] > 0, c[k], 1.0), 0.0)
     return np.asarray(e[k] + np.clip(frac, 0.0, 1.0) * (e[k + 1] - e[k]))
+
+
+_CHUNK = 1 << 16  # values binned per step of StreamingHistogram._add_finite
+_SCRATCH = threading.local()
+
+
+def _scratch(dtype: np.dtype[Any]) -> tuple[np.ndarray, ...]:
+    """This thread's reused buffers for one chunk: t, b (``dtype``), two masks, the indices."""
+    bufs: dict[Any, tuple[np.ndarray, ...]] = _SCRATCH.__dict__.setdefault("bufs", {})
+    key = np.dtype(dtype)
+    if key not in bufs:
+        bufs[key] = (np.empty(_CHUNK, key), np.empty(_CHUNK, key), np.empty(_CHUNK, bool), np.empty(_CHUNK, bool),
+                     np.empty(_CHUNK, np.intp))
+    return bufs[key]
 
 
 class StreamingHistogram:
@@ -160,16 +175,25 @@ class StreamingHistogram:
         scale = h / math.ldexp(1.0, self._exp)  # a power of two
         if values.dtype == np.float32 and not (2.0**-120 < scale < 2.0**120):
             values = values.astype(np.float64)  # keep the power-of-two scaling exact (no float32 overflow)
-        t = values * values.dtype.type(scale)
-        b = np.floor(t)
-        on_edge = b == t  # f(t) = ceil(t) - 1 = t - 1 for positive integer t (values on a bin's right edge)
-        if on_edge.any():
-            b[on_edge & (t > 0)] -= 1.0
-        idx = b.astype(np.int32 if self.bins < 2**30 else np.intp)
-        idx += h
-        if self._exp == _MAX_EXP:  # only values beyond 2**1023 can fall outside
-            np.clip(idx, 0, self.bins - 1, out=idx)
-        self.counts += np.bincount(idx, minlength=self.bins)
+        # in chunks through small reused buffers: every pass stays in cache, and no call allocates (and page-faults
+        # in) temporaries the size of the tensor
+        s = values.dtype.type(scale)
+        t_buf, b_buf, e_buf, p_buf, i_buf = _scratch(values.dtype)
+        for lo in range(0, values.size, _CHUNK):
+            v = values[lo : lo + _CHUNK]
+            k = v.size
+            t = np.multiply(v, s, out=t_buf[:k])
+            b = np.floor(t, out=b_buf[:k])
+            on_edge = np.equal(b, t, out=e_buf[:k])  # f(t) = ceil(t) - 1 = t - 1 for positive integer t
+            if on_edge.any():  # (values on a bin's right edge): b - 1 there
+                np.logical_and(on_edge, np.greater(t, 0, out=p_buf[:k]), out=on_edge)
+                np.subtract(b, on_edge, out=b)
+            b += h  # b is an integer in [-h, h - 1]: adding h is exact in float
+            idx = i_buf[:k]
+            idx[...] = b  # straight to the index type bincount uses (no second cast inside it)
+            if self._exp == _MAX_EXP:  # only values beyond 2**1023 can fall outside
+                np.clip(idx, 0, self.bins - 1, out=idx)
+            self.counts += np.bincount(idx, minlength=self.bins)
 
     def _grow_to(self, exp: int) -> None:
         """Make ``R >= 2**exp`` by doubling, merging bins exactly (``b -> floor(b / 2**d)``)."""

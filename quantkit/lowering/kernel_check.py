@@ -16,6 +16,7 @@ and wrong on another.  Two checks, both on the emitted ONNX model:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,7 @@ from quantkit.scheme.target import CPU_CLASSES, cpu_class_saturates
 if TYPE_CHECKING:
     from quantkit.staging import StagedModel
 
-__all__ = ["KernelCheck", "PairRisk", "emulate_saturation", "kernel_vs_reference", "pair_risks", "portability"]
+__all__ = ["KernelCheck", "PairRisk", "emulate_saturation", "energies", "kernel_vs_reference", "pair_risks", "portability"]
 
 _DIRECT_INT8 = {"MatMulInteger": 1, "MatMulIntegerToFloat": 1, "DynamicQuantizeMatMul": 1}
 _QDQ_WEIGHTED = {"Conv": 1, "Gemm": 1, "MatMul": 1}
@@ -124,6 +125,38 @@ def portability(model: onnx.ModelProto, risks: list[PairRisk] | None = None) -> 
     return {"classes": table, "layers_at_risk": [r.as_dict() for r in risky], "int8_gemm_layers": len(risks)}
 
 
+_CHUNK = 1 << 14  # values per step of energies()
+
+
+def energies(ref: np.ndarray, got: np.ndarray, zero_point: float | None = None) -> tuple[float, float, int]:
+    """``(sum r^2, sum (r - g)^2, count |r - g| > 1)`` over two arrays of the same size, ``r = ref - zero_point``,
+    ``g = got - zero_point`` (``zero_point``: the arrays are codes, measured around the quantized 0; the count is of
+    codes more than one step apart, 0 without one).
+
+    In cache-sized chunks: each chunk in float32 (codes and their differences are exact there; BLAS dot products
+    of 16k values, relative error ~1e-7) and the chunks' sums in float64 - a few times faster than float64
+    temporaries the size of the tensor; a chunk whose float32 squares overflow, or of any other type, in float64."""
+    x, y = np.asarray(got).ravel(), np.asarray(ref).ravel()
+    sig = noise = 0.0
+    far = 0
+    for lo in range(0, y.size, _CHUNK):
+        yc, xc = y[lo : lo + _CHUNK], x[lo : lo + _CHUNK]
+        for dt in (np.float32, np.float64):
+            r = yc.astype(dt)
+            d = np.subtract(r, xc, dtype=dt)
+            if zero_point is not None:
+                np.subtract(r, zero_point, out=r, dtype=dt)
+            with np.errstate(over="ignore"):  # an overflowing float32 chunk is redone in float64
+                s, n = float(np.dot(r, r)), float(np.dot(d, d))
+            if np.isfinite(s) and np.isfinite(n) or dt is np.float64:
+                break
+        sig += s
+        noise += n
+        if zero_point is not None:
+            far += int(np.count_nonzero(np.abs(d) > 1))
+    return sig, noise, far
+
+
 @dataclass
 class _Agg:
     sig: float = 0.0
@@ -132,13 +165,11 @@ class _Agg:
     n: int = 0
 
     def add(self, got: np.ndarray, ref: np.ndarray, zero_point: float | None) -> None:
-        x64, y64 = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-        if zero_point is not None:  # codes: measure around the zero point (the quantized value 0)
-            x64, y64 = x64 - zero_point, y64 - zero_point
-            self.far += int(np.sum(np.abs(x64 - y64) > 1))
-        self.sig += float(np.sum(y64**2))
-        self.noise += float(np.sum((x64 - y64) ** 2))
-        self.n += y64.size
+        sig, noise, far = energies(ref, got, zero_point)
+        self.sig += sig
+        self.noise += noise
+        self.far += far
+        self.n += int(np.size(ref))
 
     @property
     def db(self) -> float:
@@ -465,9 +496,21 @@ def _isolation_model(model: onnx.ModelProto, targets: list[str], codes: set[str]
     return m.SerializeToString(), mapping
 
 
+def _with_outputs(model: onnx.ModelProto, tensors: Sequence[str]) -> bytes:
+    """``model`` with ``tensors`` as extra graph outputs, serialized."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    have = {o.name for o in m.graph.output}
+    for t in tensors:
+        if t not in have:
+            m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
+            have.add(t)
+    return m.SerializeToString()
+
+
 def kernel_vs_reference(
     model: onnx.ModelProto, feeds: Any, *, samples: int = 16, layer_samples: int = 2, max_off: float = 1e-3,
-    emulate: set[str] | None = None, staged: StagedModel | None = None,
+    emulate: set[str] | None = None, staged: StagedModel | None = None, observer: Any = None,
 ) -> KernelCheck:
     """Run ``model`` with the fused kernels of this CPU (``ORT_ENABLE_ALL``) and as the QDQ reference
     (``ORT_DISABLE_ALL``) on up to ``samples`` feeds (an iterable of feed dicts).
@@ -481,7 +524,10 @@ def kernel_vs_reference(
     In the whole-model runs the one-step differences compound with depth (reported as ``drift_db``,
     not judged).  ``emulate``: layers whose ``x86-avx2`` saturation is emulated on the first feed's
     reference codes (:func:`emulate_saturation`).  ``staged``: ``model`` staged on disk (:mod:`quantkit.staging`):
-    the sessions open it and its sub-models by path instead of serializing the weights again."""
+    the sessions open it and its sub-models by path instead of serializing the weights again.  ``observer``
+    (``tensors``, ``wants_more()``, ``observe(feed, values)``): the reference run also exposes its ``tensors``
+    (the fused run does not: exposing a layer's float output would block its fusion) and hands their values of
+    each feed to it while it wants more."""
     from quantkit.evaluate.latency import make_session
 
     opener = _Opener(model, staged)
@@ -493,17 +539,13 @@ def kernel_vs_reference(
     direct_ins = list(dict.fromkeys(i for n in model.graph.node if n.op_type == "MatMulIntegerToFloat"
                                     for i in n.input if i and i not in init_names))
     exposed = [t for t, _, _ in qt] + direct_ins
+    observed = list(observer.tensors) if observer is not None and observer.wants_more() else []
     if staged is not None:
-        fused, ref = (make_session(staged.variant(exposed), level=lv) for lv in ("all", "disabled"))
+        fused = make_session(staged.variant(exposed), level="all")
+        ref = make_session(staged.variant(exposed + observed), level="disabled")
     else:
-        m = onnx.ModelProto()
-        m.CopyFrom(model)
-        have = {o.name for o in m.graph.output}
-        for t in exposed:
-            if t not in have:
-                m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
-                have.add(t)
-        fused, ref = opener.open(m.SerializeToString(), "all", "disabled")
+        fused = opener.open(_with_outputs(model, exposed), "all")[0]
+        ref = opener.open(_with_outputs(model, exposed + observed), "disabled")[0]
     out_names = [o.name for o in model.graph.output]
     t_names = [t for t, _, _ in qt if t not in out_names]
     names = out_names + t_names
@@ -518,9 +560,13 @@ def kernel_vs_reference(
     for feed in feeds:
         a = dict(zip(names, fused.run(names, feed), strict=True))
         extra = [i for i in direct_ins if i not in names]
-        b_all = ref.run(names + extra, feed)
+        watch = [t for t in dict.fromkeys(observed) if t not in names and t not in extra] if observed else []
+        b_all = ref.run(names + extra + watch, feed)
         b = dict(zip(names, b_all[:len(names)], strict=True))
-        direct_env = dict(zip(extra, b_all[len(names):], strict=True))
+        direct_env = dict(zip(extra, b_all[len(names):len(names) + len(extra)], strict=True))
+        if observed and observer.wants_more():
+            seen = {**dict(zip(watch, b_all[len(names) + len(extra):], strict=True)), **direct_env, **b}
+            observer.observe(feed, [seen[t] for t in observer.tensors])
         for n in names:
             y = np.asarray(b[n])
             if not np.issubdtype(y.dtype, np.number):

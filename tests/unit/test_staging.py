@@ -75,6 +75,38 @@ def test_kernel_check_and_fidelity_are_the_same_on_a_staged_model(tmp_path: Path
     assert fid_s == fid
 
 
+def test_the_kernel_check_fills_the_per_layer_probe_with_the_same_figures(tmp_path: Path) -> None:
+    """The per-layer SQNR from the kernel check's QDQ-math runs equals the probe's own runs, and the evaluation then
+    runs no quantized sample for it; token feeds the check cuts are not observed."""
+    from quantkit.data import as_dataset, model_inputs
+    from quantkit.pipeline import layer_probe, verify_kernels
+    from quantkit.scheme.target import resolve_target
+
+    res = quantize(tiny_cnn(seed=2), image_batches(8), RECIPE, evaluate=False, progress=False)
+    qproto, fproto = ir.to_proto(res.model), ir.to_proto(res.float_model)
+    ds = as_dataset(image_batches(6, seed=5), model_inputs(res.float_model))
+    fid, sq = fidelity_and_layer_sqnr(fproto, qproto, res.plan, ds, limit=4)
+    with StageArea(str(tmp_path), size_threshold=0) as area:
+        q_staged = area.stage(res.model, "q-")
+        f_staged = area.stage(res.float_model, "f-")
+        probe = layer_probe(fproto, qproto, res.plan, limit=4, float_staged=f_staged, quant_staged=q_staged)
+        assert probe is not None
+        kernels = verify_kernels(qproto, resolve_target("auto", "cpu"), ds, 16, staged=q_staged, probe=probe)
+        assert probe.observed == 4 and not probe.wants_more()
+        assert probe._s_q is None  # the probe never opened a quantized session of its own
+        fid_p, sq_p = fidelity_and_layer_sqnr(fproto, qproto, res.plan, ds, limit=4, float_staged=f_staged,
+                                              quant_staged=q_staged, probe=probe)
+    assert kernels["check"]["samples"] >= 4
+    assert sq_p.keys() == sq.keys() and sq
+    for layer, db in sq.items():
+        assert sq_p[layer] == pytest.approx(db, abs=1e-9)
+    # the FP32 reference of the first samples came from the exposed FP32 session there and from the plain one
+    # here (exposing tensors blocks float fusions: rounding-level differences)
+    assert fid_p.keys() == fid.keys()
+    for out, row in fid.items():
+        assert fid_p[out] == pytest.approx(row, rel=1e-5)
+
+
 def test_a_staged_kernel_check_still_names_the_layer_whose_kernel_parts(tmp_path: Path) -> None:
     """The layer-alone sub-models reference the staged weights: the wrapping int32 bias is still caught."""
     model = _conv_with_wrapping_bias()
