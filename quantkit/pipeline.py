@@ -481,14 +481,9 @@ def _single_samples(feed: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray
 
 def _exposed(p: onnx.ModelProto, tensors: Sequence[str]) -> bytes:
     """``p`` with ``tensors`` as extra graph outputs (serialized)."""
-    m = onnx.ModelProto()
-    m.CopyFrom(p)
-    have = {o.name for o in m.graph.output}
-    for t in tensors:
-        if t not in have:
-            m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
-            have.add(t)
-    return m.SerializeToString()
+    from quantkit.lowering.kernel_check import with_outputs
+
+    return with_outputs(p, tensors)
 
 
 def _layer_tensors(float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, plan: QuantPlan,

@@ -38,7 +38,7 @@ from quantkit.scheme.target import CPU_CLASSES, cpu_class_saturates
 if TYPE_CHECKING:
     from quantkit.staging import StagedModel
 
-__all__ = ["KernelCheck", "PairRisk", "emulate_saturation", "energies", "kernel_vs_reference", "pair_risks", "portability"]
+__all__ = ["KernelCheck", "PairRisk", "emulate_saturation", "energies", "with_outputs", "kernel_vs_reference", "pair_risks", "portability"]
 
 _DIRECT_INT8 = {"MatMulInteger": 1, "MatMulIntegerToFloat": 1, "DynamicQuantizeMatMul": 1}
 _QDQ_WEIGHTED = {"Conv": 1, "Gemm": 1, "MatMul": 1}
@@ -496,7 +496,7 @@ def _isolation_model(model: onnx.ModelProto, targets: list[str], codes: set[str]
     return m.SerializeToString(), mapping
 
 
-def _with_outputs(model: onnx.ModelProto, tensors: Sequence[str]) -> bytes:
+def with_outputs(model: onnx.ModelProto, tensors: Sequence[str]) -> bytes:
     """``model`` with ``tensors`` as extra graph outputs, serialized."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
@@ -544,8 +544,8 @@ def kernel_vs_reference(
         fused = make_session(staged.variant(exposed), level="all")
         ref = make_session(staged.variant(exposed + observed), level="disabled")
     else:
-        fused = opener.open(_with_outputs(model, exposed), "all")[0]
-        ref = opener.open(_with_outputs(model, exposed + observed), "disabled")[0]
+        fused = opener.open(with_outputs(model, exposed), "all")[0]
+        ref = opener.open(with_outputs(model, exposed + observed), "disabled")[0]
     out_names = [o.name for o in model.graph.output]
     t_names = [t for t, _, _ in qt if t not in out_names]
     names = out_names + t_names
