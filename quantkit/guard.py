@@ -207,10 +207,12 @@ time, won only 14 of 20 such rounds)."""
 
 
 def ab_compare(blobs: Mapping[str, bytes | str], feed: dict[str, Any], *, threads: int | None, rounds: int = AB_ROUNDS,
-               per_round: int = 3, warmup: int = 3, max_per_round: int = 50) -> dict[str, list[float]]:
+               per_round: int = 3, warmup: int = 3, max_per_round: int = 50,
+               stop: Callable[[Mapping[str, list[float]]], bool] | None = None) -> dict[str, list[float]]:
     """``name -> [median ms of each round]``: every model run ``per_round`` times per round - more for a fast
     model, up to ``max_per_round``, so that the slowest of them fills :data:`AB_ROUND_MS` - the models interleaved
-    in each round (so that machine noise hits them alike) and their order rotated between rounds."""
+    in each round (so that machine noise hits them alike) and their order rotated between rounds.  ``stop``: asked
+    after each round with the rounds so far; True ends the comparison there (the verdict is already certain)."""
     from quantkit.evaluate.latency import make_session
 
     sessions = {k: make_session(b, threads=threads) for k, b in blobs.items()}
@@ -235,7 +237,18 @@ def ab_compare(blobs: Mapping[str, bytes | str], feed: dict[str, Any], *, thread
                 sessions[k].run(None, dict(feed))
                 ts.append((time.perf_counter() - t0) * 1e3)
             out[k].append(float(np.median(ts)))
+        if stop is not None and r + 1 < rounds and stop(out):
+            break
     return out
+
+
+def hopeless(ab: Mapping[str, list[float]], candidates: Iterable[str], rounds: int = AB_ROUNDS) -> bool:
+    """Every candidate has lost at least half of ``rounds`` against ``int8`` already: none can pass the sign test
+    (:data:`AB_MIN_WINS` of ``rounds``) nor win the majority that earns extra rounds (:func:`_inconclusive`), so the
+    remaining rounds cannot change the verdict."""
+    i8 = ab.get("int8") or []
+    half = (rounds + 1) // 2
+    return bool(i8) and all(sum(1 for a, b in zip(i8, ab[k], strict=False) if b >= a) >= half for k in candidates)
 
 
 def ab_verdict(int8_ms: list[float], guarded_ms: list[float]) -> tuple[bool, int, float]:
@@ -338,7 +351,8 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
                  f"tried when it removes >= {AB_MARGIN:.0%} of the int8 kernel time, and ships when it wins >= "
                  f"{AB_MIN_WINS} of {AB_ROUNDS} interleaved rounds against the all-int8 model by a median margin "
                  f">= {AB_MARGIN:.0%} ({wins_needed(AB_ROUNDS + AB_EXTRA_ROUNDS)} of {AB_ROUNDS + AB_EXTRA_ROUNDS} "
-                 f"when the first {AB_ROUNDS} were a majority short of that)"),
+                 f"when the first {AB_ROUNDS} were a majority short of that; the A/B stops as soon as every "
+                 f"candidate has lost half of the {AB_ROUNDS} rounds)"),
         "slower_int8_layers": {k: {"fp32_ms": v[0], "int8_ms": v[1],
                                    "rounds": [[round(f, 4), round(q, 4)] for f, q in times[k]]}
                                for k, v in sorted(slow.items())},
@@ -403,8 +417,11 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
         if use_cache:
             _save_decision(path, record)
         return result
-    ab = ab_compare(blobs, feed, threads=threads)
-    if _inconclusive(ab, candidates):
+    ab = ab_compare(blobs, feed, threads=threads, stop=lambda so_far: hopeless(so_far, list(candidates)))
+    if len(ab["int8"]) < AB_ROUNDS:
+        record["ab_stopped_early"] = (f"after {len(ab['int8'])} of {AB_ROUNDS} rounds: every candidate had lost "
+                                      f"half of them")
+    elif _inconclusive(ab, candidates):
         more = ab_compare(blobs, feed, threads=threads, rounds=AB_EXTRA_ROUNDS)
         ab = {k: v + more[k] for k, v in ab.items()}
     f32, i8 = _ms(ab["fp32"]), _ms(ab["int8"])

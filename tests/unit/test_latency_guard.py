@@ -271,3 +271,33 @@ def test_ab_rounds_of_a_fast_model_hold_enough_runs_to_outlast_the_jitter(monkey
     monkeypatch.setattr(latency, "make_session", lambda blob, threads=None: Sleepy(blob.decode(), 30.0))
     ab_compare({"fp32": b"fp32", "int8": b"int8"}, {}, threads=1, rounds=2, warmup=1)
     assert runs["int8"] == 1 + 2 * 3  # a model slower than a round's budget keeps the 3 runs per round
+
+
+def test_the_ab_stops_once_every_candidate_has_lost_half_the_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate slower than all-int8 in every round: after 5 of 10 rounds nothing can change the verdict (it
+    can neither reach 8 wins nor the majority that earns extra rounds), so the A/B ends there; a candidate that
+    wins keeps it running to the end."""
+    import time
+
+    import quantkit.evaluate.latency as latency
+    from quantkit.guard import AB_ROUNDS, ab_compare, ab_verdict, hopeless
+
+    class Sleepy:
+        def __init__(self, ms: float) -> None:
+            self.ms = ms
+
+        def run(self, *a: Any) -> None:
+            time.sleep(self.ms / 1e3)
+
+    speed = {"fp32": 6.0, "int8": 2.0, "slow": 4.0, "fast": 1.0}
+    monkeypatch.setattr(latency, "make_session", lambda blob, threads=None: Sleepy(speed[blob.decode()]))
+    out = ab_compare({k: k.encode() for k in ("fp32", "int8", "slow")}, {}, threads=1, warmup=1, max_per_round=3,
+                     stop=lambda ab: hopeless(ab, ["slow"]))
+    assert [len(v) for v in out.values()] == [5, 5, 5]
+    assert not ab_verdict(out["int8"], out["slow"])[0]
+    out = ab_compare({k: k.encode() for k in ("fp32", "int8", "slow", "fast")}, {}, threads=1, warmup=1,
+                     max_per_round=3, stop=lambda ab: hopeless(ab, ["slow", "fast"]))
+    assert [len(v) for v in out.values()] == [AB_ROUNDS] * 4
+    # the arithmetic behind the rule: with half of 10 rounds lost, no shorter A/B passes the sign test either
+    assert hopeless({"int8": [1.0] * 5, "c": [1.0, 2.0, 1.5, 1.1, 1.2]}, ["c"])
+    assert not hopeless({"int8": [1.0] * 5, "c": [0.9, 2.0, 1.5, 1.1, 1.2]}, ["c"])
