@@ -101,7 +101,7 @@ DOCUMENTED: dict[str, dict[str, str]] = {
         "title": "Conformance zoo: quantkit's default recipe vs ONNX Runtime's quantize_static on every zoo model",
     },
     "zoo_partial_x86-vnni.json": {
-        "title": "Conformance zoo, partial run (four models) after the evaluation-time work",
+        "title": "Conformance zoo, partial run: the six models of the full run above 3x ORT's wall time, re-run with the latency guard's early-stopping A/B",
     },
     "zoo_probes_x86-vnni.json": {
         "title": "Architectures outside the zoo (ShuffleNet v2, RegNet-Y, LR-ASPP segmentation): the lowering rules on unseen blocks",
