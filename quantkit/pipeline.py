@@ -512,14 +512,6 @@ def _layer_tensors(float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, p
     return names
 
 
-def _energies(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
-    """``(sum ref^2, sum (ref - got)^2)`` of two flat arrays (:func:`quantkit.lowering.kernel_check.energies`)."""
-    from quantkit.lowering.kernel_check import energies
-
-    sig, noise, _ = energies(ref, got)
-    return sig, noise
-
-
 class _LayerProbe:
     """The per-layer SQNR's accumulator over the first ``limit`` samples: each sample's layer tensors from the FP32
     model (``float_exposed``: it exposes them) against the same tensors of the quantized model computed by the QDQ
@@ -570,8 +562,10 @@ class _LayerProbe:
 
     def _accumulate(self, feed: Mapping[str, np.ndarray], ref: Sequence[np.ndarray],
                     rq: Sequence[np.ndarray]) -> None:
+        from quantkit.lowering.kernel_check import energies
+
         for t, a, b in zip(self.tensors, ref, rq, strict=True):
-            sig, noise = _energies(np.asarray(a).ravel(), np.asarray(b).ravel())
+            sig, noise, _ = energies(a, b)
             self.sig[t] += sig
             self.noise[t] += noise
         self.seen += int(next(iter(feed.values())).shape[0]) if feed else 1
@@ -608,9 +602,9 @@ def layer_sqnr(
     names = _layer_tensors(float_proto, quant_proto, plan, extra_layers)
     if not names:
         return {}
-    probe = _LayerProbe(quant_proto, names, limit, [o.name for o in float_proto.graph.output],
-                        _exposed(float_proto, list(dict.fromkeys(names.values()))))
-    s_f = make_session(probe._float_exposed, level="basic")
+    exposed = _exposed(float_proto, list(dict.fromkeys(names.values())))
+    probe = _LayerProbe(quant_proto, names, limit, [o.name for o in float_proto.graph.output], exposed)
+    s_f = make_session(exposed, level="basic")
     for feed in ds.batches(1):
         probe.add(feed, s_f.run(probe.tensors, feed))
         if not probe.wants_more():
