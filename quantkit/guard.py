@@ -74,7 +74,8 @@ round (a one-sided sign test at 1/8 for a region whose two times are equal, befo
 PROFILE_RUNS = 10
 """Measured runs per profile (after 3 warm-up runs); each round's node time is the median over them."""
 AB_ROUNDS = 10
-"""Interleaved rounds of the final A/B (all-int8 against guarded, FP32 timed alongside for the report)."""
+"""Interleaved rounds of the final A/B (all-int8 against the candidates; FP32 joins only when the run measured no
+latency of its own, else a candidate's speedup over FP32 is the run's all-int8 speedup over its A/B ratio)."""
 AB_MIN_WINS = 8
 """Rounds of :data:`AB_ROUNDS` the guarded model must win (sign test: 8 of 10 happens by chance with
 probability 0.055 when the two models are equally fast)."""
@@ -393,7 +394,10 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
     log.info("latency guard: %d layer region(s) measured slower in int8 than in float in every round; trying in "
              "float: %s", len(slow), "; ".join(f"{k}: {', '.join(v[:6])}" for k, v in candidates.items()))
     built: dict[str, Any] = {}
-    blobs: dict[str, bytes | str] = {"fp32": float_bytes, "int8": quant_bytes}
+    # FP32 joins the A/B only when the run measured no latency: otherwise a candidate's speedup over FP32 is the
+    # run's measured all-int8 speedup scaled by its A/B ratio (FP32 in every round was ~40% of the A/B's time)
+    first = record["first_speedup"]
+    blobs: dict[str, bytes | str] = {"int8": quant_bytes} if first else {"fp32": float_bytes, "int8": quant_bytes}
     digests: dict[str, str] = {}
     base_stray = _stray_count(quant_bytes)
     for key, names in list(candidates.items()):
@@ -424,15 +428,21 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
     elif _inconclusive(ab, candidates):
         more = ab_compare(blobs, feed, threads=threads, rounds=AB_EXTRA_ROUNDS)
         ab = {k: v + more[k] for k, v in ab.items()}
-    f32, i8 = _ms(ab["fp32"]), _ms(ab["int8"])
+    i8 = _ms(ab["int8"])
+    f32 = _ms(ab["fp32"]) if "fp32" in ab else None
+    i8_speedup = (f32 / i8 if i8 > 0 else None) if f32 is not None else float(first)
     record["ab"] = {"rounds_ms": {k: [round(x, 4) for x in v] for k, v in ab.items()}, "fp32_ms": f32,
-                    "int8_ms": i8, "int8_speedup": f32 / i8 if i8 > 0 else None}
+                    "int8_ms": i8, "int8_speedup": i8_speedup,
+                    "speedups_from": ("FP32 timed in the A/B" if f32 is not None else
+                                      "the run's measured all-int8 speedup over FP32 divided by the A/B ratio")}
     best: tuple[float, str] | None = None
     for key in candidates:
         faster, wins, ratio = ab_verdict(ab["int8"], ab[key])
         gd = _ms(ab[key])
+        speedup = ((f32 / gd if gd > 0 else None) if f32 is not None else
+                   (i8_speedup / ratio if i8_speedup and ratio > 0 else None))
         record["ab"][key] = {"wins": wins, "median_ratio_to_int8": ratio, "ms": gd,
-                             "speedup": f32 / gd if gd > 0 else None, "faster": faster}
+                             "speedup": speedup, "faster": faster}
         if not faster:
             continue
         if best is None:
@@ -455,8 +465,8 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
         record["float_layers"] = names
         record["decision"] = (
             f"shipped with {len(names)} layer(s) in float ({key}): faster than all-int8 in {row['wins']} of "
-            f"{len(ab['int8'])} rounds, median {row['median_ratio_to_int8']:.3f}x its time ({row['speedup']:.2f}x "
-            f"FP32 instead of {f32 / i8:.2f}x)")
+            f"{len(ab['int8'])} rounds, median {row['median_ratio_to_int8']:.3f}x its time ({_x(row['speedup'])} "
+            f"FP32 instead of {_x(i8_speedup)})")
     else:
         record["float_layers"] = []
         record["decision"] = "kept all layers int8: " + "; ".join(
@@ -466,13 +476,17 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
     _attach(chosen, record, t0)
     if use_cache:
         _save_decision(path, record)
-    shipped = record["ab"][best[1]]["ms"] if best is not None else i8
-    if shipped > f32:
+    shipped = record["ab"][best[1]]["speedup"] if best is not None else i8_speedup
+    if shipped is not None and shipped < 1.0:
         chosen.report.setdefault("warnings", []).append(
             f"latency guard: {record['decision']}; still slower than FP32 on this CPU in its A/B "
-            f"({f32 / shipped:.2f}x, see latency_guard)")
+            f"({shipped:.2f}x, see latency_guard)")
     log.info("latency guard: %s", record["decision"])
     return chosen
+
+
+def _x(speedup: float | None) -> str:
+    return "?x" if speedup is None else f"{speedup:.2f}x"
 
 
 def _inconclusive(ab: Mapping[str, list[float]], candidates: Mapping[str, Any]) -> bool:

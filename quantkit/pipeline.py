@@ -34,6 +34,7 @@ from quantkit.staging import StagedModel
 
 __all__ = [
     "EXTERNAL_DATA_THRESHOLD",
+    "Fp32Outputs",
     "bias_mean_inputs",
     "calibrate_ranges",
     "decoder_context",
@@ -42,6 +43,7 @@ __all__ = [
     "eval_dataset",
     "evaluate_fidelity",
     "fidelity_and_layer_sqnr",
+    "graph_key",
     "layer_probe",
     "latency_feed",
     "layer_sqnr",
@@ -436,21 +438,36 @@ def evaluate_fidelity(
 
 
 def _fidelity_pass(float_model: bytes | str, quant_model: bytes | str, ds: Dataset, *, batch_size: int, metric: str,
-                   progress: bool, probe: _LayerProbe | None = None) -> dict[str, Any]:
+                   progress: bool, probe: _LayerProbe | None = None, memo: Fp32Outputs | None = None,
+                   output_names: Sequence[str] | None = None) -> dict[str, Any]:
     """:func:`evaluate_fidelity`; with ``probe`` still short of samples, its FP32 session (exposing the layer
     tensors) runs the first samples one at a time and hands them to the probe, so the per-layer SQNR needs no FP32
     run of its own; ``float_model`` (the FP32 model as it is: exposed layer tensors block fusions, a ViT's FP32
-    run is ~1.5x slower exposed) runs the rest."""
+    run is ~1.5x slower exposed) runs the rest.  ``memo``: FP32 outputs already computed for some samples (the
+    kernel check's FP32 runs, or an earlier run of the same float model): those samples do not run FP32 again;
+    the FP32 outputs computed here are kept there.  ``output_names``: the float model's graph outputs (read from
+    a session when not given)."""
     from quantkit.progress import tqdm
 
-    s_f = make_session(float_model)
+    s_f: Any = None
     s_q = make_session(quant_model)
-    names = compared_outputs([o.name for o in s_f.get_outputs()])
+    if output_names is None:
+        s_f = make_session(float_model)
+        output_names = [o.name for o in s_f.get_outputs()]
+    names = compared_outputs(list(output_names))
     cls = {"classification": True, "embedding": False, "sqnr": False}.get(metric)
     acc = FidelityAccumulator(classification=cls)
     with tqdm(total=len(ds), desc="evaluate", unit="sample", disable=not progress) as bar:
         for feed in ds.batches(batch_size):
-            if probe is not None and probe.wants_more():
+            kept = None
+            if memo is not None:
+                hits = [memo.get(one, names) for one in _single_samples(feed)]
+                if all(h is not None for h in hits):
+                    memo.hits += len(hits)
+                    kept = hits[0] if len(hits) == 1 else [np.concatenate(c) for c in zip(*hits, strict=True)]
+            if kept is not None:
+                ref = kept
+            elif probe is not None and probe.wants_more():
                 parts: list[list[np.ndarray]] = []
                 # one sample at a time: a batch exposing every layer tensor allocates them all at once (ResNet-50,
                 # 8 samples x 119 tensors: 3x slower per sample than one at a time)
@@ -461,7 +478,11 @@ def _fidelity_pass(float_model: bytes | str, quant_model: bytes | str, ds: Datas
                         probe.add(one, [got_f[t] for t in probe.tensors])
                 ref = parts[0] if len(parts) == 1 else [np.concatenate(c) for c in zip(*parts, strict=True)]
             else:
+                if s_f is None:
+                    s_f = make_session(float_model)
                 ref = s_f.run(names, feed)
+            if memo is not None and kept is None:
+                memo.put_batch(feed, names, ref)
             got = s_q.run(names, feed)
             for n, r, g in zip(names, ref, got, strict=True):
                 if np.issubdtype(r.dtype, np.floating):
@@ -512,6 +533,70 @@ def _layer_tensors(float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, p
     return names
 
 
+class Fp32Outputs:
+    """The FP32 model's graph outputs per evaluation sample, kept for the run: the kernel check's FP32 run of a
+    sample (it exposes the probe's layer tensors) hands its outputs to the fidelity pass, and a latency guard's
+    re-run of the same float model with another plan compares against them instead of running FP32 again.
+
+    ``store``: where they live (:attr:`quantkit.formats.base.Artifacts.fp32_outputs`, shared by the runs of one
+    float model); ``graph_key``: :func:`graph_key` of the float model (a Gemm rewritten to MatMul + Add for
+    another plan is another key); a sample is keyed by the hash of its feed.  At most :attr:`limit_bytes` are
+    kept (past that, later samples are run again)."""
+
+    limit_bytes = 256 << 20
+
+    def __init__(self, store: dict[str, Any], graph_key: str) -> None:
+        self.store, self.graph_key = store, graph_key
+        self.hits = 0
+
+    def _key(self, feed: Mapping[str, np.ndarray]) -> str:
+        import hashlib
+
+        h = hashlib.blake2b(self.graph_key.encode(), digest_size=20)
+        for k in sorted(feed):
+            a = np.ascontiguousarray(feed[k])
+            h.update(f"|{k}|{a.dtype.str}|{a.shape}|".encode())
+            h.update(a.data)
+        return h.hexdigest()
+
+    def get(self, feed: Mapping[str, np.ndarray], names: Sequence[str]) -> list[np.ndarray] | None:
+        got = self.store.get(self._key(feed))
+        if got is None or any(n not in got for n in names):
+            return None
+        return [got[n] for n in names]
+
+    def put(self, feed: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+        size = sum(int(np.asarray(v).nbytes) for v in outputs.values())
+        used = self.store.get("__bytes__", 0)
+        if used + size > self.limit_bytes:
+            return
+        key = self._key(feed)
+        if key not in self.store:
+            self.store[key] = {k: np.array(v, copy=True) for k, v in outputs.items()}
+            self.store["__bytes__"] = used + size
+
+    def put_batch(self, feed: Mapping[str, np.ndarray], names: Sequence[str], ref: Sequence[np.ndarray]) -> None:
+        """Keep a batch's outputs sample by sample (when every output has the batch on axis 0)."""
+        singles = _single_samples(feed)
+        n = len(singles)
+        if any(np.ndim(r) == 0 or np.shape(r)[0] != n for r in ref):
+            return
+        for i, one in enumerate(singles):
+            self.put(one, {k: r[i : i + 1] for k, r in zip(names, ref, strict=True)})
+
+
+def graph_key(model: onnx.ModelProto) -> str:
+    """A cheap identity of a float graph's structure (ops, names, wiring, outputs; not the weights, which no plan
+    edits): two plans that prepared the float model alike share it."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=20)
+    for n in model.graph.node:
+        h.update(f"{n.domain}:{n.op_type}:{n.name}:{','.join(n.input)}>{','.join(n.output)};".encode())
+    h.update(",".join(o.name for o in model.graph.output).encode())
+    return h.hexdigest()
+
+
 class _LayerProbe:
     """The per-layer SQNR's accumulator over the first ``limit`` samples: each sample's layer tensors from the FP32
     model (``float_exposed``: it exposes them) against the same tensors of the quantized model computed by the QDQ
@@ -534,6 +619,8 @@ class _LayerProbe:
         self._float_exposed = float_exposed
         self._s_q: Any = None
         self._s_f: Any = None
+        self.graph_outputs = list(graph_outputs)
+        self.memo: Fp32Outputs | None = None  # where observe() keeps the FP32 graph outputs it computed
 
     def wants_more(self) -> bool:
         return self.seen < self.limit
@@ -556,7 +643,9 @@ class _LayerProbe:
     def observe(self, feed: Mapping[str, np.ndarray], quantized: Sequence[np.ndarray]) -> None:
         """Fold in one feed whose quantized layer tensors (QDQ math, :attr:`tensors` order) another run computed;
         the FP32 model runs."""
-        got = self.run_float(feed, [])
+        got = self.run_float(feed, self.graph_outputs if self.memo is not None else [])
+        if self.memo is not None:
+            self.memo.put(feed, {n: got[n] for n in self.graph_outputs})
         self._accumulate(feed, [got[t] for t in self.tensors], quantized)
         self.observed += int(next(iter(feed.values())).shape[0]) if feed else 1
 
@@ -617,13 +706,14 @@ def fidelity_and_layer_sqnr(
     float_bytes: bytes | None = None, quant_bytes: bytes | None = None, batch_size: int = 8, metric: str = "auto",
     progress: bool = False, limit: int = 16, extra_layers: Sequence[str] = (),
     float_staged: StagedModel | None = None, quant_staged: StagedModel | None = None,
-    probe: _LayerProbe | None = None,
+    probe: _LayerProbe | None = None, memo: Fp32Outputs | None = None,
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """:func:`evaluate_fidelity` and :func:`layer_sqnr` in one pass over ``ds``: on the first ``limit`` samples
     the FP32 run exposes the layer tensors (one sample at a time), instead of a second FP32 run of those samples
     for the per-layer figures.  ``probe``: a :func:`layer_probe` made earlier (the kernel check may have filled it
     already: then no sample is run for it here); ``float_staged`` / ``quant_staged``: the models staged on disk
-    (:mod:`quantkit.staging`): sessions open them and their variants by path."""
+    (:mod:`quantkit.staging`): sessions open them and their variants by path.  ``memo``: FP32 outputs kept for
+    this float model (:class:`Fp32Outputs`)."""
     fb: bytes | str
     qb: bytes | str
     if float_staged is not None:
@@ -637,5 +727,6 @@ def fidelity_and_layer_sqnr(
     if probe is None:
         probe = layer_probe(float_proto, quant_proto, plan, limit=limit, extra_layers=extra_layers,
                             float_staged=float_staged, quant_staged=quant_staged)
-    fid = _fidelity_pass(fb, qb, ds, batch_size=batch_size, metric=metric, progress=progress, probe=probe)
+    fid = _fidelity_pass(fb, qb, ds, batch_size=batch_size, metric=metric, progress=progress, probe=probe,
+                         memo=memo, output_names=[o.name for o in float_proto.graph.output])
     return fid, ({} if probe is None else probe.result())

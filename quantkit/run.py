@@ -33,11 +33,13 @@ from quantkit.int4_kernel import choose_for_model
 from quantkit.lowering.select import QuantPlan
 from quantkit.lowering.verify import Census, census
 from quantkit.pipeline import (
+    Fp32Outputs,
     check_context,
     decoder_context,
     eval_dataset,
     extra_perplexities,
     fidelity_and_layer_sqnr,
+    graph_key,
     latency_feed,
     layer_probe,
     measure_pair_latency,
@@ -181,7 +183,8 @@ def _other_layers(lowered: Lowered) -> list[str]:
 
 
 def _quality(job: Job, lowered: Lowered, qproto: onnx.ModelProto, ev: Dataset, progress: bool, tokenizer: Any = None,
-             q_staged: StagedModel | None = None, probe: Any = None) -> tuple[dict[str, Any], dict[str, float]]:
+             q_staged: StagedModel | None = None, probe: Any = None, memo: Fp32Outputs | None = None
+             ) -> tuple[dict[str, Any], dict[str, float]]:
     """Perplexity (causal LM) or fidelity per output, and the static layers' output SQNR."""
     rec = job.recipe
     if _is_lm(rec, job.float_proto):
@@ -206,7 +209,8 @@ def _quality(job: Job, lowered: Lowered, qproto: onnx.ModelProto, ev: Dataset, p
     fid, sq = fidelity_and_layer_sqnr(job.float_proto, qproto, lowered.static, ev,
                                       batch_size=rec.evaluation.batch_size, metric=rec.evaluation.metric,
                                       progress=progress, limit=16, extra_layers=_other_layers(lowered),
-                                      float_staged=job.float_staged, quant_staged=q_staged, probe=probe)
+                                      float_staged=job.float_staged, quant_staged=q_staged, probe=probe,
+                                      memo=memo)
     return {"fidelity": fid}, sq
 
 
@@ -271,6 +275,10 @@ def _run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, c
     probe = (layer_probe(job.float_proto, qproto, lowered.static, limit=16, extra_layers=_other_layers(lowered),
                          float_staged=job.float_staged, quant_staged=q_staged)
              if ev is not None and not _is_lm(rec, job.float_proto) else None)
+    # FP32 outputs of evaluation samples: the kernel check's FP32 runs and a latency guard's earlier run fill it
+    memo = Fp32Outputs(job.artifacts.fp32_outputs, graph_key(job.float_proto)) if probe is not None else None
+    if probe is not None:
+        probe.memo = memo
     kernels: dict[str, Any] = {}
     if lowered.static.layers or lowered.layers.get("dynamic"):
         t = time.perf_counter()
@@ -282,7 +290,7 @@ def _run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, c
     per_layer: dict[str, float] = {}
     if ev is not None:
         t = time.perf_counter()
-        quality, per_layer = _quality(job, lowered, qproto, ev, progress, loaded.tokenizer, q_staged, probe)
+        quality, per_layer = _quality(job, lowered, qproto, ev, progress, loaded.tokenizer, q_staged, probe, memo)
         timings["evaluate_s"] = time.perf_counter() - t
     latency: dict[str, Any] = {}
     load: dict[str, Any] | None = None

@@ -56,6 +56,9 @@ class Artifacts:
     # the ``auto`` calibrator: candidate -> tensor -> range, and the run's choice (``calibrator_choice``)
     range_candidates: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
     calibrator_choice: dict[str, Any] = field(default_factory=dict)
+    # the FP32 model's outputs per evaluation sample (quantkit.pipeline.Fp32Outputs): a second plan's evaluation
+    # compares against them instead of running FP32 again
+    fp32_outputs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -91,6 +91,9 @@ def test_slower_regions_ship_in_float_when_the_ab_finds_it_faster_and_the_decisi
     assert "conv0" not in res.plan.layers and "dwconv" in res.plan.layers
     assert res.census.quantized_kernels.get("QLinearConv") == 2  # conv0 runs as a float Conv now
     assert len(calls) == 1
+    # FP32 was not in the A/B: the speedup is the run's measured all-int8 speedup over the A/B ratio
+    assert "fp32" not in g["ab"]["rounds_ms"] and g["ab"]["fp32_ms"] is None
+    assert g["ab"]["chain_entry"]["speedup"] == pytest.approx(g["first_speedup"] / 0.8)
     # the same int8 model on the same machine: the cached decision ships without profiling again
     res2 = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, evaluation_data=image_batches(2, seed=1),
                              progress=False)
@@ -117,7 +120,8 @@ def test_candidates_are_the_chain_entries_first_then_every_slower_region(monkeyp
     monkeypatch.setattr(guard, "ab_compare", fake)
     res = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, progress=False)
     g = res.report["latency_guard"]
-    assert timed == [["all_slower", "chain_entry", "fp32", "int8"]]  # one A/B for both candidates
+    # one A/B for both candidates; FP32 is not timed in it (the run measured its latency)
+    assert timed == [["all_slower", "chain_entry", "int8"]]
     assert g["candidates"]["chain_entry"]["float_layers"] == ["conv0"]
     assert g["candidates"]["all_slower"]["float_layers"] == ["conv0", "dwconv"]
     assert g["float_layers"] == ["conv0"] and "dwconv" in res.plan.layers  # ties go to fewer float layers

@@ -107,6 +107,55 @@ def test_the_kernel_check_fills_the_per_layer_probe_with_the_same_figures(tmp_pa
         assert fid_p[out] == pytest.approx(row, rel=1e-5)
 
 
+def test_fp32_outputs_are_computed_once_per_sample_and_reused_by_a_second_evaluation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel check's FP32 runs hand the fidelity pass their outputs, and a second plan's evaluation of the
+    same float model (a latency guard's re-run) runs no FP32 sample at all: same figures."""
+    import quantkit.pipeline as pipeline
+    from quantkit.data import as_dataset, model_inputs
+    from quantkit.pipeline import Fp32Outputs, graph_key, layer_probe, verify_kernels
+    from quantkit.scheme.target import resolve_target
+
+    res = quantize(tiny_cnn(seed=2), image_batches(8), RECIPE, evaluate=False, progress=False)
+    qproto, fproto = ir.to_proto(res.model), ir.to_proto(res.float_model)
+    ds = as_dataset(image_batches(6, seed=5), model_inputs(res.float_model))
+    fid, sq = fidelity_and_layer_sqnr(fproto, qproto, res.plan, ds, limit=4)
+    store: dict = {}
+    opened: list[str] = []
+    real = pipeline.make_session
+
+    def counting(model: bytes | str, **kw: object) -> object:
+        opened.append("float" if model == f_staged.path else "other")
+        return real(model, **kw)
+
+    monkeypatch.setattr(pipeline, "make_session", counting)
+    with StageArea(str(tmp_path), size_threshold=0) as area:
+        q_staged = area.stage(res.model, "q-")
+        f_staged = area.stage(res.float_model, "f-")
+        probe = layer_probe(fproto, qproto, res.plan, limit=8, float_staged=f_staged, quant_staged=q_staged)
+        assert probe is not None
+        memo = Fp32Outputs(store, graph_key(fproto))
+        probe.memo = memo
+        verify_kernels(qproto, resolve_target("auto", "cpu"), ds, 16, staged=q_staged, probe=probe)
+        fid1, _ = fidelity_and_layer_sqnr(fproto, qproto, res.plan, ds, limit=8, float_staged=f_staged,
+                                          quant_staged=q_staged, probe=probe, memo=memo)
+        assert memo.hits == 8  # the probe's 8 observed samples (the first batch): FP32 ran only the others
+        assert opened.count("float") == 1
+        opened.clear()
+        again = Fp32Outputs(store, graph_key(fproto))  # the re-run: another job, the same artifacts
+        fid2, _ = fidelity_and_layer_sqnr(fproto, qproto, res.plan, ds, limit=0, float_staged=f_staged,
+                                          quant_staged=q_staged, memo=again)
+        assert again.hits == len(ds) and "float" not in opened  # no FP32 session at all
+        # another float graph (a Gemm rewritten for another plan) shares nothing
+        other = onnx.ModelProto()
+        other.CopyFrom(fproto)
+        other.graph.node[0].name = "renamed"
+        assert Fp32Outputs(store, graph_key(other)).get(next(iter(ds.batches(1))), ["logits"]) is None
+    for out, row in fid.items():
+        assert fid1[out] == pytest.approx(row, rel=1e-5)
+        assert fid2[out] == pytest.approx(fid1[out], rel=1e-6)  # the exposed session's rounding on some samples
+
+
 def test_a_staged_kernel_check_still_names_the_layer_whose_kernel_parts(tmp_path: Path) -> None:
     """The layer-alone sub-models reference the staged weights: the wrapping int32 bias is still caught."""
     model = _conv_with_wrapping_bias()
