@@ -71,6 +71,48 @@ def _slug(m: str) -> str:
     return m.replace(":", "_")
 
 
+RECIPE_VARIANTS = ("recipe", "genai_mixed", "genai_last")
+"""``quantkit:<variant>`` runs recipes/llama-int4.yaml as it ships (``recipe``), with onnxruntime-genai's
+``k_quant_mixed`` / ``k_quant_last`` choice of 8-bit layers written as overrides (``genai_mixed``, ``genai_last``:
+the selection rule is the variable, the rounding stays the recipe's), or with a byte-budgeted search
+(``mix<fraction>``, e.g. ``mix0.20``: the recipe plus a search over int4 g128 / 8-bit per linear, the emitted file
+within that fraction of FP32; ``mix=genai_mixed``: at the size the ``genai_mixed`` row measured in this run)."""
+
+
+def genai_mixed_layers(num_layers: int) -> list[int]:
+    """The blocks onnxruntime-genai's builder gives 8-bit v / down projections under ``k_quant_mixed`` (its rule,
+    after llama.cpp's Q4_K_M: the first and last eighth of the blocks, and every third block in between)."""
+    lo = num_layers / 8
+    return [i for i in range(num_layers)
+            if i < lo or i >= 7 * lo or (i - round(lo)) % 3 == 2]
+
+
+def recipe_variant(algo: str, mix_size: str | None = None) -> dict[str, Any]:
+    import yaml
+
+    d = yaml.safe_load(RECIPE.read_text())
+    overrides = d["quantization"].setdefault("overrides", [])
+    w8 = {"format": "int8_weight", "group_size": 128, "algorithm": "rtn", "algorithm_options": {}}
+    if algo in ("genai_mixed", "genai_last"):
+        # both selectors put the lm_head at 8 bits: here the tied table at 8 bits, stored once
+        overrides[:] = [o for o in overrides if o.get("layer") != "lm_head"] + [{"layer": "lm_head", **w8}]
+    if algo == "genai_mixed":
+        from quantkit.frontends.llm import smollm2_folder
+        from quantkit.frontends.llm_builder import read_decoder_config
+
+        n = read_decoder_config(smollm2_folder()).num_hidden_layers
+        for i in genai_mixed_layers(n):
+            overrides += [{"layer": f"model.layers.{i}.self_attn.v_proj", **w8},
+                          {"layer": f"model.layers.{i}.mlp.down_proj", **w8}]
+    if algo.startswith("mix"):
+        size = mix_size if algo == "mix=genai_mixed" else algo.removeprefix("mix")
+        d["search"] = {
+            "candidates": [{"name": "int4-g128", "format": "int4", "group_size": 128}, {"name": "w8", **w8}],
+            "metric": "size", "target": {"size": float(size)}, "tie": "shared_input",
+            "sensitivity": {"samples": 4, "seq_len": 256, "metric": "kl"}}
+    return d
+
+
 def worker(method: str, out: Path, block: int) -> None:
     import onnx
 
@@ -103,6 +145,20 @@ def worker(method: str, out: Path, block: int) -> None:
             lower_matmul_nbits(model, name, res, accuracy_level=4)
         ir.save(model, target, external_data=target.name + ".data")
         info = {"lowered_layers": len(names)}
+    elif kind == "quantkit" and (algo in RECIPE_VARIANTS or algo.startswith("mix")):
+        from quantkit.api import quantize
+        from quantkit.recipe import load_recipe
+
+        d = recipe_variant(algo, os.environ.get("QK_BENCH_MIX_SIZE"))
+        res = quantize(recipe=load_recipe(d), progress=False, evaluate=False, measure_latency=False)
+        res.save(out / _slug(method), report=True)
+        info = {"layers": len(res.report["layers"]), "layerwise": True, "size": res.report.get("size"),
+                "path": str(out / _slug(method) / "model.onnx")}
+        if "search" in res.report:
+            srch = res.report["search"]
+            info["search"] = {k: srch.get(k) for k in ("target", "counts", "budget_bytes", "embedding_apart_bytes",
+                                                        "predicted_bytes_emitted", "emitted_bytes", "search_s")}
+            info["eight_bit_layers"] = sorted(r["layer"] for r in srch["assignment"] if r["candidate"] == "w8")
     elif kind == "quantkit":
         import yaml
 
@@ -329,7 +385,8 @@ def main() -> None:
     ap.add_argument("--methods", default=DEFAULT)
     ap.add_argument("--eval", type=int, default=16, help="evaluation windows of 512 tokens")
     ap.add_argument("--text", default="emma",
-                    help="held-out evaluation novel: emma | northangerabbey | sensesensibility | ... (the recipe "
+                    help="held-out evaluation text(s), comma-separated: an Austen novel (emma | northangerabbey | "
+                         "persuasion | ...) or a text source (pydoc: its evaluation split); the first sets 'ppl' (the recipe "
                          "calibrates on Pride and Prejudice)")
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--out", default=None)
@@ -365,8 +422,11 @@ def main() -> None:
     allowed = {"quantkit": qk + tuple(a + "_lw" for a in qk),  # _lw: calibration.layerwise
                "ort": ("rtn_sym", "rtn_asym", "hqq")}
     allowed |= {"autoround": (f"g{args.block}",), "genai": GENAI_ALGOS}  # peers, in eval/.venv-peers
+    allowed["quantkit"] += RECIPE_VARIANTS
     for m in methods[1:]:
         kind, _, algo = m.partition(":")
+        if kind == "quantkit" and (algo == "mix=genai_mixed" or algo.removeprefix("mix").replace(".", "", 1).isdigit()):
+            continue
         if algo not in allowed.get(kind, ()):
             raise SystemExit(f"unknown method {m!r}; allowed: " + ", ".join(
                 f"{k}:{a}" for k, algos in allowed.items() for a in algos))
@@ -388,9 +448,10 @@ def main() -> None:
         (calib,) = list(cal.batches(len(cal)))
         calib = {k: calib[k] for k in ("input_ids", "attention_mask")}
 
-    ev = make_dataset({"kind": "text", "source": f"austen:{args.text}", "mode": "windows", "seq_len": 512,
-                       "count": args.eval},
-                      inputs=model_inputs(loaded.model), tokenizer=loaded.tokenizer, split="evaluation")
+    texts = [t if ":" in t or t == "pydoc" else f"austen:{t}" for t in args.text.split(",")]
+    evs = {t: make_dataset({"kind": "text", "source": t, "mode": "windows", "seq_len": 512, "count": args.eval},
+                           inputs=model_inputs(loaded.model), tokenizer=loaded.tokenizer, split="evaluation")
+           for t in texts}
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmpd:
         tmp = Path(tmpd)
@@ -415,18 +476,25 @@ def main() -> None:
                     link = tmp / f"{_slug(m)}_codes.npz"
                     if not link.exists():
                         link.symlink_to(pdir / f"{_slug(m)}_codes.npz")
+                env = dict(os.environ)
+                if m == "quantkit:mix=genai_mixed":  # the size the genai_mixed row measured in this run
+                    size = results["quantkit:genai_mixed"]["size"]
+                    env["QK_BENCH_MIX_SIZE"] = str(size["quantized_bytes"] / size["fp32_bytes"])
                 subprocess.run([sys.executable, __file__, "--worker", m, "--out-dir", str(tmp), "--block",
-                                str(args.block)], check=True, cwd=ROOT)
+                                str(args.block)], check=True, cwd=ROOT, env=env)
                 results[m] = json.loads((tmp / f"{_slug(m)}.json").read_text())
                 if kind == "autoround":  # time and RSS of auto-round itself; the lowering is extra
                     results[m] = {**peer, "lower_s": results[m]["wall_s"], "lowered_layers": results[m]["lowered_layers"]}
                 paths[m] = Path(results[m].get("path") or tmp / f"{_slug(m)}.onnx")
             results[m].setdefault("size_mb", _size(paths[m]) / 2**20)
-            results[m]["ppl"] = perplexity(str(paths[m]), _EmptyPast(ev, paths[m]) if m in kv else ev)["ppl"]
+            results[m]["ppl_by_text"] = {t: perplexity(str(paths[m]), _EmptyPast(e, paths[m]) if m in kv else e)["ppl"]
+                                         for t, e in evs.items()}
+            results[m]["ppl"] = results[m]["ppl_by_text"][texts[0]]
             if m != "fp32":
                 cen = census(str(paths[m]))
                 results[m]["kernels"] = dict(cen.quantized_kernels)
-            print(f"[bench] {m}: ppl {results[m]['ppl']:.3f}, {results[m]['size_mb']:.1f} MB", flush=True)
+            print(f"[bench] {m}: ppl " + ", ".join(f"{t} {v:.3f}" for t, v in results[m]["ppl_by_text"].items())
+                  + f", {results[m]['size_mb']:.1f} MB", flush=True)
         pre = measure_prefill({m: str(p) for m, p in paths.items()}, seq_len=128, warmup=3, repeat=20)
         dec = measure_decode({m: str(p) for m, p in paths.items() if m not in kv}, warmup=5, repeat=40)
         if kv:  # one token with an empty past: the same work as the others' one-token forward

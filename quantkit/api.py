@@ -99,8 +99,14 @@ def quantize(
                               f"layer-wise builder emits, and this run takes the whole-graph path ({route.reason}); "
                               "allowed here: export.kv_cache: float32 (or a decoder the layer-wise builder supports, "
                               "calibration.layerwise: auto or true)")  # fmt: skip
-        if route.layerwise:
-            result: Any = run_layerwise(model, calibration_data, rec, evaluation_data=evaluation_data,
+        if route.layerwise and rec.search is not None:  # weight-only candidates: searched, then streamed
+            from quantkit.llm_mix import run_layerwise_mix
+
+            result: Any = run_layerwise_mix(model, calibration_data, rec, evaluation_data=evaluation_data,
+                                            evaluate=evaluate, measure_latency=measure_latency, progress=progress,
+                                            use_cache=use_cache, t_start=t_start)
+        elif route.layerwise:
+            result = run_layerwise(model, calibration_data, rec, evaluation_data=evaluation_data,
                                         evaluate=evaluate, measure_latency=measure_latency, progress=progress,
                                         t_start=t_start)  # fmt: skip
         else:

@@ -450,15 +450,26 @@ def _int8_kv_cache(path: Path, windows: np.ndarray, cfg: Any, progress: bool) ->
             "calibrate_s": time.perf_counter() - t}  # fmt: skip
 
 
+MIX_FORMATS = ("int4", "int8_weight", "fp32")
+
+
+def is_layerwise_mix(rec: RecipeModel) -> bool:
+    """A search whose candidates are all formats the layer-wise builder emits (weight-only, fp32): searched on the
+    whole graph, built layer-wise (:mod:`quantkit.llm_mix`)."""
+    return rec.search is not None and all(c.format in MIX_FORMATS for c in rec.search.candidate_list())
+
+
 def check_layerwise_plan(rec: RecipeModel) -> None:
     """Refuse, before any work, a layer-wise recipe whose default format cannot be built that way."""
     fmt = rec.quantization.default.format
     if fmt not in LAYERWISE_FORMATS:
         raise RecipeError(f"calibration.layerwise: quantization.default.format {fmt!r} is not built layer-wise; "
                             f"allowed: {sorted(LAYERWISE_FORMATS)}")  # fmt: skip
-    if rec.search is not None:
-        raise RecipeError("calibration.layerwise and search cannot be combined (the search measures the whole "
-                            "graph); set calibration.layerwise: false")  # fmt: skip
+    if rec.search is not None and not is_layerwise_mix(rec):
+        raise RecipeError("calibration.layerwise: true and a search with candidates other than weight-only ones "
+                          f"({sorted({c.format for c in rec.search.candidate_list()} - set(MIX_FORMATS))}) "
+                          "cannot be combined (those formats need the whole graph); allowed: search candidates in "
+                          f"{list(MIX_FORMATS)}, or calibration.layerwise: false")  # fmt: skip
 
 
 # -- which path: streamed block by block, or the whole graph (guarded by its memory estimate) -----------------
@@ -519,8 +530,8 @@ def layerwise_blockers(rec: RecipeModel) -> list[str]:
     for i, o in enumerate(rec.quantization.overrides):
         if o.format is not None and o.format not in LAYERWISE_FORMATS:
             out.append(f"quantization.overrides[{i}].format: {o.format}")
-    if rec.search is not None:
-        out.append("a search section")
+    if rec.search is not None and not is_layerwise_mix(rec):
+        out.append("a search section with candidates other than int4 / int8_weight / fp32")
     if rec.export.weight_only_form != "matmulnbits":
         out.append(f"export.weight_only_form: {rec.export.weight_only_form}")
     if rec.model is not None and rec.model.graph == "full_sequence":

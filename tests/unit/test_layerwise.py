@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -231,3 +232,54 @@ def test_evaluation_extra_texts_get_their_own_perplexity(folders: dict[bool, tup
     from quantkit.report.build import render_markdown
 
     assert "Other held-out texts" in render_markdown(rep)
+
+
+def _mix_recipe(folder: Path, tmp_path: Path, **search: Any) -> dict[str, Any]:
+    for k, seed in (("cal", 21), ("ev", 22)):
+        ids = _windows(4, 16, seed)
+        np.savez(tmp_path / f"{k}.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    rec = _recipe(folder, algorithm="gptq")
+    rec["calibration"] = {"layerwise": "auto", "data": {"kind": "npz", "path": str(tmp_path / "cal.npz")}}
+    rec["evaluation"] = {"data": {"kind": "npz", "path": str(tmp_path / "ev.npz")}}
+    rec["search"] = {"candidates": [{"name": "int4", "format": "int4", "group_size": 32},
+                                    {"name": "w8", "format": "int8_weight", "group_size": 32, "algorithm": "rtn"}],
+                     "target": {"size": "between:int4:w8:0.5"}, "tie": "none",
+                     "sensitivity": {"samples": 2, "seq_len": 8}, **search}
+    return rec
+
+
+def test_a_weight_only_search_is_solved_on_the_whole_graph_and_built_layer_wise(
+        folders: dict[bool, tuple[Path, Any]], tmp_path: Path) -> None:
+    """The byte-budgeted 4/8-bit mix: the search's formats are the shipped model's, and the emitted file fits the
+    budget (the embedding the build stores apart - a GPTQ head on a tied table - is counted)."""
+    folder, _ = folders[True]
+    res = quantkit.quantize(recipe=_mix_recipe(folder, tmp_path), progress=False, measure_latency=False)
+    s = res.report["search"]
+    assert s["counts"].get("int4") and s["counts"].get("w8"), s["counts"]  # a real mix at the midpoint
+    assert s["embedding_apart_bytes"] == 0  # the tied lm_head is searched: its candidates carry those bytes
+    # every searched layer was built in its candidate's format (q / k / v share one packed kernel)
+    built = {r["layer"]: r for r in res.report["layers"]}
+    fmt = {"int4": ("int4", 4), "w8": ("int8_weight", 8)}
+    for row in s["assignment"]:
+        assert (built[row["layer"]]["format"], built[row["layer"]]["bits"]) == fmt[row["candidate"]], row
+    model = onnx.load(str(res.path), load_external_data=False)
+    bits = {next(a.i for a in n.attribute if a.name == "bits") for n in model.graph.node if n.op_type == "MatMulNBits"}
+    assert bits == {4, 8}
+    # the budget is the emitted file's (whole-graph prediction + what the streamed build stores apart)
+    # the budget bounds the emitted tensors (this tiny model's file is mostly the page padding of its weights file)
+    assert s["emitted_tensor_bytes"] <= s["budget_bytes"]
+    assert s["emitted_bytes"] > s["emitted_tensor_bytes"]
+    assert np.isfinite(res.report["quality"]["perplexity_quantized"]["ppl"])
+
+
+def test_a_weight_only_search_built_layer_wise_takes_a_size_target_only(
+        folders: dict[bool, tuple[Path, Any]], tmp_path: Path) -> None:
+    folder, _ = folders[True]
+    rec = _mix_recipe(folder, tmp_path, target={"latency": 0.5})
+    with pytest.raises(RecipeError, match=r"search.target \{'latency': 0.5\}.*allowed: search.target: \{size"):
+        quantkit.quantize(recipe=rec, progress=False, measure_latency=False)
+    rec = _mix_recipe(folder, tmp_path)
+    rec["search"]["candidates"].append({"name": "dyn", "format": "int8_dynamic"})
+    rec["calibration"]["layerwise"] = True
+    with pytest.raises(RecipeError, match=r"\['int8_dynamic'\].*allowed: search candidates in"):
+        quantkit.quantize(recipe=rec, progress=False, measure_latency=False)
