@@ -109,7 +109,7 @@ def recipe_variant(algo: str, mix_size: str | None = None) -> dict[str, Any]:
         d["search"] = {
             "candidates": [{"name": "int4-g128", "format": "int4", "group_size": 128}, {"name": "w8", **w8}],
             "metric": "size", "target": {"size": float(size)}, "tie": "shared_input",
-            "sensitivity": {"samples": 4, "seq_len": 256, "metric": "kl"}}
+            "sensitivity": {"samples": 2, "seq_len": 128, "metric": "kl"}}
     return d
 
 
@@ -154,8 +154,8 @@ def worker(method: str, out: Path, block: int) -> None:
         res.save(out / _slug(method), report=True)
         info = {"layers": len(res.report["layers"]), "layerwise": True, "size": res.report.get("size"),
                 "path": str(out / _slug(method) / "model.onnx")}
-        if "search" in res.report:
-            srch = res.report["search"]
+        srch = res.report.get("search")
+        if srch:
             info["search"] = {k: srch.get(k) for k in ("target", "counts", "budget_bytes", "embedding_apart_bytes",
                                                         "predicted_bytes_emitted", "emitted_bytes", "search_s")}
             info["eight_bit_layers"] = sorted(r["layer"] for r in srch["assignment"] if r["candidate"] == "w8")

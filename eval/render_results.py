@@ -118,6 +118,14 @@ DOCUMENTED: dict[str, dict[str, str]] = {
                    "--windows 8 512",
         "source": "README.md at commit bdaae52",
     },
+    "int4_mix_x86-vnni.json": {
+        "title": "INT4 SmolLM2-135M on held-out Persuasion and Python docs: the recipe, a byte-budgeted searched 4/8-bit "
+                 "mix, onnxruntime-genai's k_quant_mixed / k_quant_last choice of 8-bit layers (same rounding), "
+                 "ONNX Runtime's RTN and the genai builder",
+        "command": "python eval/bench_int4.py --text persuasion,pydoc --eval 16 --methods ort:rtn_sym,genai:rtn,"
+                   "quantkit:recipe,quantkit:mix0.20,quantkit:genai_mixed,quantkit:mix=genai_mixed "
+                   "--peer-cache /tmp/peers --out eval/results/int4_mix_x86-vnni.json",
+    },
     "int4_rotation_x86-vnni.json": {
         "title": "INT4 SmolLM2-135M with and without the randomized Hadamard rotation (quantization.rotation)",
     },
@@ -199,18 +207,38 @@ def _methods_table(results: dict[str, dict[str, Any]]) -> list[str]:
     def mib(r: dict[str, Any]) -> Any:
         return r["size_bytes"] / 2**20 if r.get("size_bytes") else r.get("size_mb")
 
+    rtn = results.get("ort:rtn_sym", {})
+
+    def gap_closed(r: dict[str, Any]) -> Any:
+        """Share of the FP32-to-ORT-RTN perplexity gap a method closes (first held-out text)."""
+        if r is fp32 or r is rtn or not (r.get("ppl") and rtn.get("ppl") and fp32.get("ppl")):
+            return None
+        gap = rtn["ppl"] - fp32["ppl"]
+        return (rtn["ppl"] - r["ppl"]) / gap if gap > 0 else None
+
+    def second_text(r: dict[str, Any]) -> Any:
+        texts = list((r.get("ppl_by_text") or {}).values())
+        return texts[1] if len(texts) > 1 else None
+
+    def size_x(r: dict[str, Any]) -> Any:
+        return mib(r) / mib(fp32) if mib(r) and mib(fp32) else None
+
     cols: list[Column] = [
         ("top-1 vs FP32", lambda r: _fidelity(r, "top1_agreement"), "{:.3f}"),
         ("KL", lambda r: _fidelity(r, "mean_kl"), "{:.4f}"),
         ("cosine", lambda r: _fidelity(r, "mean_cosine", "sentence_embedding"), "{:.4f}"),
         ("perplexity", lambda r: r.get("ppl"), "{:.2f}"),
         ("vs FP32", ppl_delta, "{:+.1%}"),
+        ("gap to ORT RTN closed", gap_closed, "{:.0%}"),
+        ("2nd held-out text", second_text, "{:.2f}"),
         ("latency ms", lambda r: r.get("latency_ms"), "{:.2f}"),
         ("x FP32 speed", lambda r: r.get("speedup_vs_fp32"), "{:.2f}"),
         ("prefill ms", lambda r: r.get("prefill_ms"), "{:.1f}"),
         ("prefill x FP32", prefill_x, "{:.2f}"),
         ("decode ms", lambda r: r.get("decode_ms"), "{:.2f}"),
+        ("decode+KV ms/token", lambda r: r.get("decode_kv_ms"), "{:.2f}"),
         ("size MiB", mib, "{:.1f}"),
+        ("size x FP32", size_x, "{:.3f}"),
         ("kernels vs own QDQ math (top-1)", lambda r: r.get("kernel_vs_qdq_top1"), "{:.3f}"),
         ("layers parted", lambda r: r.get("layers_parted"), "{:d}"),
         ("exact on x86-avx2", lambda r: r.get("exact_x86_avx2"), "{}"),

@@ -150,7 +150,13 @@ def run_layerwise_mix(model: Any, calibration_data: Any, rec: RecipeModel, *, ev
     ctx = prepare_search(model, calibration_data, _search_recipe(rec), evaluation_data=evaluation_data,
                          progress=progress, use_cache=use_cache)
     search_s = time.perf_counter() - t
-    budget = _resolve_budget(srch.target["size"], METRIC_KEY["size"], ctx.uniform_all, ctx.fp32_pred["bytes"])
+    expr = srch.target["size"]
+    # a fraction is of the FP32 model (every weight float32, the tied table once): the search's own FP32 point
+    # keeps the recipe's pinned layers (an lm_head override) in their format
+    fp32_bytes = float(sum(v.const_value.nbytes for v in ctx.float_model.graph.initializers.values()
+                           if v.const_value is not None))
+    budget = (float(expr) * fp32_bytes if isinstance(expr, (int, float)) else
+              _resolve_budget(expr, METRIC_KEY["size"], ctx.uniform_all, ctx.fp32_pred["bytes"]))
     problem = ctx.problem
     # the bytes the layer-wise build adds over the whole graph (an embedding stored apart)
     head_units = [u for u in ctx.space.units if any(ctx.space.layers[n].tied for n in u.layers)]
@@ -182,7 +188,7 @@ def run_layerwise_mix(model: Any, calibration_data: Any, rec: RecipeModel, *, ev
         "target": dict(srch.target), "route": "searched on the whole graph (round-to-nearest damage), built "
         "layer-wise with each layer's candidate", "status": sol.status,
         "budget_bytes": budget, "embedding_apart_bytes": fixed, "predicted": predicted,
-        "predicted_bytes_emitted": predicted["bytes"] + fixed, "fp32_bytes_whole_graph": ctx.fp32_pred["bytes"],
+        "predicted_bytes_emitted": predicted["bytes"] + fixed, "fp32_bytes": fp32_bytes,
         "uniform_predicted": ctx.uniform_all, "assignment": rows, "counts": counts,
         "pinned": list(ctx.space.pinned), "search_s": search_s,
     }

@@ -643,7 +643,7 @@ def choose_route(model: Any, rec: RecipeModel, *, check_memory: bool = True) -> 
         streamed = f" (expected peak ~{gb(lw.peak_bytes)})" if lw is not None else ""
         if blockers:
             instead = (f"{', '.join(blockers)} need(s) the whole graph; with formats int4 / int8_weight / fp32 only "
-                       f"and no search section, calibration.layerwise: auto (the default) or true streams this "
+                       f"(a search over those only), calibration.layerwise: auto (the default) or true streams this "
                        f"checkpoint block by block{streamed}")  # fmt: skip
         else:
             instead = (f"calibration.layerwise: auto (the default) or true streams this checkpoint block by block"

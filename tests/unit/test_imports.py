@@ -92,7 +92,7 @@ FLOORS: list[set[str]] = [
     {"formats"},  # format handlers + the lowering walk over a precision plan
     {"run", "llm_run"},  # execute, check, evaluate, report one plan
     {"search"},  # proposes plans; runs them through formats / run
-    {"api", "guard"},  # guard: float islands chosen by measured latency (profiles through search.profile)
+    {"api", "guard", "llm_mix"},  # guard: float islands by measured latency; llm_mix: a searched mix, streamed
     {"cli", "quantkit"},
 ]
 

@@ -272,6 +272,20 @@ def test_a_weight_only_search_is_solved_on_the_whole_graph_and_built_layer_wise(
     assert np.isfinite(res.report["quality"]["perplexity_quantized"]["ppl"])
 
 
+def test_a_fraction_budget_of_a_layer_wise_mix_is_of_the_fp32_model(
+        folders: dict[bool, tuple[Path, Any]], tmp_path: Path) -> None:
+    """With the lm_head pinned (GPTQ, 4-bit: the build stores the embedding apart) a size fraction bounds the emitted
+    tensors against the FP32 weights, not against the search's own partly quantized FP32 point."""
+    folder, _ = folders[True]
+    rec = _mix_recipe(folder, tmp_path, target={"size": 0.45})
+    rec["quantization"]["overrides"] = [{"layer": "lm_head", "format": "int4", "group_size": 32,
+                                         "algorithm": "gptq"}]
+    s = quantkit.quantize(recipe=rec, progress=False, measure_latency=False).report["search"]
+    assert s["embedding_apart_bytes"] > 0 and s["budget_bytes"] == pytest.approx(0.45 * s["fp32_bytes"])
+    assert s["emitted_tensor_bytes"] <= s["budget_bytes"]
+    assert s["counts"].get("w8")  # the room left over went to 8-bit layers
+
+
 def test_a_weight_only_search_built_layer_wise_takes_a_size_target_only(
         folders: dict[bool, tuple[Path, Any]], tmp_path: Path) -> None:
     folder, _ = folders[True]
