@@ -65,32 +65,19 @@ def _embedding_apart_bytes(rec: RecipeModel, cfg: Any, head_algorithm: str, head
     rotated = rec.quantization.rotation != "none"  # a rotation unties the head from the table too
     if not rotated and (head_format not in ("int4", "int8_weight") or head_algorithm not in STATS_ALGORITHMS):
         return 0
-    emb = _layer_setting(rec, cfg.spec.names.embed)
-    bits = 4 if emb["format"] == "int4" else 8 if emb["format"] == "int8_weight" else 32
+    emb = _layer_plan(rec, cfg.spec.names.embed)
+    bits = 4 if emb.format == "int4" else 8 if emb.format == "int8_weight" else 32
     if bits == 32:
         return 4 * cfg.vocab_size * cfg.hidden_size
-    return weight_only_bytes(cfg.hidden_size, cfg.vocab_size, bits, emb["group_size"] or cfg.hidden_size,
-                             emb["symmetric"])
+    return weight_only_bytes(cfg.hidden_size, cfg.vocab_size, bits, emb.group_size or cfg.hidden_size,
+                             emb.weight_symmetric)
 
 
-def _layer_setting(rec: RecipeModel, name: str) -> dict[str, Any]:
-    """Format, group size, algorithm and symmetry the recipe gives layer ``name`` (its last matching override
-    over the default)."""
-    from quantkit.recipe.patterns import pattern_search
+def _layer_plan(rec: RecipeModel, name: str) -> Any:
+    """The recipe's plan for layer ``name`` as the layer-wise builder resolves it (default and overrides)."""
+    from quantkit.recipe.plan import PrecisionPlan
 
-    q = rec.quantization
-    out = {"format": q.default.format, "group_size": q.default.group_size, "algorithm": q.default.algorithm,
-           "symmetric": q.default.weights.symmetric}
-    for o in q.overrides:
-        hit = (o.layer == name) or (o.pattern is not None and pattern_search(o.pattern, name, "override pattern"))
-        if not hit:
-            continue
-        for k in ("format", "group_size", "algorithm"):
-            if getattr(o, k) is not None:
-                out[k] = getattr(o, k)
-        if o.weights is not None:
-            out["symmetric"] = o.weights.symmetric
-    return out
+    return PrecisionPlan.from_recipe(rec).layer(name, "MatMul", name)
 
 
 def searched_overrides(rec: RecipeModel, rows: list[dict[str, Any]], names: dict[str, str]) -> list[dict[str, Any]]:
@@ -170,8 +157,8 @@ def run_layerwise_mix(model: Any, calibration_data: Any, rec: RecipeModel, *, ev
                     algo = cands[cn].algorithm or rec.quantization.default.algorithm
                     bytes_[(un, cn)] += _embedding_apart_bytes(rec, cfg, algo, cands[cn].format)
     else:
-        head = _layer_setting(rec, "lm_head")
-        fixed = _embedding_apart_bytes(rec, cfg, head["algorithm"], head["format"])
+        head = _layer_plan(rec, "lm_head")
+        fixed = _embedding_apart_bytes(rec, cfg, head.algorithm, head.format)
     sol = solve(problem, minimize="damage", budgets={"bytes": budget - fixed}, time_limit=srch.time_limit_s)
     if sol is None:
         raise RecipeError(f"search.target {dict(srch.target)}: no assignment of the candidates fits {budget:.6g} "
