@@ -442,7 +442,14 @@ def _int4_rotation(data: dict[str, Any]) -> list[str]:
                   f"{_num(ex.get('max_abs_logit_diff'), '{:.2e}')} (logits up to {_num(ex.get('max_abs_logit'), '{:.1f}')}), "
                   f"greedy tokens equal {_num(ex.get('greedy_agreement'), '{:.2%}')}, perplexity "
                   f"{_num(pp.get('rotated'), '{:.4f}')} vs {_num(pp.get('plain'), '{:.4f}')}; the rotated FP32 model "
-                  f"built in {_num(ex.get('build_s'), '{:.0f}')} s.", "", f"Rotation: {ex.get('rotation_note')}.", ""]
+                  f"built in {_num(ex.get('build_s'), '{:.0f}')} s.", ""]
+        to64 = ex.get("max_abs_logit_diff_to_float64")
+        if to64:
+            lines += [f"Against the exact logits (the checkpoint's forward in float64, same tokens), max |logit - exact|: "
+                      f"rotated graph {_num(to64.get('rotated'), '{:.2e}')}, unrotated graph "
+                      f"{_num(to64.get('plain'), '{:.2e}')}, transformers' own FP32 forward "
+                      f"{_num(to64.get('transformers_fp32'), '{:.2e}')} - what float32 rounding spreads.", ""]
+        lines += [f"Rotation: {ex.get('rotation_note')}.", ""]
     runs = data.get("runs") or []
     texts = [t for t in ("emma", "pydoc", "northangerabbey") if any(t in (r.get("perplexity") or {}) for r in runs)]
 
