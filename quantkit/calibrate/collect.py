@@ -13,7 +13,9 @@ How :func:`collect_statistics` works:
    untyped output otherwise, which ONNX Runtime infers).  Requested graph inputs are read
    from the feeds instead.
 3. Every batch's outputs go straight to their calibrator's ``update`` and are dropped, so
-   peak memory is one batch of outputs, independent of the number of samples.
+   peak memory is one batch of outputs (two when they fit the budget together: ONNX Runtime then
+   runs the next batch in a worker thread while this one is binned), independent of the number of
+   samples.
 4. Chunking: with ``max_outputs_per_pass`` and/or ``max_batch_output_bytes``, tensors are
    split into several passes over the data.  Bytes per tensor per batch are estimated on
    the first batch: from shape inference with the batch's concrete input shapes, and
@@ -28,7 +30,8 @@ import math
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import ExitStack
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, nullcontext
 from typing import Any, Protocol, TypeAlias
 
 import numpy as np
@@ -386,6 +389,7 @@ def collect_statistics(
         bar = stack.enter_context(
             tqdm(total=per_pass * len(chunks), disable=not progress, desc="calibrate", unit="batch")
         )
+        budget = max_batch_output_bytes
         for i, chunk in enumerate(chunks):
             sess = runner.session(chunk) if chunk else None
             stream: Iterable[Batch]
@@ -394,20 +398,40 @@ def collect_statistics(
                 del first  # only the stream holds it now
             else:
                 stream = dataset.batches(batch_size)
-            for batch in stream:
-                feeds = _check_feeds(batch, required, optional)
-                if i == 0:
-                    for name in from_feeds:
-                        calibrators[name].update(feeds[name])
-                if sess is not None:
-                    outs = _run(sess, chunk, feeds)
-                    for name, value in zip(chunk, outs, strict=True):
-                        calibrators[name].update(value)
-                    del outs, value
-                del feeds, batch
-                bar.update(1)
-            del sess
+            # one batch ahead: ONNX Runtime runs batch k + 1 (it releases the GIL) while the calibrators bin batch
+            # k, when two batches' outputs fit the memory budget together (the update order is unchanged)
+            ahead = sess is not None and (budget is None or 2 * sum(sizes.get(n, budget) for n in chunk) <= budget)
+            pending: Future[list[np.ndarray]] | None = None
+            with ThreadPoolExecutor(1, thread_name_prefix="quantkit-calibrate") if ahead else nullcontext() as pool:
+                for batch in _then_none(stream):
+                    feeds = _check_feeds(batch, required, optional) if batch is not None else None
+                    if feeds is not None and i == 0:
+                        for name in from_feeds:
+                            calibrators[name].update(feeds[name])
+                    if sess is not None and pool is not None:
+                        running = pool.submit(_run, sess, chunk, feeds) if feeds is not None else None
+                        if pending is not None:
+                            _update(calibrators, chunk, pending.result())
+                            bar.update(1)
+                        pending = running
+                    elif feeds is not None:
+                        if sess is not None:
+                            _update(calibrators, chunk, _run(sess, chunk, feeds))
+                        bar.update(1)
+                    del feeds, batch
+            del sess, pending
     return calibrators
+
+
+def _then_none(stream: Iterable[Batch]) -> Iterator[Batch | None]:
+    """The batches, then ``None`` (the overlapped loop's last step bins the last batch)."""
+    yield from stream
+    yield None
+
+
+def _update(calibrators: Mapping[str, Calibrator], chunk: Sequence[str], outs: list[np.ndarray]) -> None:
+    for name, value in zip(chunk, outs, strict=True):
+        calibrators[name].update(value)
 
 
 def _prepend(first: Batch, rest: Iterator[Batch]) -> Iterator[Batch]:

@@ -433,3 +433,41 @@ def test_peak_memory_does_not_grow_with_samples() -> None:
     # Keeping batches would add >= 2.4 MB to the 200-sample peak; allow 256 KB of noise.
     small, large = _peak(50), _peak(200)
     assert large - small < 256 * 1024, (small, large)
+
+
+def test_overlapped_runs_bin_in_order_and_only_within_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONNX Runtime runs the next batch in a worker thread while this one is binned when two batches' outputs fit
+    the budget; the calibrators see the batches in the same order either way (an order-dependent EMA agrees)."""
+    import threading
+
+    where: list[str] = []
+    real = collect_mod._run
+
+    def spy(sess, outputs, feeds):  # type: ignore[no-untyped-def]
+        where.append(threading.current_thread().name)
+        return real(sess, outputs, feeds)
+
+    monkeypatch.setattr(collect_mod, "_run", spy)
+    req = {"mm": ("minmax", {"momentum": 0.5}), "relu": ("minmax", {"momentum": 0.5})}
+    # one batch of 1 row exposes mm + relu: 2 x 12 bytes = 24 bytes; two batches need 48
+    roomy = ranges(collect_statistics(tiny_model(), ArrayData(X), req, progress=False, max_batch_output_bytes=48))
+    assert len(where) == len(X) and all(w.startswith("quantkit-calibrate") for w in where)
+    where.clear()
+    tight = ranges(collect_statistics(tiny_model(), ArrayData(X), req, progress=False, max_batch_output_bytes=47))
+    assert where == [threading.current_thread().name] * len(X)
+    assert roomy == tight
+    mm = reference()["mm"]
+    ema = mm[0].max()
+    for row in mm[1:]:
+        ema = 0.5 * ema + 0.5 * row.max()
+    assert roomy["mm"][1] == pytest.approx(ema, rel=1e-6)
+
+
+def test_a_failing_batch_in_the_worker_raises_the_data_error_in_the_caller() -> None:
+    class Bad(ArrayData):
+        def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+            yield {"x": X[:1]}
+            yield {"x": X[:1, :3]}  # wrong width: ONNX Runtime rejects it in the worker thread
+
+    with pytest.raises(DataError, match="rejected the calibration batch"):
+        collect_statistics(tiny_model(), Bad(X), {"mm": "minmax"}, progress=False)
