@@ -16,7 +16,9 @@ guard, on by default (``report.latency.guard``):
 2. builds at most two candidates - the slower regions where an int8 chain *starts* (their region holds the
    QuantizeLinear of their input: in float they also drop that Q, and the Q of their output replaces it, so
    they add no float island inside a chain; typically the stem), then all slower regions - each only when it
-   removes at least :data:`AB_MARGIN` of the int8 model's kernel time (less could not pass the A/B below).
+   removes at least :data:`AB_MARGIN` of the int8 model's kernel time (less could not pass the A/B below), the
+   second only when it removes that much more than the first (it could replace a winning first candidate only
+   by beating it by the margin; an A/B of a third model costs a third more rounds of timing).
    Each candidate is the same plan with those layers kept in float (lowered only, reusing the calibrated ranges
    in memory; chain rules keep the float island's glue in float too), plus the int8 chains that this leaves
    *stranded* and that measured no faster in int8 than in float (:func:`stranded_layers`: a squeeze-excite
@@ -349,7 +351,8 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
     record = {
         "rule": (f"region slower in int8 than in float in all {PROFILE_RUNS}-run profiles of {PROFILE_ROUNDS} "
                  f"rounds; a candidate (the slower regions where an int8 chain starts, then all slower regions) is "
-                 f"tried when it removes >= {AB_MARGIN:.0%} of the int8 kernel time, and ships when it wins >= "
+                 f"tried when it removes >= {AB_MARGIN:.0%} of the int8 kernel time (the second that much more than the "
+                 f"first), and ships when it wins >= "
                  f"{AB_MIN_WINS} of {AB_ROUNDS} interleaved rounds against the all-int8 model by a median margin "
                  f">= {AB_MARGIN:.0%} ({wins_needed(AB_ROUNDS + AB_EXTRA_ROUNDS)} of {AB_ROUNDS + AB_EXTRA_ROUNDS} "
                  f"when the first {AB_ROUNDS} were a majority short of that; the A/B stops as soon as every "
@@ -368,10 +371,18 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
                for k, v in times.items() if k != TOTAL}
     candidates: dict[str, list[str]] = {}
     stranded: dict[str, list[str]] = {}
+    smaller = 0.0  # the excess of the smaller candidate kept: a larger one must add the margin to it
     for key, names in (("chain_entry", entry), ("all_slower", sorted(slow))):
         excess = sum(slow[k][1] - slow[k][0] for k in names)
         if not names or excess < AB_MARGIN * total:
             continue
+        if candidates and excess - smaller < AB_MARGIN * total:
+            # it could replace the smaller winner only by beating it by the margin (below): it is not timed
+            record.setdefault("not_tried", {})[key] = (
+                f"{len(names)} region(s) remove {excess:.3f} ms, {excess - smaller:.3f} ms more than the smaller "
+                f"candidate: less than the A/B margin ({AB_MARGIN:.0%} of {total:.3f} ms)")
+            continue
+        smaller = excess
         extra = stranded_layers(result.float_model, _float_plan(result, names), medians)
         full = sorted({*names, *extra})
         if full not in candidates.values():

@@ -128,6 +128,28 @@ def test_candidates_are_the_chain_entries_first_then_every_slower_region(monkeyp
     assert g["ab"]["all_slower"]["vs_chain_entry"]["faster"] is False
 
 
+def test_a_larger_candidate_that_removes_less_than_the_margin_more_is_not_timed(monkeypatch: pytest.MonkeyPatch,
+                                                                                 tmp_path: Path) -> None:
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    import quantkit.guard as guard
+
+    # the stem saves 0.1 ms of the int8 model's 1 ms; the depthwise conv only 0.01 ms more (under the 2% margin):
+    # every slower region in float could replace the stem alone only by beating it by the margin - not timed
+    _fake_profile(monkeypatch, {"conv0": (0.1, 0.2), "dwconv": (0.1, 0.11)})
+    timed: list[list[str]] = []
+
+    def fake(blobs: dict[str, bytes], feed: Any, **kw: Any) -> dict[str, list[float]]:
+        timed.append(sorted(blobs))
+        return {k: [{"int8": 1.0}.get(k, 0.9)] * AB_ROUNDS for k in blobs}
+
+    monkeypatch.setattr(guard, "ab_compare", fake)
+    res = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, progress=False)
+    g = res.report["latency_guard"]
+    assert timed == [["chain_entry", "int8"]] and list(g["candidates"]) == ["chain_entry"]
+    assert "0.010 ms more than the smaller candidate" in g["not_tried"]["all_slower"]
+    assert g["float_layers"] == ["conv0"]
+
+
 def test_an_int8_chain_left_stranded_and_no_faster_joins_the_float_layers(monkeypatch: pytest.MonkeyPatch,
                                                                           tmp_path: Path) -> None:
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
