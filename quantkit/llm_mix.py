@@ -21,7 +21,10 @@ bytes are taken off the budget before the solve (a searched lm_head carries them
 the assignment, the predicted bytes and damage, and the emitted file's measured bytes beside them.
 
 The sensitivity needs the whole FP32 graph in memory once (the search refuses, before any work, a model whose
-estimate does not fit); the build itself streams.  The search's model is released before the build starts.
+estimate does not fit); the build itself streams.  The search runs in a child process (spawned: a model path or
+name and recipe data pickle) so that everything it held is returned to the system before the build starts - the
+run's peak is the larger of the two steps', not their sum; an in-memory model or dataset that does not pickle is
+searched in this process and released before the build.
 """
 
 from __future__ import annotations
@@ -118,11 +121,7 @@ def run_layerwise_mix(model: Any, calibration_data: Any, rec: RecipeModel, *, ev
                       evaluate: bool, measure_latency: bool | None, progress: bool, use_cache: bool,
                       t_start: float) -> Any:
     """The module doc: search on the whole graph, then build layer-wise with the chosen formats."""
-    from quantkit.frontends.llm_builder import read_decoder_config
-    from quantkit.llm_run import resolve_llm_folder, run_layerwise
-    from quantkit.lowering.select import module_path
-    from quantkit.search.solver import solve
-    from quantkit.search.sweep import METRIC_KEY, _resolve_budget, prepare_search
+    from quantkit.llm_run import run_layerwise
 
     srch = rec.search
     if srch is None:
@@ -131,11 +130,116 @@ def run_layerwise_mix(model: Any, calibration_data: Any, rec: RecipeModel, *, ev
         raise RecipeError(f"search.target {dict(srch.target or {})}: a weight-only mix built layer-wise takes a "
                           "size budget; allowed: search.target: {size: <fraction of FP32 | 'uniform:<candidate>' | "
                           "'between:<a>:<b>:<t>'>}")
+    args = (model, calibration_data, rec, evaluation_data, progress, use_cache)
+    t = time.perf_counter()
+    child = _picklable(args)
+    overrides, search = _in_child(_search, args) if child else _search(*args)
+    search["process"] = ("a child process (its memory returned before the build)" if child else
+                         "this process (an in-memory model or dataset that does not pickle)")
+    search["search_wall_s"] = time.perf_counter() - t
+    budget = search["budget_bytes"]
+    d = rec.model_dump(mode="json", exclude_none=True)
+    d.pop("search")
+    d["quantization"]["overrides"] = overrides
+    built = load_recipe(d)
+    gc.collect()
+    result = run_layerwise(model, calibration_data, built, evaluation_data=evaluation_data, evaluate=evaluate,
+                           measure_latency=measure_latency, progress=progress, t_start=t_start)
+    size = result.report.get("size") or {}
+    if size.get("quantized_bytes"):
+        search["emitted_bytes"] = size["quantized_bytes"]
+        search["emitted_over_budget"] = size["quantized_bytes"] / budget
+    path = getattr(result, "path", None)
+    if path is not None:
+        # the tensors alone: the weights file pads each tensor to a page for memory mapping (a tiny model's file is
+        # mostly padding; SmolLM2's ~1 MB of 100)
+        search["emitted_tensor_bytes"] = tensor_bytes(path)
+    result.report["search"] = search
+    result.report.setdefault("timings", {})["search_s"] = search["search_s"]
+    return result
+
+
+def _picklable(args: tuple[Any, ...]) -> bool:
+    """Whether the search's inputs can go to a child process (a model path or name, data the recipe names)."""
+    import pickle
+
+    try:
+        pickle.dumps(args)
+    except Exception:  # noqa: BLE001 - an in-memory model or dataset that does not pickle: searched in-process
+        return False
+    return True
+
+
+def _search_child(conn: Any, fn: Any, args: tuple[Any, ...], level: int) -> None:
+    """The child process's body: the search, its result (or its exception) sent back through ``conn``."""
+    if level:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(level)
+    try:
+        msg: tuple[str, Any] = ("ok", fn(*args))
+    except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
+        import traceback
+
+        msg = ("error", (e, traceback.format_exc()))
+    try:
+        conn.send(msg)
+    except Exception as e:  # noqa: BLE001 - an exception that does not pickle: its text
+        conn.send(("error", (RuntimeError(str(msg[1][0]) if msg[0] == "error" else f"unpicklable result: {e}"),
+                             "")))
+    conn.close()
+
+
+def _in_child(fn: Any, args: tuple[Any, ...]) -> Any:
+    """``fn(*args)`` in a fresh (spawned) process: the whole FP32 graph, the probe session and the candidates' codes
+    the search holds are returned to the system when it ends, so the streamed build's peak does not add to the
+    search's (a process's freed memory mostly stays in its heap)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    level = log.getEffectiveLevel() if log.handlers else 0
+    proc = ctx.Process(target=_search_child, args=(send, fn, args, level), name="quantkit-search")
+    proc.start()
+    send.close()
+    try:
+        try:
+            kind, payload = recv.recv()
+        except EOFError:
+            proc.join()
+            raise RecipeError(f"the search process ended without a result (exit code {proc.exitcode})") from None
+        proc.join()
+    finally:
+        if proc.is_alive():  # interrupted: the child goes too
+            proc.terminate()
+            proc.join()
+    if kind == "error":
+        exc, tb = payload
+        log.debug("search process failed:\n%s", tb)
+        raise exc
+    return payload
+
+
+def _search(model: Any, calibration_data: Any, rec: RecipeModel, evaluation_data: Any, progress: bool,
+            use_cache: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Step 1 of the module doc: ``(overrides of the build, the report's search record)``."""
+    from quantkit.frontends.llm_builder import read_decoder_config
+    from quantkit.llm_run import resolve_llm_folder
+    from quantkit.lowering.select import module_path
+    from quantkit.search.solver import solve
+    from quantkit.search.sweep import METRIC_KEY, _resolve_budget, prepare_search
+
+    srch = rec.search
+    if srch is None or srch.target is None:
+        raise RecipeError("a searched layer-wise mix needs a recipe with a 'search' section and a search.target")
     source = model if model is not None else (rec.model.source if rec.model is not None else None)
     cfg = read_decoder_config(resolve_llm_folder(source))
     t = time.perf_counter()
+    # a size budget: the costs are the formats' bytes (no uniform model emitted and profiled: ~35 s and two more
+    # copies of the weights in memory for a 135M-parameter decoder)
     ctx = prepare_search(model, calibration_data, _search_recipe(rec), evaluation_data=evaluation_data,
-                         progress=progress, use_cache=use_cache)
+                         progress=progress, use_cache=use_cache, latency_costs=False)
     search_s = time.perf_counter() - t
     expr = srch.target["size"]
     # a fraction is of the FP32 model (every weight float32, the tied table once): the search's own FP32 point
@@ -178,26 +282,9 @@ def run_layerwise_mix(model: Any, calibration_data: Any, rec: RecipeModel, *, ev
         "predicted_bytes_emitted": predicted["bytes"] + fixed, "fp32_bytes": fp32_bytes,
         "uniform_predicted": ctx.uniform_all, "assignment": rows, "counts": counts,
         "pinned": list(ctx.space.pinned), "search_s": search_s,
+        "search_timings": {k: round(v, 2) for k, v in ctx.timings.items()},
     }
     log.info("search: %s within %.1f MB (%s)", ", ".join(f"{v} x {k}" for k, v in sorted(counts.items())),
              budget / 1e6, srch.target)
-    d = rec.model_dump(mode="json", exclude_none=True)
-    d.pop("search")
-    d["quantization"]["overrides"] = overrides
-    built = load_recipe(d)
-    del ctx, problem, sol
-    gc.collect()  # the whole graph leaves before the streamed build
-    result = run_layerwise(model, calibration_data, built, evaluation_data=evaluation_data, evaluate=evaluate,
-                           measure_latency=measure_latency, progress=progress, t_start=t_start)
-    size = result.report.get("size") or {}
-    if size.get("quantized_bytes"):
-        search["emitted_bytes"] = size["quantized_bytes"]
-        search["emitted_over_budget"] = size["quantized_bytes"] / budget
-    path = getattr(result, "path", None)
-    if path is not None:
-        # the tensors alone: the weights file pads each tensor to a page for memory mapping (a tiny model's file is
-        # mostly padding; SmolLM2's ~1 MB of 100)
-        search["emitted_tensor_bytes"] = tensor_bytes(path)
-    result.report["search"] = search
-    result.report.setdefault("timings", {})["search_s"] = search_s
-    return result
+    search["search_s"] = time.perf_counter() - t
+    return overrides, search

@@ -458,12 +458,13 @@ class _GraphBuilder:
 
 
 def _matmul_nbits(g: _GraphBuilder, x: str, prefix: str, q: PackedLinear, weight_name: str | None = None,
-                  out: str | None = None) -> str:
-    """``MatMulNBits(x, B, scales[, zero_points])`` named ``prefix`` (``weight_name``: B is computed)."""
+                  out: str | None = None, scales_name: str | None = None, zero_points_name: str | None = None) -> str:
+    """``MatMulNBits(x, B, scales[, zero_points])`` named ``prefix`` (``weight_name``: B is computed;
+    ``scales_name`` / ``zero_points_name``: tensors already stored, e.g. a shared table's)."""
     b = weight_name or g.external(f"{prefix}.weight_Q{q.bits}", q.B)
-    ins = [x, b, g.external(f"{prefix}.weight_scales", q.scales)]
+    ins = [x, b, scales_name or g.external(f"{prefix}.weight_scales", q.scales)]
     if q.zero_points is not None:
-        ins.append(g.external(f"{prefix}.weight_zero_points", q.zero_points))
+        ins.append(zero_points_name or g.external(f"{prefix}.weight_zero_points", q.zero_points))
     return g.node("MatMulNBits", ins, [out or f"{prefix}/output_0"], prefix, _MS, K=q.K, N=q.N, bits=q.bits,
                   block_size=q.block_size, accuracy_level=q.accuracy_level)[0]  # fmt: skip
 
@@ -969,8 +970,10 @@ def _keep_last(g: _GraphBuilder, hidden: str) -> str:
                   "/model/logits_to_keep/Slice")[0]  # fmt: skip
 
 
-def _gather_quantized(g: _GraphBuilder, q: PackedLinear, ids: str, out: str, name: str) -> tuple[str, str]:
-    """``GatherBlockQuantized`` over a tied table stored once; returns ``(output, packed-bytes name)``."""
+def _gather_quantized(g: _GraphBuilder, q: PackedLinear, ids: str, out: str, name: str
+                      ) -> tuple[str, tuple[str, str, str | None]]:
+    """``GatherBlockQuantized`` over a tied table stored once; returns ``(output, (packed bytes, scales, zero
+    points))`` - the names the tied lm_head reads too."""
     V, H, bs, bits = q.N, q.K, q.block_size, q.bits
     kb = q.B.shape[1]
     Hp = kb * bs
@@ -983,7 +986,7 @@ def _gather_quantized(g: _GraphBuilder, q: PackedLinear, ids: str, out: str, nam
            bits=bits)  # fmt: skip
     if Hp != H:
         g.node("Slice", [raw, g.const([0]), g.const([H]), g.const([-1])], [out], f"{name}/unpad")
-    return out, data
+    return out, (data, scales, zp)
 
 
 def _learned_positions(g: _GraphBuilder, table: Any) -> str:
@@ -1042,7 +1045,7 @@ def _build(
     table = ""
     emb_out = f"/{n.embed.replace('.', '/')}/output_0"
     if q_emb is not None and tied:
-        residual, packed_table = _gather_quantized(g, q_emb, "input_ids", emb_out, n.embed)
+        residual, shared = _gather_quantized(g, q_emb, "input_ids", emb_out, n.embed)
     else:
         table = g.external(f"{n.embed}.weight", emb)
         residual = g.node("Gather", [table, "input_ids"], [emb_out], n.embed)[0]
@@ -1082,9 +1085,10 @@ def _build(
         q_head = (hook.tied_head(q_emb, read_table, gamma) if beta is None else
                   hook.tied_head(q_emb, read_table, gamma, norm_bias=beta))  # fmt: skip
         blocks = g.const([V, q_emb.B.shape[1], q_emb.B.shape[2]])
-        view = g.node("Reshape", [packed_table, blocks], ["lm_head.weight_Q/blocks"], "lm_head.weight_view")[0]
+        view = g.node("Reshape", [shared[0], blocks], ["lm_head.weight_Q/blocks"], "lm_head.weight_view")[0]
+        # the same codes, scales and zero points as the embedding's: stored once
         _matmul_nbits(g, hidden, "lm_head", dataclasses.replace(q_emb, accuracy_level=q_head.accuracy_level),
-                      weight_name=view, out=logits)  # fmt: skip
+                      weight_name=view, out=logits, scales_name=shared[1], zero_points_name=shared[2])  # fmt: skip
     elif tied and not untie:
         wt = g.node("Transpose", [table], ["lm_head.weight_transpose/output_0"], "lm_head.weight_transpose",
                     perm=[1, 0])[0]  # fmt: skip

@@ -166,11 +166,13 @@ def measure_costs(
     cache_parts: Mapping[str, Any] | None = None,
     progress: bool = True,
     rows: int | None = None,
+    latency: bool = True,
 ) -> CostTable:
     """Bytes and profiled latency of every (unit, candidate) of ``space`` (see the module doc).
 
     ``rows``: activation rows per layer call (tokens x batch) for the roofline; inferred from
-    the feed's first 2-D int64 input (text) when None."""
+    the feed's first 2-D int64 input (text) when None.  ``latency=False``: bytes alone, from the weights' formats
+    (no model is emitted or profiled; every latency is 0 - for a search with a size budget only)."""
     import onnx_ir as ir
 
     from quantkit.search.profile import machine_peaks, profile_model, roofline
@@ -195,6 +197,14 @@ def measure_costs(
         return c if c == "fp32" else nearest_allowed(space.candidates, allowed[u.name], c)
 
     nbytes = {(u.name, c): float(space.unit_bytes(u, own(u, c))) for u in units for c in cands}
+    if not latency:
+        other = sorted({space.candidates[c].format for c in cands if c != "fp32"} - _BYTES_ONLY)
+        if other:  # their graph adds activation scales / smoothing constants that only an emitted model shows
+            raise ValueError(f"measure_costs(latency=False) counts weight formats only; {other} need latency=True")
+        table = _bytes_only(space, nbytes)
+        if path is not None:
+            _save(path, table)
+        return table
     file_size: dict[str, int] = {}
     lat: dict[tuple[str, str], float] = {}
     profiles: dict[str, Any] = {}
@@ -284,6 +294,28 @@ def measure_costs(
     if path is not None:
         _save(path, table)
     return table
+
+
+_BYTES_ONLY = {"fp32", "fp16", "bf16", "int4", "int8_weight"}
+"""Formats whose bytes are their weights' alone (measure_costs(latency=False))."""
+
+
+def _bytes_only(space: Any, nbytes: dict[tuple[str, str], float]) -> CostTable:
+    """The cost table of a size-only search: each (unit, candidate)'s weight bytes; the constant part every other
+    initializer and the graph itself, serialized without its weights (the few bytes a format's nodes add are left
+    out: the emitted file is measured after the build)."""
+    from quantkit.irtools import weightless_proto
+
+    searched = {u.name: nbytes[(u.name, "fp32")] for u in space.units}
+    graph = len(weightless_proto(space.model)[0].SerializeToString())
+    total = graph + sum(float(v.const_value.nbytes) for v in space.model.graph.initializers.values()
+                        if v.const_value is not None)
+    pinned_f32, pinned_fmt = space.pinned_bytes() if hasattr(space, "pinned_bytes") else (0, 0)
+    lat = dict.fromkeys(nbytes, 0.0)
+    base = total - sum(searched.values()) - pinned_f32 + pinned_fmt  # pinned layers in their recipe format
+    return CostTable(nbytes, lat, {"bytes": base, "latency_ms": 0.0},
+                     notes={"latency": "not measured: a search with a size budget only (bytes from the formats)",
+                            "cpu": _cpu(), "ort": ort.__version__})
 
 
 _QDQ_RATE: list[float] = []

@@ -329,6 +329,38 @@ class LinearSpace:
                 total += 4 * self.layers[unit.layers[0]].K  # an explicit Mul(x, 1/s)
         return total
 
+    def pinned_bytes(self) -> tuple[int, int]:
+        """``(float32 bytes, bytes in their recipe format)`` of the pinned layers' weights (a tied lm_head: the
+        table it shares with the embedding, which the emitted model stores once, in the head's format)."""
+        plan = PrecisionPlan.from_recipe(self.rec)
+        pinned = set(self.pinned)
+        f32 = fmt = 0
+        for node in self.model.graph:
+            if node.name not in pinned or len(node.inputs) < 2 or node.inputs[1] is None:
+                continue
+            w = node.inputs[1]
+            arr = constant_array(w)
+            if arr is not None and arr.ndim == 2:
+                K, N = arr.shape
+            else:  # MatMul(h, Transpose(E)): the table E [N, K]
+                prod = w.producer()
+                table = constant_array(prod.inputs[0]) if prod is not None and prod.op_type == "Transpose" else None
+                if table is None or table.ndim != 2:
+                    continue
+                N, K = table.shape
+            lp = layer_plan(plan, node)
+            f32 += 4 * K * N
+            if lp.format in ("int4", "int8_weight"):
+                fmt += weight_only_bytes(K, N, 4 if lp.format == "int4" else 8, lp.group_size or K,
+                                         lp.weight_symmetric)
+            elif lp.format in ("fp16", "bf16"):
+                fmt += 2 * K * N
+            elif lp.format in ("int8_dynamic", "int8"):
+                fmt += K * N + 4 * N
+            else:
+                fmt += 4 * K * N
+        return f32, fmt
+
     def _foldable(self, unit: Unit) -> bool:
         """Whether a SmoothQuant ``1/s`` on the unit's input folds into its producer (a norm or a Mul by a
         constant read only by the unit), as :func:`quantkit.lowering.nbits.apply_input_scale` does."""

@@ -205,7 +205,7 @@ class SearchContext:
     rec: Any
     loaded: Any
     float_model: ir.Model
-    float_bytes: bytes
+    serialized: bytes | None  # the float model serialized, made on first use (float_bytes)
     cal: Any
     ev: Any
     is_lm: bool
@@ -223,6 +223,14 @@ class SearchContext:
     damage_metric: str = "kl"
     allowed: dict[str, list[str]] = field(default_factory=dict)  # unit -> candidates it can take
     memory: dict[str, Any] = field(default_factory=dict)  # the report's memory section: the estimate, what is free
+
+    @property
+    def float_bytes(self) -> bytes:
+        """The float model serialized (made once, when a point is evaluated: a size-budgeted mix never needs it,
+        and a 135M-parameter decoder's copy is ~0.5 GB)."""
+        if self.serialized is None:
+            self.serialized = ir.to_proto(self.float_model).SerializeToString()
+        return self.serialized
 
     def uniform(self, cand: str) -> dict[str, str]:
         """``cand`` on every unit that can take it, the nearest allowed candidate elsewhere."""
@@ -276,12 +284,14 @@ def prepare_search(
     example_inputs: Any = None,
     progress: bool = True,
     use_cache: bool = True,
+    latency_costs: bool = True,
 ) -> SearchContext:
     """Load, prepare, build the space, measure sensitivity and costs, set up the integer program.
 
-    ``model`` as for :func:`quantkit.quantize` (a ``torch.nn.Module`` needs ``example_inputs``)."""
-    from quantkit.calibrate.cache import model_hash
+    ``model`` as for :func:`quantkit.quantize` (a ``torch.nn.Module`` needs ``example_inputs``).
+    ``latency_costs=False``: bytes alone, no model emitted or profiled (a search with a size budget only)."""
     from quantkit.data import model_inputs
+    from quantkit.irtools import model_digest
     from quantkit.pipeline import eval_dataset as _eval_dataset
     from quantkit.recipe import load_recipe
     from quantkit.run import load_inputs
@@ -310,17 +320,16 @@ def prepare_search(
         raise DataError(
             "the search measures latency and quality: set evaluation.data or pass evaluation_data"
         )
-    float_proto = ir.to_proto(float_model)
-    damage_metric = _damage_metric(rec, float_proto.graph.output[0].name)
-    float_bytes = float_proto.SerializeToString()
+    damage_metric = _damage_metric(rec, float_model.graph.outputs[0].name or "")
     is_lm = (
         rec.evaluation.perplexity
-        and any(o.name == "logits" for o in float_proto.graph.output)
-        and any(i.name == "input_ids" for i in float_proto.graph.input)
+        and any(o.name == "logits" for o in float_model.graph.outputs)
+        and any(i.name == "input_ids" for i in float_model.graph.inputs)
     )
-    digest = model_hash(float_bytes)
+    digest = model_digest(float_model)  # tensor by tensor: no serialized copy of the weights
     timings["load_s"] = time.perf_counter() - t
 
+    t = time.perf_counter()
     formats = {c.format for c in srch.candidate_list()}
     if "int8" in formats:
         from quantkit.search.conv import ConvSpace
@@ -330,6 +339,7 @@ def prepare_search(
         from quantkit.search.linear import LinearSpace
 
         space = LinearSpace.build(float_model, rec, cal, progress=progress, use_cache=use_cache)
+    timings["space_s"] = time.perf_counter() - t
     cand_spec = [c.model_dump() for c in srch.candidate_list()]
     common = {
         "model": digest,
@@ -378,10 +388,12 @@ def prepare_search(
                 "feed": {k: list(v.shape) for k, v in feed.items()},
                 "threads": lat.threads,
                 "runs": lat.repeat,
+                **({} if latency_costs else {"latency": False}),
             }
             if use_cache
             else None,
             progress=progress,
+            latency=latency_costs,
         )
     timings["cost_s"] = time.perf_counter() - t
 
@@ -405,7 +417,7 @@ def prepare_search(
         rec,
         loaded,
         float_model,
-        float_bytes,
+        None,
         cal,
         ev,
         bool(is_lm),

@@ -170,6 +170,10 @@ def test_tied_head_from_statistics_is_stored_apart(folders: dict[bool, tuple[Pat
     assert err["apart"] < err["shared"], err
     ms = onnx.load(str(shared.path), load_external_data=False)
     assert "lm_head.weight_view" in {n.name for n in ms.graph.node}  # an RTN head still shares the table
+    # ... and its scales: one tensor read by both nodes, not a copy
+    snodes = {n.name: n for n in ms.graph.node}
+    assert snodes["lm_head"].input[2] == snodes["model.embed_tokens"].input[2]
+    assert not any(t.name.startswith("lm_head.") for t in ms.graph.initializer)
 
 
 def test_awq_scales_fold_into_the_norms_and_the_model_runs(folders: dict[bool, tuple[Path, Any]],
@@ -257,6 +261,8 @@ def test_a_weight_only_search_is_solved_on_the_whole_graph_and_built_layer_wise(
     s = res.report["search"]
     assert s["counts"].get("int4") and s["counts"].get("w8"), s["counts"]  # a real mix at the midpoint
     assert s["embedding_apart_bytes"] == 0  # the tied lm_head is searched: its candidates carry those bytes
+    # searched in a child process (a folder and recipe data pickle): its memory is gone before the build
+    assert s["process"].startswith("a child process") and s["search_wall_s"] >= s["search_s"]
     # every searched layer was built in its candidate's format (q / k / v share one packed kernel)
     built = {r["layer"]: r for r in res.report["layers"]}
     fmt = {"int4": ("int4", 4), "w8": ("int8_weight", 8)}
@@ -296,4 +302,8 @@ def test_a_weight_only_search_built_layer_wise_takes_a_size_target_only(
     rec["search"]["candidates"].append({"name": "dyn", "format": "int8_dynamic"})
     rec["calibration"]["layerwise"] = True
     with pytest.raises(RecipeError, match=r"\['int8_dynamic'\].*allowed: search candidates in"):
+        quantkit.quantize(recipe=rec, progress=False, measure_latency=False)
+    # a budget nothing fits: refused inside the search's child process, raised here with its own type and text
+    rec = _mix_recipe(folder, tmp_path, target={"size": 0.01})
+    with pytest.raises(RecipeError, match=r"no assignment of the candidates fits .*allowed: a looser budget"):
         quantkit.quantize(recipe=rec, progress=False, measure_latency=False)

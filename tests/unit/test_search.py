@@ -116,6 +116,32 @@ def test_unit_bytes_match_the_emitted_initializers() -> None:
         assert predicted <= new <= predicted + 4 * 32, (cand, predicted, new)
 
 
+def test_bytes_only_costs_agree_with_the_measured_table_on_bytes_and_emit_nothing(monkeypatch: pytest.MonkeyPatch
+                                                                                   ) -> None:
+    from quantkit.search.cost import measure_costs
+
+    sp, cal = _space()
+    feed = next(iter(cal.batches(1)))
+    with pytest.raises(ValueError, match="int8"):  # activation-quantized formats need the emitted model
+        measure_costs(sp, feed, progress=False, latency=False)
+    sp, cal = _space(candidates=[c for c in CANDS if isinstance(c, str) or c["format"] in ("int4", "int8_weight")])
+    full = measure_costs(sp, feed, runs=2, warmup=1, progress=False)
+    emitted: list[int] = []
+    real = sp.emit
+    monkeypatch.setattr(sp, "emit", lambda *a, **k: emitted.append(1) or real(*a, **k))
+    light = measure_costs(sp, feed, progress=False, latency=False)
+    assert not emitted and set(light.bytes) == set(full.bytes)
+    assert all(v == 0.0 for v in light.latency_ms.values())
+    fp32_file = sum(full.bytes[(u.name, "fp32")] for u in sp.units) + full.base["bytes"]
+    fp32_light = sum(light.bytes[(u.name, "fp32")] for u in sp.units) + light.base["bytes"]
+    # the measured table counts the serialized graph too (a few hundred bytes here); the weights are the same
+    assert 0 < fp32_file - fp32_light < 4096
+    sizes = {u.name: len(u.layers) for u in sp.units}
+    for (u, c), v in light.bytes.items():
+        # the measured table adds the graph bytes a format's nodes take (a Cast, names: ~120 bytes a layer here)
+        assert v == pytest.approx(full.bytes[(u, c)], abs=256 * sizes[u]), (u, c)
+
+
 def test_weight_only_bytes_formula() -> None:
     # K=576 in blocks of 128: 5 blocks (the last one padded) x (64 code bytes + 4 scale bytes) per column
     assert weight_only_bytes(576, 10, 4, 128, True) == 10 * 5 * (64 + 4)
@@ -133,6 +159,21 @@ def test_probe_graph_measures_what_the_emitted_model_does() -> None:
         # folds it into the norm's constant - float rounding may move a few activation codes by one step
         assert probe[k] == pytest.approx(v, rel=0.05, abs=1e-7), k
     assert all(v > 0 for (u, c), v in emit.items() if c != "fp16" and c != "bf16")
+
+
+def test_the_probe_graph_holds_no_searched_weight_and_leaves_the_model_as_it_was() -> None:
+    from quantkit.search.sensitivity import probe_model
+
+    sp, _ = _space(pin=False)
+    before = ir.to_proto(sp.model).SerializeToString()
+    proto, weights, _ = probe_model(sp)
+    assert ir.to_proto(sp.model).SerializeToString() == before  # the initializers back, in their order
+    inits = {t.name for t in proto.graph.initializer}
+    fed = {i.name: i for i in proto.graph.input}
+    for layer, name in weights.items():
+        assert name not in inits and name in fed, layer
+        want = sp.weight(layer).shape
+        assert tuple(d.dim_value for d in fed[name].type.tensor_type.shape.dim) == tuple(want), layer
 
 
 def test_sensitivity_cache_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
