@@ -264,7 +264,9 @@ def quantize_weights(
             outcome.results[n] = fn(weights[n], bits=m.bits, group_size=m.plan.group_size,
                                     symmetric=m.plan.weight_symmetric, stats=stats.get(m.input), **opts)
         for n, m in members.items():
-            if m.tied_gather is None:
+            # the quantized weight feeds the next stages' statistics (sequential); without a statistics session
+            # (RTN alone) nothing reads it - not kept (a float32 copy of every weight)
+            if m.tied_gather is None and session is not None and rec.calibration.sequential:
                 current[m.weight] = outcome.results[n].effective_weight().astype(np.float32)
             row = _layer_row(m, weights[n], outcome.results[n], stats.get(m.input), outcome.notes.get(n, ""))
             outcome.rows.append(row)

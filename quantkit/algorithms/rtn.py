@@ -35,6 +35,10 @@ CLIP_GRID: tuple[float, ...] = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79, 0
 """Shrink factors of a group's range tried by :func:`clip_ranges` (1.0 = plain min-max)."""
 
 
+_CLIP_CHUNK = 1 << 22
+"""Weight elements per block of columns in :func:`clip_ranges`."""
+
+
 def clip_ranges(
     w: np.ndarray, bits: int, g: int, *, symmetric: bool, narrow: bool = False, importance: np.ndarray | None = None,
     grid: tuple[float, ...] = CLIP_GRID,
@@ -42,8 +46,16 @@ def clip_ranges(
     """Per group and column, the shrunk range ``(r * min, r * max)`` whose rounding error
     ``sum_k importance_k (w_k - w_hat_k)^2`` is least over ``r`` in ``grid`` (the clipping search of
     HQQ / AWQ: a slightly smaller range trades a few clipped outliers for a finer step everywhere).
-    ``importance`` ``[K]``: e.g. the diagonal of the layer input's second moment (default 1)."""
+    ``importance`` ``[K]``: e.g. the diagonal of the layer input's second moment (default 1).
+
+    Columns are independent: a wide weight (a 49k-row lm_head) is searched in blocks of columns, so the float64
+    temporaries stay ~30 MB each instead of several times the weight (the same result)."""
     K, N = w.shape
+    step = max(1, _CLIP_CHUNK // max(K, 1))
+    if N > step:
+        parts = [clip_ranges(w[:, j:j + step], bits, g, symmetric=symmetric, narrow=narrow, importance=importance,
+                             grid=grid) for j in range(0, N, step)]
+        return np.concatenate([p[0] for p in parts], axis=1), np.concatenate([p[1] for p in parts], axis=1)
     kb = -(-K // g)
     pad = kb * g - K
     wp = np.pad(w, ((0, pad), (0, 0))).reshape(kb, g, N) if pad else w.reshape(kb, g, N)

@@ -204,3 +204,17 @@ def test_every_type_combination_fuses_or_is_reported(act: str, act_sym: bool, w:
         unfused = {u["layer"] for u in res.report["unfused"]}
         assert unfused and all(res.census.per_layer[name].fused is False for name in unfused)
         assert any("NOT fused" in w for w in res.report["warnings"])
+
+
+def test_clip_search_in_blocks_of_columns_equals_the_whole_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wide weight is searched in blocks of columns (bounded temporaries): the ranges are the same, bit for bit."""
+    import quantkit.algorithms.rtn as rtn_mod
+
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(200, 37)).astype(np.float32)
+    imp = rng.uniform(0.5, 2.0, size=200)
+    whole = rtn_mod.clip_ranges(w, 4, 64, symmetric=False, importance=imp)
+    monkeypatch.setattr(rtn_mod, "_CLIP_CHUNK", 200 * 5)  # 5 columns a block: 8 blocks, the last one of 2
+    blocks = rtn_mod.clip_ranges(w, 4, 64, symmetric=False, importance=imp)
+    for a, b in zip(whole, blocks, strict=True):
+        np.testing.assert_array_equal(a, b)
