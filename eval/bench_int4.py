@@ -60,7 +60,9 @@ DEFAULT = "quantkit:rtn,quantkit:gptq,quantkit:awq,ort:rtn_sym,ort:rtn_asym,ort:
 PEER_VENV = ROOT / "eval" / ".venv-peers"
 PEER_PY = PEER_VENV / "bin" / "python"
 PEER_KINDS = ("autoround", "genai")
-GENAI_ALGOS = ("rtn", "k_quant")
+GENAI_ALGOS = ("rtn", "k_quant", "k_quant_mixed", "k_quant_last")
+"""The builder's ``algo_config`` values run here (``k_quant_mixed`` / ``k_quant_last``: its k_quant with its own
+8-bit selectors, ``matmul_mixed_precision=last_matmul:int8[,mixed_layers:int8]``)."""
 # auto-round: its default is 200 iterations x batch 8 (lr 1/iters); on 2 CPU cores that is ~6 hours for
 # SmolLM2's 30 blocks, so the benchmark runs fewer (stated in the table's footnote)
 AUTOROUND_ITERS = 20
@@ -76,7 +78,10 @@ RECIPE_VARIANTS = ("recipe", "genai_mixed", "genai_last")
 ``k_quant_mixed`` / ``k_quant_last`` choice of 8-bit layers written as overrides (``genai_mixed``, ``genai_last``:
 the selection rule is the variable, the rounding stays the recipe's), or with a byte-budgeted search
 (``mix<fraction>``, e.g. ``mix0.20``: the recipe plus a search over int4 g128 / 8-bit per linear, the emitted file
-within that fraction of FP32; ``mix=genai_mixed``: at the size the ``genai_mixed`` row measured in this run)."""
+within that fraction of FP32; ``mix=genai_mixed``: at the size the ``genai_mixed`` row measured in this run; a
+``+g<N>`` suffix, e.g. ``mix0.20+g32``, adds an int4 candidate with groups of N: finer scales for a few percent
+more bytes, between int4 g128 and 8 bits; ``+head`` drops the recipe's lm_head override, so that the tied lm_head is
+searched too: 4 bits with the table stored apart for the embedding, or one 8-bit table shared by both)."""
 
 
 def genai_mixed_layers(num_layers: int) -> list[int]:
@@ -105,9 +110,13 @@ def recipe_variant(algo: str, mix_size: str | None = None) -> dict[str, Any]:
             overrides += [{"layer": f"model.layers.{i}.self_attn.v_proj", **w8},
                           {"layer": f"model.layers.{i}.mlp.down_proj", **w8}]
     if algo.startswith("mix"):
-        size = mix_size if algo == "mix=genai_mixed" else algo.removeprefix("mix")
+        spec, *extra = algo.split("+")
+        size = mix_size if spec == "mix=genai_mixed" else spec.removeprefix("mix")
+        finer = [{"name": f"int4-{g}", "format": "int4", "group_size": int(g[1:])} for g in extra if g != "head"]
+        if "head" in extra:  # the tied lm_head searched too (4 bits + the table stored apart, or one 8-bit table)
+            overrides[:] = [o for o in overrides if o.get("layer") != "lm_head"]
         d["search"] = {
-            "candidates": [{"name": "int4-g128", "format": "int4", "group_size": 128}, {"name": "w8", **w8}],
+            "candidates": [{"name": "int4-g128", "format": "int4", "group_size": 128}, *finer, {"name": "w8", **w8}],
             "metric": "size", "target": {"size": float(size)}, "tie": "shared_input",
             "sensitivity": {"samples": 2, "seq_len": 128, "metric": "kl"}}
     return d
@@ -425,7 +434,9 @@ def main() -> None:
     allowed["quantkit"] += RECIPE_VARIANTS
     for m in methods[1:]:
         kind, _, algo = m.partition(":")
-        if kind == "quantkit" and (algo == "mix=genai_mixed" or algo.removeprefix("mix").replace(".", "", 1).isdigit()):
+        spec, *extra = algo.split("+")
+        if kind == "quantkit" and all(g == "head" or g.startswith("g") and g[1:].isdigit() for g in extra) and (
+                spec == "mix=genai_mixed" or spec.removeprefix("mix").replace(".", "", 1).isdigit()):
             continue
         if algo not in allowed.get(kind, ()):
             raise SystemExit(f"unknown method {m!r}; allowed: " + ", ".join(
@@ -457,14 +468,22 @@ def main() -> None:
         tmp = Path(tmpd)
         paths = {}
         kv = [m for m in methods if m.startswith("genai:")]
+        failed: dict[str, str] = {}
         for m in methods:
             print(f"[bench] {m} ...", flush=True)
             kind = m.partition(":")[0]
             if kind in PEER_KINDS:
                 from quantkit.frontends.llm import smollm2_folder
 
-                pdir = _run_peer(m, (Path(args.peer_cache) if args.peer_cache else tmp / "peers") / f"b{args.block}",
-                                 args.block, smollm2_folder(), calib)
+                pdir = (Path(args.peer_cache) if args.peer_cache else tmp / "peers") / f"b{args.block}"
+                try:
+                    _run_peer(m, pdir, args.block, smollm2_folder(), calib)
+                except subprocess.CalledProcessError as e:  # a peer that fails on this model is a result too
+                    log = pdir / f"{_slug(m)}.log"
+                    tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.is_file() else []
+                    failed[m] = f"exit {e.returncode}: {tail[0] if tail else 'see its output above'}"
+                    print(f"[bench] {m}: FAILED ({failed[m]}); going on without it", flush=True)
+                    continue
                 peer = json.loads((pdir / f"{_slug(m)}.peer.json").read_text())
             if kind == "genai":
                 results[m] = peer
@@ -477,7 +496,7 @@ def main() -> None:
                     if not link.exists():
                         link.symlink_to(pdir / f"{_slug(m)}_codes.npz")
                 env = dict(os.environ)
-                if m == "quantkit:mix=genai_mixed":  # the size the genai_mixed row measured in this run
+                if m.split("+")[0] == "quantkit:mix=genai_mixed":  # the size the genai_mixed row measured here
                     size = results["quantkit:genai_mixed"]["size"]
                     env["QK_BENCH_MIX_SIZE"] = str(size["quantized_bytes"] / size["fp32_bytes"])
                 subprocess.run([sys.executable, __file__, "--worker", m, "--out-dir", str(tmp), "--block",
@@ -495,6 +514,8 @@ def main() -> None:
                 results[m]["kernels"] = dict(cen.quantized_kernels)
             print(f"[bench] {m}: ppl " + ", ".join(f"{t} {v:.3f}" for t, v in results[m]["ppl_by_text"].items())
                   + f", {results[m]['size_mb']:.1f} MB", flush=True)
+        methods = [m for m in methods if m not in failed]
+        kv = [m for m in kv if m not in failed]
         pre = measure_prefill({m: str(p) for m, p in paths.items()}, seq_len=128, warmup=3, repeat=20)
         dec = measure_decode({m: str(p) for m, p in paths.items() if m not in kv}, warmup=5, repeat=40)
         if kv:  # one token with an empty past: the same work as the others' one-token forward
@@ -536,9 +557,11 @@ def main() -> None:
                          f"--extra_options {' '.join(r['options'])}; decode ms = one token with an empty past")
     notes.append("decode_kv ms: median per-token step, 64 greedy tokens after a 128-token prompt, with the KV cache; "
                  "n/a for graphs without one. quant s / RSS MB: the quantizing process (child) alone")
+    notes += [f"{m}: failed on this model, {why}" for m, why in failed.items()]
     print("\n" + "\n".join("* " + n for n in notes))
     if args.out:
-        Path(args.out).write_text(json.dumps({"environment": env, "results": results}, indent=2, default=str))
+        Path(args.out).write_text(json.dumps({"environment": env, "results": results, "failed": failed}, indent=2,
+                                             default=str))
 
 
 if __name__ == "__main__":

@@ -119,12 +119,14 @@ DOCUMENTED: dict[str, dict[str, str]] = {
         "source": "README.md at commit bdaae52",
     },
     "int4_mix_x86-vnni.json": {
-        "title": "INT4 SmolLM2-135M on held-out Persuasion and Python docs: the recipe, a byte-budgeted searched 4/8-bit "
-                 "mix, onnxruntime-genai's k_quant_mixed / k_quant_last choice of 8-bit layers (same rounding), "
+        "title": "INT4 SmolLM2-135M on held-out Persuasion and Python docs: the byte-budgeted 4/8-bit mix with the "
+                 "tied lm_head searched (recipes/llama-int4-mix.yaml at 0.20, and at the bytes of "
+                 "onnxruntime-genai's k_quant_mixed choice of 8-bit layers), that choice with quantkit's rounding, "
                  "ONNX Runtime's RTN and the genai builder",
-        "command": "python eval/bench_int4.py --text persuasion,pydoc --eval 16 --methods ort:rtn_sym,genai:rtn,"
-                   "quantkit:recipe,quantkit:mix0.20,quantkit:genai_mixed,quantkit:mix=genai_mixed "
-                   "--peer-cache /tmp/peers --out eval/results/int4_mix_x86-vnni.json",
+    },
+    "int4_mix_pinned_head_x86-vnni.json": {
+        "title": "The same with the lm_head pinned at 4 bits (GPTQ; the embedding stored apart at 4 bits): the mix at "
+                 "the bytes of genai's k_quant_mixed choice; genai's own k_quant_mixed fails on this model",
     },
     "int4_rotation_x86-vnni.json": {
         "title": "INT4 SmolLM2-135M with and without the randomized Hadamard rotation (quantization.rotation)",
