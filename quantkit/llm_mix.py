@@ -160,9 +160,13 @@ def run_layerwise_mix(model: Any, calibration_data: Any, rec: RecipeModel, *, ev
 
 
 def _picklable(args: tuple[Any, ...]) -> bool:
-    """Whether the search's inputs can go to a child process (a model path or name, data the recipe names)."""
+    """Whether the search's inputs can go to a child process (a model path or name, data the recipe names), and
+    this process may start one (a daemonic process - a multiprocessing pool's worker - may not)."""
+    import multiprocessing as mp
     import pickle
 
+    if mp.current_process().daemon:
+        return False
     try:
         pickle.dumps(args)
     except Exception:  # noqa: BLE001 - an in-memory model or dataset that does not pickle: searched in-process

@@ -307,3 +307,10 @@ def test_a_weight_only_search_built_layer_wise_takes_a_size_target_only(
     rec = _mix_recipe(folder, tmp_path, target={"size": 0.01})
     with pytest.raises(RecipeError, match=r"no assignment of the candidates fits .*allowed: a looser budget"):
         quantkit.quantize(recipe=rec, progress=False, measure_latency=False)
+
+
+def test_the_mix_searches_in_a_child_only_when_its_inputs_pickle() -> None:
+    from quantkit.llm_mix import _picklable
+
+    assert _picklable(("smollm2-135m", None, {"version": 1}, None, False, True))
+    assert not _picklable((lambda: None, None, None, None, False, True))  # an in-memory object: in-process
