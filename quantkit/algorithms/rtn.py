@@ -98,6 +98,14 @@ def rtn(
         raise RecipeError(f"rtn: unknown options {sorted(options)}; allowed: narrow, clip")
     w = check_weight(W, bits)
     g = resolve_group_size(w.shape[0], group_size)
+    K, N = w.shape
+    step = max(1, _CLIP_CHUNK // max(K, 1))
+    if N > step:  # columns are independent: in blocks, so the float64 temporaries stay small (same codes)
+        parts = [rtn(w[:, j:j + step], bits=bits, group_size=g, symmetric=symmetric, stats=stats, narrow=narrow,
+                     clip=clip) for j in range(0, N, step)]
+        return WOQResult(np.concatenate([p.codes for p in parts], axis=1),
+                         np.concatenate([p.scales for p in parts], axis=1),
+                         np.concatenate([p.zero_points for p in parts], axis=1), bits, g, symmetric)
     if clip:
         imp = np.diag(stats.hessian()) if stats is not None and stats.count else None
         mn, mx = clip_ranges(w, bits, g, symmetric=symmetric, narrow=narrow, importance=imp)

@@ -302,6 +302,16 @@ class LinearSpace:
         if c.format in ("fp16", "bf16"):
             return {n: round_to(self._weights[n], c.format) for n in unit.layers}
         if c.format in WEIGHT_ONLY:
+            plans = {n: self.layer_choice(n, cand) for n in unit.layers}
+            if all(p.algorithm == "rtn" for p in plans.values()):
+                # round-to-nearest needs no statistics: the unit's layers alone, nothing kept (the sensitivity asks
+                # once per unit; every layer's codes at once held ~0.3 GB and ~1 GB of temporaries on a 135M model)
+                from quantkit.algorithms.woq import get_weight_algorithm
+
+                fn = get_weight_algorithm("rtn")
+                return {n: fn(self._weights[n], bits=4 if p.format == "int4" else 8, group_size=p.group_size,
+                              symmetric=p.weight_symmetric, stats=None, **dict(p.algorithm_options)).effective_weight()
+                        for n, p in plans.items()}
             res = self.woq_results(cand)
             return {n: res[n].effective_weight() for n in unit.layers}
         return None

@@ -218,3 +218,17 @@ def test_clip_search_in_blocks_of_columns_equals_the_whole_search(monkeypatch: p
     blocks = rtn_mod.clip_ranges(w, 4, 64, symmetric=False, importance=imp)
     for a, b in zip(whole, blocks, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_rtn_in_blocks_of_columns_equals_the_whole_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    import quantkit.algorithms.rtn as rtn_mod
+
+    w = np.random.default_rng(4).normal(size=(130, 23)).astype(np.float32)
+    for sym in (True, False):
+        whole = rtn_mod.rtn(w, bits=4, group_size=64, symmetric=sym)
+        with monkeypatch.context() as mp:
+            mp.setattr(rtn_mod, "_CLIP_CHUNK", 130 * 4)  # 4 columns a block
+            blocks = rtn_mod.rtn(w, bits=4, group_size=64, symmetric=sym)
+        for a, b in ((whole.codes, blocks.codes), (whole.scales, blocks.scales),
+                     (whole.zero_points, blocks.zero_points)):
+            np.testing.assert_array_equal(a, b)

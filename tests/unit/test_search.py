@@ -176,6 +176,20 @@ def test_the_probe_graph_holds_no_searched_weight_and_leaves_the_model_as_it_was
         assert tuple(d.dim_value for d in fed[name].type.tensor_type.shape.dim) == tuple(want), layer
 
 
+def test_rtn_effective_weights_of_one_unit_equal_the_all_layers_path() -> None:
+    """The sensitivity rounds one unit at a time (nothing kept); the codes are those the emitted model gets."""
+    sp, _ = _space(pin=False)
+    for cand in ("int4-g16", "w8"):
+        res = sp.woq_results(cand)
+        for u in sp.units:
+            if cand not in sp.allowed(u):
+                continue
+            got = sp.effective_weights(u, cand)
+            assert got is not None
+            for n, w in got.items():
+                np.testing.assert_array_equal(w, res[n].effective_weight())
+
+
 def test_sensitivity_cache_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path))
     sp, cal = _space()
