@@ -244,7 +244,6 @@ def _search(model: Any, calibration_data: Any, rec: RecipeModel, evaluation_data
     # copies of the weights in memory for a 135M-parameter decoder)
     ctx = prepare_search(model, calibration_data, _search_recipe(rec), evaluation_data=evaluation_data,
                          progress=progress, use_cache=use_cache, latency_costs=False)
-    search_s = time.perf_counter() - t
     expr = srch.target["size"]
     # a fraction is of the FP32 model (every weight float32, the tied table once): the search's own FP32 point
     # keeps the recipe's pinned layers (an lm_head override) in their format
@@ -285,7 +284,7 @@ def _search(model: Any, calibration_data: Any, rec: RecipeModel, evaluation_data
         "budget_bytes": budget, "embedding_apart_bytes": fixed, "predicted": predicted,
         "predicted_bytes_emitted": predicted["bytes"] + fixed, "fp32_bytes": fp32_bytes,
         "uniform_predicted": ctx.uniform_all, "assignment": rows, "counts": counts,
-        "pinned": list(ctx.space.pinned), "search_s": search_s,
+        "pinned": list(ctx.space.pinned),
         "search_timings": {k: round(v, 2) for k, v in ctx.timings.items()},
     }
     log.info("search: %s within %.1f MB (%s)", ", ".join(f"{v} x {k}" for k, v in sorted(counts.items())),

@@ -156,6 +156,17 @@ def make_units(layers: dict[str, LinearLayer], tie: str) -> list[Unit]:
     ]
 
 
+def _format_bytes(fmt: str, K: int, N: int, group_size: int | None, symmetric: bool) -> int:
+    """Bytes of a ``[K, N]`` weight stored in ``fmt`` (``group_size`` None: one group per column)."""
+    if fmt in ("fp16", "bf16"):
+        return 2 * K * N
+    if fmt == "int8_dynamic":
+        return K * N + 4 * N
+    if fmt in ("int4", "int8_weight"):
+        return weight_only_bytes(K, N, 4 if fmt == "int4" else 8, group_size or K, symmetric)
+    return 4 * K * N
+
+
 def weight_only_bytes(K: int, N: int, bits: int, group_size: int, symmetric: bool) -> int:
     """Bytes of a MatMulNBits layer (packed codes + float32 scales + zero points when asymmetric)."""
     from quantkit.algorithms.woq import resolve_group_size
@@ -322,17 +333,8 @@ class LinearSpace:
         total = 0
         for n in unit.layers:
             lay = self.layers[n]
-            K, N = lay.K, lay.N
-            if c.format == "fp32":
-                total += 4 * K * N
-            elif c.format in ("fp16", "bf16"):
-                total += 2 * K * N
-            elif c.format == "int8_dynamic":
-                total += K * N + 4 * N
-            else:
-                bits = 4 if c.format == "int4" else 8
-                g = self._group_size(c) or K
-                total += weight_only_bytes(K, N, bits, g, self.rec.quantization.default.weights.symmetric)
+            total += _format_bytes(c.format, lay.K, lay.N, self._group_size(c),
+                                   self.rec.quantization.default.weights.symmetric)
         if c.format == "int8_dynamic" and c.smoothquant is not None:
             art = self.int8_artifact(unit, cand)
             if art.s is not None and not self._foldable(unit):
@@ -360,15 +362,8 @@ class LinearSpace:
                 N, K = table.shape
             lp = layer_plan(plan, node)
             f32 += 4 * K * N
-            if lp.format in ("int4", "int8_weight"):
-                fmt += weight_only_bytes(K, N, 4 if lp.format == "int4" else 8, lp.group_size or K,
-                                         lp.weight_symmetric)
-            elif lp.format in ("fp16", "bf16"):
-                fmt += 2 * K * N
-            elif lp.format in ("int8_dynamic", "int8"):
-                fmt += K * N + 4 * N
-            else:
-                fmt += 4 * K * N
+            fmt += _format_bytes("int8_dynamic" if lp.format == "int8" else lp.format, K, N, lp.group_size,
+                                 lp.weight_symmetric)
         return f32, fmt
 
     def _foldable(self, unit: Unit) -> bool:
