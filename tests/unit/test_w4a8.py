@@ -81,9 +81,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _plan(folder: Path, algorithm: str = "rtn") -> PrecisionPlan:
+def _plan(folder: Path, algorithm: str = "rtn", overrides: list[dict[str, Any]] | None = None) -> PrecisionPlan:
     rec = {"version": 1, "model": {"source": str(folder)}, "calibration": {"layerwise": True},
-           "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": algorithm}}}  # fmt: skip
+           "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": algorithm},
+                            "overrides": overrides or []}}  # fmt: skip
     return PrecisionPlan.from_recipe(load_recipe(rec))
 
 
@@ -98,9 +99,9 @@ def _levels(path: Path) -> dict[str, int]:
 
 
 def _build(folder: Path, tmp: Path, name: str, algorithm: str = "rtn", threshold: float | None = THRESHOLD,
-           windows: np.ndarray | None = None) -> Any:
+           windows: np.ndarray | None = None, overrides: list[dict[str, Any]] | None = None) -> Any:
     win = _windows(3, 16, 1) if windows is None else windows
-    return quantize_llm_layerwise(folder, tmp / name / "model.onnx", _plan(folder, algorithm), win,
+    return quantize_llm_layerwise(folder, tmp / name / "model.onnx", _plan(folder, algorithm, overrides), win,
                                   work_dir=tmp / f"work-{name}", progress=False, w4a8_max_error_ratio=threshold)
 
 
@@ -202,6 +203,24 @@ def test_planted_outlier_keeps_its_input_group_at_level0(folders: dict[str, Path
     off = _build(folders["qkv"], tmp_path, "off", threshold=None)
     assert set(_levels(off.path).values()) == {4} and "null" in off.w4a8["why"]
     assert w4a8_line(off.w4a8).startswith("W4A8 check: not run (export.w4a8_max_error_ratio is null")
+
+
+def test_an_8bit_layer_reading_the_outlier_input_stays_at_level4(folders: dict[str, Path], tmp_path: Path) -> None:
+    """q_proj's level-4 error sends the 4-bit layers reading its input to level 0; k_proj, 8-bit, stays at level 4
+    (an 8-bit MatMulNBits at level 0 runs ~40x slower on ONNX Runtime's CPU kernels)."""
+    p = "model.layers.0.self_attn"
+    res = _build(folders["qkv"], tmp_path, "k8", overrides=[{"layer": f"{p}.k_proj", "format": "int8_weight",
+                                                              "group_size": 32, "algorithm": "rtn"}])
+    rows = {r["layer"]: r for r in res.rows}
+    assert rows[f"{p}.q_proj"]["w4a8_error_ratio"] > THRESHOLD
+    assert rows[f"{p}.q_proj"]["accuracy_level"] == 0 and rows[f"{p}.v_proj"]["accuracy_level"] == 0
+    assert rows[f"{p}.k_proj"]["accuracy_level"] == 4 and not rows[f"{p}.k_proj"].get("w4a8_level0")
+    nodes = {n.name: n for n in onnx.load(str(res.path), load_external_data=False).graph.node
+             if n.op_type == "MatMulNBits"}
+    bits = {n: next(a.i for a in node.attribute if a.name == "bits") for n, node in nodes.items()}
+    levels = _levels(res.path)
+    assert all(levels[n] == 4 for n, b in bits.items() if b == 8) and 8 in bits.values()
+    assert res.w4a8["kept_level0"] == [f"{p}.q_proj", f"{p}.v_proj"]
 
 
 def test_a_resumed_build_reproduces_the_levels(folders: dict[str, Path], tmp_path: Path,
