@@ -285,6 +285,7 @@ def _search(model: Any, calibration_data: Any, rec: RecipeModel, evaluation_data
         "predicted_bytes_emitted": predicted["bytes"] + fixed, "fp32_bytes": fp32_bytes,
         "uniform_predicted": ctx.uniform_all, "assignment": rows, "counts": counts,
         "pinned": list(ctx.space.pinned),
+        "sensitivity": ctx.sensitivity_info,
         "search_timings": {k: round(v, 2) for k, v in ctx.timings.items()},
     }
     log.info("search: %s within %.1f MB (%s)", ", ".join(f"{v} x {k}" for k, v in sorted(counts.items())),

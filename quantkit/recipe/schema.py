@@ -443,6 +443,13 @@ class SensitivitySection(_Strict):
         "(mse: embeddings, regression); auto = kl when the model's first output is 'logits' or the evaluation "
         "metric is classification, else mse",
     )
+    measure: Literal["all", "scaled"] = Field(
+        "all",
+        description="all: every (layer, candidate) damage is measured; scaled (linear layers): per layer group only "
+        "the weight-only candidate with the largest input-weighted rounding error is measured and the group's "
+        "other weight-only candidates get that damage times their error ratio (one run per group instead of one "
+        "per candidate)",
+    )
 
 
 class SearchSection(_Strict):

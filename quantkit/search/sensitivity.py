@@ -23,6 +23,15 @@ Two engines, one table:
   additionally rounds activations per block; the emitted points measure that).
 * **emit and run** (any space with ``emit``): emit the one-unit model, open a session, run it.
 
+``measure="scaled"`` (linear spaces, probe engine): per unit, only the weight-only candidate with the largest
+rounding error is run; every other weight-only candidate of the unit gets that damage times the ratio of their
+input-weighted rounding errors ``sum_k h_k sum_n (W_c - W)_kn^2`` (``h_k``: mean square of input channel ``k`` on
+the same samples; the second-order term of the output error, ``E||(W_c - W)^T x||^2`` with the channels taken as
+uncorrelated).  Damage is about quadratic in a small weight perturbation and the perturbation's direction
+changes little between grids of one unit, so the ratio carries over.  Checked on SmolLM2-135M (121 units,
+int4 g128 measured; int4 g32 and 8-bit scaled): median scaled / measured 1.00 (g32) and 1.07 (8-bit), rank
+correlation of the savings over int4 g128 0.92 and 1.00 - one measurement per unit instead of three.
+
 The table is cached on disk (JSON) keyed by model, data, candidates and settings, and written
 as it grows, so an interrupted search resumes where it stopped.
 """
@@ -95,12 +104,14 @@ class _TableCache:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self.table: DamageTable = {}
+        self.info: dict[str, Any] = {}  # how the table was made (measured / scaled counts)
         if path is not None and path.exists():
             try:
                 raw = loads_checked(path.read_text())  # checksummed: an edited table is a miss
                 self.table = {
                     (k.split("\t")[0], k.split("\t")[1]): float(v) for k, v in raw["damage"].items()
                 }
+                self.info = dict(raw.get("info") or {})
             except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
                 self.table = {}
                 log.warning("sensitivity cache %s unusable (%s); measuring again", path, exc)
@@ -110,7 +121,8 @@ class _TableCache:
             return
         from quantkit.report.build import atomic_write_text
 
-        blob = dumps_checked({"damage": {f"{u}\t{c}": v for (u, c), v in sorted(self.table.items())}})
+        blob = dumps_checked({"damage": {f"{u}\t{c}": v for (u, c), v in sorted(self.table.items())},
+                              "info": self.info})
         try:
             atomic_write_text(self.path, blob)
         except OSError as exc:
@@ -284,8 +296,18 @@ def measure_sensitivity(
     cache_parts: Mapping[str, Any] | None = None,
     progress: bool = True,
     engine: str = "auto",
+    measure: str = "all",
+    info: dict[str, Any] | None = None,
 ) -> DamageTable:
-    """``(unit, candidate) -> damage`` for every unit and non-fp32 candidate of ``space``."""
+    """``(unit, candidate) -> damage`` for every unit and non-fp32 candidate of ``space``.
+
+    ``measure``: "all" runs every (unit, candidate); "scaled" runs one weight-only candidate per unit and scales
+    the others (module doc; needs the probe engine, else every one is run).  ``info``, when given, receives
+    ``measured`` / ``scaled`` counts and how the scaled ones were made."""
+    if measure not in ("all", "scaled"):
+        from quantkit.errors import RecipeError
+
+        raise RecipeError(f"search.sensitivity.measure {measure!r}: allowed: 'all', 'scaled'")
     feeds = _samples(dataset, samples, seq_len)
     if not feeds:
         from quantkit.errors import DataError
@@ -304,21 +326,72 @@ def measure_sensitivity(
                 cache.table[(u.name, c)] = 0.0
     if not todo:
         log.info("sensitivity: all %d measurements reused from %s", len(cache.table), cache.path)
+        if info is not None:
+            info.update(cache.info)
         return dict(cache.table)
     use_probe = engine == "probe" or (engine == "auto" and hasattr(space, "int8_artifact"))
-    runner = _probe_runner(space, feeds) if use_probe else _emit_runner(space, feeds)
+    if measure == "scaled" and not use_probe:
+        log.info("sensitivity: measure 'scaled' needs the probe engine (linear layers); every candidate is run")
+        measure = "all"
+    runner = _probe_runner(space, feeds, expose=measure == "scaled") if use_probe else _emit_runner(space, feeds)
     masks = [f.get("attention_mask") for f in feeds]
     ref = _Reference(
         metric, runner(None, None), [m.astype(np.float32) if m is not None else None for m in masks]
     )
+    scaled: dict[tuple[str, str], tuple[str, float]] = {}  # (unit, cand) -> (the measured cand, error ratio)
+    if measure == "scaled":
+        energy = runner.input_energy()  # type: ignore[attr-defined]
+        for u in space.units:
+            errs = _weighted_errors(space, u, energy)
+            if len(errs) < 2:
+                continue
+            top = max(errs, key=lambda c: errs[c])
+            for c, e in errs.items():
+                if c != top:
+                    scaled[(u.name, c)] = (top, e / errs[top] if errs[top] > 0 else 0.0)
+        todo = [(u, c) for u, c in todo if (u.name, c) not in scaled]
+        # a measured candidate must be in the table before the ones scaled from it
+        need = {(u.name, scaled[(u.name, c)][0]) for u in space.units for c in space.candidates
+                if (u.name, c) in scaled}
+        todo += [(u, c) for u in space.units for c in space.candidates
+                 if (u.name, c) in need and (u.name, c) not in cache.table and (u, c) not in todo]
     with tqdm(total=len(todo), desc="sensitivity", unit="layer x format", disable=not progress) as bar:
         for i, (u, c) in enumerate(todo):
             cache.table[(u.name, c)] = ref.damage(runner(u, c))
             bar.update(1)
             if i % 25 == 24:
                 cache.save()
+    for (un, c), (top, ratio) in scaled.items():
+        cache.table[(un, c)] = cache.table[(un, top)] * ratio
+    cache.info = {"measure": measure, "measured": len(cache.table) - len(scaled), "scaled": len(scaled)}
+    if scaled:
+        cache.info["how"] = ("per unit, the weight-only candidate with the largest input-weighted rounding error "
+                             "measured; the others scaled by their error ratio to it")
+    if info is not None:
+        info.update(cache.info)
     cache.save()
     return dict(cache.table)
+
+
+def _weighted_errors(space: Any, unit: Any, energy: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """``candidate -> sum over the unit's layers of sum_k h_k sum_n (W_c - W)_kn^2`` for its weight-only candidates
+    (``h``: the unit input's per-channel sum of squares; the candidate's effective weights, ``[K, N]``)."""
+    h = energy.get(unit.input)
+    if h is None:
+        return {}
+    out: dict[str, float] = {}
+    for c, cand in space.candidates.items():
+        if cand.format not in ("int4", "int8_weight") or not _ok(space, unit, c):
+            continue
+        eff = space.effective_weights(unit, c)
+        if eff is None:
+            continue
+        total = 0.0
+        for n, w in eff.items():
+            d = np.asarray(w, np.float64) - np.asarray(space.weight(n), np.float64)
+            total += float(h @ np.einsum("kn,kn->k", d, d))
+        out[c] = total
+    return out
 
 
 def _session(proto_bytes: bytes) -> ort.InferenceSession:
@@ -329,9 +402,16 @@ def _session(proto_bytes: bytes) -> ort.InferenceSession:
 
 
 def _probe_runner(
-    space: Any, feeds: list[dict[str, np.ndarray]]
+    space: Any, feeds: list[dict[str, np.ndarray]], expose: bool = False
 ) -> Callable[[Any, str | None], list[np.ndarray]]:
+    """``run(unit, cand)``: the probe's output on every feed; with ``expose``, ``run.input_energy()`` gives each
+    unit input's per-channel sum of squares over the feeds (FP32 weights)."""
     proto, weights, gates = probe_model(space)
+    inputs = sorted({u.input for u in space.units}) if expose else []
+    have = {o.name for o in proto.graph.output}
+    for name in inputs:
+        if name not in have:
+            proto.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
     sess = _session(proto.SerializeToString())
     del proto
     out_name = sess.get_outputs()[0].name
@@ -356,6 +436,16 @@ def _probe_runner(
             sess.run([out_name], {**{k: v for k, v in f.items() if k in wanted}, **feed})[0] for f in feeds
         ]
 
+    def input_energy() -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for f in feeds:
+            got = sess.run(inputs, {**{k: v for k, v in f.items() if k in wanted}, **base})
+            for name, x in zip(inputs, got, strict=True):
+                x2 = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+                out[name] = out.get(name, 0.0) + np.einsum("ij,ij->j", x2, x2)
+        return out
+
+    run.input_energy = input_energy  # type: ignore[attr-defined]
     return run
 
 

@@ -223,6 +223,7 @@ class SearchContext:
     damage_metric: str = "kl"
     allowed: dict[str, list[str]] = field(default_factory=dict)  # unit -> candidates it can take
     memory: dict[str, Any] = field(default_factory=dict)  # the report's memory section: the estimate, what is free
+    sensitivity_info: dict[str, Any] = field(default_factory=dict)  # measured / scaled counts (measure_sensitivity)
 
     @property
     def float_bytes(self) -> bytes:
@@ -361,6 +362,7 @@ def prepare_search(
 
     t = time.perf_counter()
     sens = srch.sensitivity
+    sens_info: dict[str, Any] = {}
     with grouped("sensitivity"):  # one line per repeated step (lowering, statistics), not one per probe
         damage = measure_sensitivity(
             space,
@@ -370,6 +372,8 @@ def prepare_search(
             metric=damage_metric,
             cache_parts={**common, "sens": sens.model_dump()} if use_cache else None,
             progress=progress,
+            measure=sens.measure,
+            info=sens_info,
         )
     timings["sensitivity_s"] = time.perf_counter() - t
 
@@ -434,6 +438,7 @@ def prepare_search(
         t_start,
         damage_metric,
     )
+    ctx.sensitivity_info = sens_info
     if "fp32" in cnames:
         ctx.fp32_pred = ctx.predicted({u: "fp32" for u in units})
     else:
@@ -702,6 +707,7 @@ def _sweep_into(
         "costs": {"base": costs.base, "notes": costs.notes},
         "roofline": costs.roofline,
         "sensitivity": [{"unit": u, "candidate": c, "damage": v} for (u, c), v in sorted(damage.items())],
+        "sensitivity_info": ctx.sensitivity_info,
         "assignments": {p.id: space.assignment_table(p.assignment) for p in points},
         "timings": timings,
         "memory": {**ctx.memory, "measured_peak_bytes": int(meter.stop())},

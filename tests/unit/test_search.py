@@ -559,3 +559,61 @@ def test_sweep_ray_without_ray_installed_is_a_clear_error(monkeypatch: pytest.Mo
     monkeypatch.setattr(builtins, "__import__", no_ray)
     with pytest.raises(QuantkitError, match="pip install 'ray"):
         _ray_session("local")
+
+
+def test_scaled_sensitivity_measures_one_weight_only_candidate_per_unit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure='scaled': the weight-only candidate with the largest input-weighted rounding error is run, the
+    unit's other weight-only candidates get its damage times their error ratio (h = the input's per-channel sum
+    of squares on the same samples, computed here independently); the other formats are run as before."""
+    sp, cal = _space(pin=False)
+    full = measure_sensitivity(sp, cal, samples=3, seq_len=None, metric="kl", progress=False)
+    runs: list[tuple[str, str]] = []
+    from quantkit.search import sensitivity as sens_mod
+
+    real = sens_mod._probe_runner
+
+    def counting(space: Any, feeds: Any, expose: bool = False) -> Any:
+        run = real(space, feeds, expose)
+
+        def wrapped(unit: Any, cand: str | None) -> Any:
+            if unit is not None:
+                runs.append((unit.name, str(cand)))
+            return run(unit, cand)
+
+        wrapped.input_energy = run.input_energy  # type: ignore[attr-defined]
+        return wrapped
+
+    monkeypatch.setattr(sens_mod, "_probe_runner", counting)
+    info: dict[str, Any] = {}
+    scaled = measure_sensitivity(sp, cal, samples=3, seq_len=None, metric="kl", progress=False, measure="scaled",
+                                 info=info)
+    assert scaled.keys() == full.keys()
+    wo = [c for c, cand in sp.candidates.items() if cand.format in ("int4", "int8_weight")]
+    assert info["scaled"] == len([u for u in sp.units for c in wo if c in sp.allowed(u)]) - len(
+        [u for u in sp.units if any(c in sp.allowed(u) for c in wo)]) > 0
+    fp32_rows = sum(1 for (_, c) in scaled if sp.candidates[c].format == "fp32")  # not run
+    assert len(runs) == info["measured"] - fp32_rows and info["measure"] == "scaled"
+    # the unit inputs' energies, independently: the float model with every unit input as an output
+    proto = ir.to_proto(sp.model)
+    inputs = sorted({u.input for u in sp.units})
+    proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in inputs)
+    s = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    h: dict[str, np.ndarray] = {}
+    for feed in list(cal.batches(1))[:3]:
+        for n, x in zip(inputs, s.run(inputs, feed), strict=True):
+            x2 = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+            h[n] = h.get(n, 0.0) + (x2 ** 2).sum(0)
+    for u in sp.units:
+        err = {c: sum(float(h[u.input] @ ((np.asarray(w, np.float64) - sp.weight(n)) ** 2).sum(1))
+                      for n, w in (sp.effective_weights(u, c) or {}).items()) for c in wo if c in sp.allowed(u)}
+        top = max(err, key=lambda c: err[c])
+        assert (u.name, top) in runs and scaled[(u.name, top)] == full[(u.name, top)]
+        for c in err:
+            if c != top:
+                assert (u.name, c) not in runs
+                assert scaled[(u.name, c)] == pytest.approx(full[(u.name, top)] * err[c] / err[top], rel=1e-6)
+                # the approximation itself: the scaled damage of a finer grid is of the measured one's order
+                assert full[(u.name, c)] / 5 < scaled[(u.name, c)] < full[(u.name, c)] * 5, (u.name, c)
+        for c, cand in sp.candidates.items():
+            if cand.format not in ("int4", "int8_weight", "fp32") and c in sp.allowed(u):
+                assert (u.name, c) in runs and scaled[(u.name, c)] == full[(u.name, c)]
