@@ -56,6 +56,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "llama-int4.yaml"
+MIX_RECIPE = ROOT / "recipes" / "llama-int4-mix.yaml"
 DEFAULT = "quantkit:rtn,quantkit:gptq,quantkit:awq,ort:rtn_sym,ort:rtn_asym,ort:hqq"
 PEER_VENV = ROOT / "eval" / ".venv-peers"
 PEER_PY = PEER_VENV / "bin" / "python"
@@ -73,14 +74,16 @@ def _slug(m: str) -> str:
     return m.replace(":", "_")
 
 
-RECIPE_VARIANTS = ("recipe", "genai_mixed", "genai_last")
-"""``quantkit:<variant>`` runs recipes/llama-int4.yaml as it ships (``recipe``), with onnxruntime-genai's
+RECIPE_VARIANTS = ("recipe", "mix_recipe", "genai_mixed", "genai_last")
+"""``quantkit:<variant>`` runs recipes/llama-int4.yaml as it ships (``recipe``), recipes/llama-int4-mix.yaml as it
+ships (``mix_recipe``), recipes/llama-int4.yaml with onnxruntime-genai's
 ``k_quant_mixed`` / ``k_quant_last`` choice of 8-bit layers written as overrides (``genai_mixed``, ``genai_last``:
 the selection rule is the variable, the rounding stays the recipe's), or with a byte-budgeted search
 (``mix<fraction>``, e.g. ``mix0.20``: the recipe plus a search over int4 g128 / 8-bit per linear, the emitted file
 within that fraction of FP32; ``mix=genai_mixed``: at the size the ``genai_mixed`` row measured in this run; a
 ``+g<N>`` suffix, e.g. ``mix0.20+g32``, adds an int4 candidate with groups of N: finer scales for a few percent
-more bytes, between int4 g128 and 8 bits; ``+head`` drops the recipe's lm_head override, so that the tied lm_head is
+more bytes, between int4 g128 and 8 bits; ``+scaled`` measures one candidate per unit and scales the others
+(``search.sensitivity.measure: scaled``); ``+head`` drops the recipe's lm_head override, so that the tied lm_head is
 searched too: 4 bits with the table stored apart for the embedding, or one 8-bit table shared by both)."""
 
 
@@ -95,7 +98,9 @@ def genai_mixed_layers(num_layers: int) -> list[int]:
 def recipe_variant(algo: str, mix_size: str | None = None) -> dict[str, Any]:
     import yaml
 
-    d = yaml.safe_load(RECIPE.read_text())
+    d = yaml.safe_load((MIX_RECIPE if algo == "mix_recipe" else RECIPE).read_text())
+    if algo == "mix_recipe":
+        return d
     overrides = d["quantization"].setdefault("overrides", [])
     w8 = {"format": "int8_weight", "group_size": 128, "algorithm": "rtn", "algorithm_options": {}}
     if algo in ("genai_mixed", "genai_last"):
@@ -112,13 +117,15 @@ def recipe_variant(algo: str, mix_size: str | None = None) -> dict[str, Any]:
     if algo.startswith("mix"):
         spec, *extra = algo.split("+")
         size = mix_size if spec == "mix=genai_mixed" else spec.removeprefix("mix")
-        finer = [{"name": f"int4-{g}", "format": "int4", "group_size": int(g[1:])} for g in extra if g != "head"]
+        finer = [{"name": f"int4-{g}", "format": "int4", "group_size": int(g[1:])} for g in extra
+                 if g not in ("head", "scaled")]
         if "head" in extra:  # the tied lm_head searched too (4 bits + the table stored apart, or one 8-bit table)
             overrides[:] = [o for o in overrides if o.get("layer") != "lm_head"]
         d["search"] = {
             "candidates": [{"name": "int4-g128", "format": "int4", "group_size": 128}, *finer, {"name": "w8", **w8}],
             "metric": "size", "target": {"size": float(size)}, "tie": "shared_input",
-            "sensitivity": {"samples": 2, "seq_len": 128, "metric": "kl"}}
+            "sensitivity": {"samples": 2, "seq_len": 128, "metric": "kl",
+                            "measure": "scaled" if "scaled" in extra else "all"}}
     return d
 
 
@@ -435,7 +442,8 @@ def main() -> None:
     for m in methods[1:]:
         kind, _, algo = m.partition(":")
         spec, *extra = algo.split("+")
-        if kind == "quantkit" and all(g == "head" or g.startswith("g") and g[1:].isdigit() for g in extra) and (
+        if kind == "quantkit" and all(g in ("head", "scaled") or g.startswith("g") and g[1:].isdigit()
+                                      for g in extra) and (
                 spec == "mix=genai_mixed" or spec.removeprefix("mix").replace(".", "", 1).isdigit()):
             continue
         if algo not in allowed.get(kind, ()):

@@ -128,6 +128,16 @@ DOCUMENTED: dict[str, dict[str, str]] = {
         "title": "The same with the lm_head pinned at 4 bits (GPTQ; the embedding stored apart at 4 bits): the mix at "
                  "the bytes of genai's k_quant_mixed choice; genai's own k_quant_mixed fails on this model",
     },
+    "int4_mix_g32_x86-vnni.json": {
+        "title": "INT4 SmolLM2-135M on held-out Persuasion and Python docs: recipes/llama-int4-mix.yaml with int4 g32 "
+                 "as a third candidate and the scaled sensitivity, against ONNX Runtime's RTN and HQQ and the genai "
+                 "builder in the same run; an earlier run of the same mix with every damage measured; the recipe's "
+                 "cold run",
+    },
+    "nbits_kernels_x86-vnni.json": {
+        "title": "MatMulNBits at M = 1 (one decode step's GEMV) on SmolLM2-135M's shapes: 4 / 8 bits, groups of 32 / "
+                 "128, accuracy_level 4 / 0, against the int8 and float kernels",
+    },
     "int4_rotation_x86-vnni.json": {
         "title": "INT4 SmolLM2-135M with and without the randomized Hadamard rotation (quantization.rotation)",
     },

@@ -339,28 +339,41 @@ def measure_sensitivity(
         metric, runner(None, None), [m.astype(np.float32) if m is not None else None for m in masks]
     )
     scaled: dict[tuple[str, str], tuple[str, float]] = {}  # (unit, cand) -> (the measured cand, error ratio)
+    pending = {(u.name, c) for u, c in todo}
     if measure == "scaled":
         energy = runner.input_energy()  # type: ignore[attr-defined]
+        wo = {c for c, cand in space.candidates.items() if cand.format in _WEIGHT_ONLY}
+        total = sum(1 for u, c in todo if c not in wo) + len({u.name for u, c in todo if c in wo})
+    else:
+        total = len(todo)
+    done = 0
+    with tqdm(total=total, desc="sensitivity", unit="layer x format", disable=not progress) as bar:
         for u in space.units:
-            errs = _weighted_errors(space, u, energy)
-            if len(errs) < 2:
+            mine = [c for c in space.candidates if (u.name, c) in pending]
+            if not mine:
                 continue
-            top = max(errs, key=lambda c: errs[c])
-            for c, e in errs.items():
-                if c != top:
-                    scaled[(u.name, c)] = (top, e / errs[top] if errs[top] > 0 else 0.0)
-        todo = [(u, c) for u, c in todo if (u.name, c) not in scaled]
-        # a measured candidate must be in the table before the ones scaled from it
-        need = {(u.name, scaled[(u.name, c)][0]) for u in space.units for c in space.candidates
-                if (u.name, c) in scaled}
-        todo += [(u, c) for u in space.units for c in space.candidates
-                 if (u.name, c) in need and (u.name, c) not in cache.table and (u, c) not in todo]
-    with tqdm(total=len(todo), desc="sensitivity", unit="layer x format", disable=not progress) as bar:
-        for i, (u, c) in enumerate(todo):
-            cache.table[(u.name, c)] = ref.damage(runner(u, c))
-            bar.update(1)
-            if i % 25 == 24:
-                cache.save()
+            top_eff: dict[str, np.ndarray] | None = None
+            unit_top: str | None = None  # the weight-only candidate measured for the unit's scaled ones
+            if measure == "scaled":
+                errs, top, top_eff = _weighted_errors(space, u, energy)
+                if len(errs) >= 2 and top is not None:
+                    unit_top = top
+                    for c, e in errs.items():
+                        if c != top:
+                            scaled[(u.name, c)] = (top, e / errs[top] if errs[top] > 0 else 0.0)
+                    # the measured candidate is run (once) even when only the scaled ones were missing
+                    mine = [c for c in mine if (u.name, c) not in scaled]
+                    if (u.name, top) not in cache.table and top not in mine:
+                        mine.append(top)
+                else:
+                    top_eff = None
+            for c in mine:
+                eff = top_eff if c == unit_top else None  # rounded once, for its error and its run
+                cache.table[(u.name, c)] = ref.damage(runner(u, c, eff))
+                bar.update(1)
+                done += 1
+                if done % 25 == 0:
+                    cache.save()
     for (un, c), (top, ratio) in scaled.items():
         cache.table[(un, c)] = cache.table[(un, top)] * ratio
     cache.info = {"measure": measure, "measured": len(cache.table) - len(scaled), "scaled": len(scaled)}
@@ -373,25 +386,42 @@ def measure_sensitivity(
     return dict(cache.table)
 
 
-def _weighted_errors(space: Any, unit: Any, energy: Mapping[str, np.ndarray]) -> dict[str, float]:
-    """``candidate -> sum over the unit's layers of sum_k h_k sum_n (W_c - W)_kn^2`` for its weight-only candidates
-    (``h``: the unit input's per-channel sum of squares; the candidate's effective weights, ``[K, N]``)."""
+_WEIGHT_ONLY = ("int4", "int8_weight")
+_ERR_COLUMNS = 1 << 14  # columns of a weight difference squared at a time (a 49k-column lm_head: no full copy)
+_KEEP_BYTES = 1 << 26
+"""The measured candidate's rounded weights are kept from the error pass for its run up to this size; a larger
+unit (a 49k x 576 lm_head: 113 MB) is rounded again for the run rather than held next to the next candidate's."""
+
+
+def _weighted_errors(space: Any, unit: Any, energy: Mapping[str, np.ndarray]
+                     ) -> tuple[dict[str, float], str | None, dict[str, np.ndarray] | None]:
+    """``(candidate -> sum over the unit's layers of sum_k h_k sum_n (W_c - W)_kn^2, the candidate with the largest,
+    its effective weights)`` over the unit's weight-only candidates (``h``: the unit input's per-channel sum of
+    squares; effective weights ``[K, N]``: the largest's, kept for its run when small, :data:`_KEEP_BYTES`)."""
     h = energy.get(unit.input)
-    if h is None:
-        return {}
     out: dict[str, float] = {}
+    top: str | None = None
+    top_eff: dict[str, np.ndarray] | None = None
+    if h is None:
+        return out, top, top_eff
     for c, cand in space.candidates.items():
-        if cand.format not in ("int4", "int8_weight") or not _ok(space, unit, c):
+        if cand.format not in _WEIGHT_ONLY or not _ok(space, unit, c):
             continue
         eff = space.effective_weights(unit, c)
         if eff is None:
             continue
-        total = 0.0
+        per_k = np.zeros_like(h)
         for n, w in eff.items():
-            d = np.asarray(w, np.float64) - np.asarray(space.weight(n), np.float64)
-            total += float(h @ np.einsum("kn,kn->k", d, d))
-        out[c] = total
-    return out
+            ref = space.weight(n)
+            for j in range(0, ref.shape[1], _ERR_COLUMNS):
+                d = np.asarray(w[:, j:j + _ERR_COLUMNS], np.float32) - ref[:, j:j + _ERR_COLUMNS]
+                per_k += np.einsum("kn,kn->k", d, d, dtype=np.float64)
+        out[c] = float(h @ per_k)
+        if top is None or out[c] > out[top]:
+            top = c
+            top_eff = eff if sum(int(w.nbytes) for w in eff.values()) <= _KEEP_BYTES else None
+        del eff
+    return out, top, top_eff
 
 
 def _session(proto_bytes: bytes) -> ort.InferenceSession:
@@ -403,7 +433,7 @@ def _session(proto_bytes: bytes) -> ort.InferenceSession:
 
 def _probe_runner(
     space: Any, feeds: list[dict[str, np.ndarray]], expose: bool = False
-) -> Callable[[Any, str | None], list[np.ndarray]]:
+) -> Callable[..., list[np.ndarray]]:
     """``run(unit, cand)``: the probe's output on every feed; with ``expose``, ``run.input_energy()`` gives each
     unit input's per-channel sum of squares over the feeds (FP32 weights)."""
     proto, weights, gates = probe_model(space)
@@ -421,10 +451,11 @@ def _probe_runner(
     base.update({t: np.ascontiguousarray(space.weight(n).T) for n, t in tables.items()})
     base.update({g: np.array(False) for g in gates.values()})
 
-    def run(unit: Any, cand: str | None) -> list[np.ndarray]:
+    def run(unit: Any, cand: str | None, eff: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
         feed = dict(base)
         if unit is not None and cand is not None:
-            eff = space.effective_weights(unit, cand)
+            if eff is None:
+                eff = space.effective_weights(unit, cand)
             if eff is None:
                 feed[gates[(unit.name, cand)]] = np.array(True)
             else:
@@ -451,10 +482,10 @@ def _probe_runner(
 
 def _emit_runner(
     space: Any, feeds: list[dict[str, np.ndarray]]
-) -> Callable[[Any, str | None], list[np.ndarray]]:
+) -> Callable[..., list[np.ndarray]]:
     import onnx_ir as ir
 
-    def run(unit: Any, cand: str | None) -> list[np.ndarray]:
+    def run(unit: Any, cand: str | None, eff: Any = None) -> list[np.ndarray]:
         assignment = {} if unit is None or cand is None else {unit.name: cand}
         m = space.emit(assignment)  # the reference too: pinned layers as in every emitted point
         sess = _session(ir.to_proto(m).SerializeToString())

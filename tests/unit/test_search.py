@@ -575,10 +575,10 @@ def test_scaled_sensitivity_measures_one_weight_only_candidate_per_unit(monkeypa
     def counting(space: Any, feeds: Any, expose: bool = False) -> Any:
         run = real(space, feeds, expose)
 
-        def wrapped(unit: Any, cand: str | None) -> Any:
+        def wrapped(unit: Any, cand: str | None, eff: Any = None) -> Any:
             if unit is not None:
                 runs.append((unit.name, str(cand)))
-            return run(unit, cand)
+            return run(unit, cand, eff)
 
         wrapped.input_energy = run.input_energy  # type: ignore[attr-defined]
         return wrapped
