@@ -134,6 +134,11 @@ DOCUMENTED: dict[str, dict[str, str]] = {
                  "builder in the same run; an earlier run of the same mix with every damage measured; the recipe's "
                  "cold run",
     },
+    "int4_mix_equal_bytes_x86-vnni.json": {
+        "title": "INT4 SmolLM2-135M at equal bytes: the searched mix with int4 g32 against onnxruntime-genai's "
+                 "k_quant_mixed choice of 8-bit layers (both with quantkit's rounding), held-out Persuasion and "
+                 "Python docs",
+    },
     "nbits_kernels_x86-vnni.json": {
         "title": "MatMulNBits at M = 1 (one decode step's GEMV) on SmolLM2-135M's shapes: 4 / 8 bits, groups of 32 / "
                  "128, accuracy_level 4 / 0, against the int8 and float kernels",
