@@ -341,8 +341,10 @@ def measure_sensitivity(
     scaled: dict[tuple[str, str], tuple[str, float]] = {}  # (unit, cand) -> (the measured cand, error ratio)
     pending = {(u.name, c) for u, c in todo}
     if measure == "scaled":
+        from quantkit.search.linear import WEIGHT_ONLY
+
         energy = runner.input_energy()  # type: ignore[attr-defined]
-        wo = {c for c, cand in space.candidates.items() if cand.format in _WEIGHT_ONLY}
+        wo = {c for c, cand in space.candidates.items() if cand.format in WEIGHT_ONLY}
         total = sum(1 for u, c in todo if c not in wo) + len({u.name for u, c in todo if c in wo})
     else:
         total = len(todo)
@@ -365,8 +367,6 @@ def measure_sensitivity(
                     mine = [c for c in mine if (u.name, c) not in scaled]
                     if (u.name, top) not in cache.table and top not in mine:
                         mine.append(top)
-                else:
-                    top_eff = None
             for c in mine:
                 eff = top_eff if c == unit_top else None  # rounded once, for its error and its run
                 cache.table[(u.name, c)] = ref.damage(runner(u, c, eff))
@@ -386,7 +386,6 @@ def measure_sensitivity(
     return dict(cache.table)
 
 
-_WEIGHT_ONLY = ("int4", "int8_weight")
 _ERR_COLUMNS = 1 << 14  # columns of a weight difference squared at a time (a 49k-column lm_head: no full copy)
 _KEEP_BYTES = 1 << 26
 """The measured candidate's rounded weights are kept from the error pass for its run up to this size; a larger
@@ -398,6 +397,8 @@ def _weighted_errors(space: Any, unit: Any, energy: Mapping[str, np.ndarray]
     """``(candidate -> sum over the unit's layers of sum_k h_k sum_n (W_c - W)_kn^2, the candidate with the largest,
     its effective weights)`` over the unit's weight-only candidates (``h``: the unit input's per-channel sum of
     squares; effective weights ``[K, N]``: the largest's, kept for its run when small, :data:`_KEEP_BYTES`)."""
+    from quantkit.search.linear import WEIGHT_ONLY
+
     h = energy.get(unit.input)
     out: dict[str, float] = {}
     top: str | None = None
@@ -405,7 +406,7 @@ def _weighted_errors(space: Any, unit: Any, energy: Mapping[str, np.ndarray]
     if h is None:
         return out, top, top_eff
     for c, cand in space.candidates.items():
-        if cand.format not in _WEIGHT_ONLY or not _ok(space, unit, c):
+        if cand.format not in WEIGHT_ONLY or not _ok(space, unit, c):
             continue
         eff = space.effective_weights(unit, c)
         if eff is None:
