@@ -43,7 +43,7 @@ from the stored float32 scale so the pair is self-consistent.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -267,12 +267,23 @@ def quantize(
     zp_arr = None if zero_point is None else np.asarray(zero_point)
     it = _infer_int_type(zp_arr, dtype)
     xs = np.asarray(x, dtype=np.float32)
+    if _blockwise(xs, axis, block_size):
+        params = [_blocked_param(np.asarray(scale, np.float32), xs.shape, axis, block_size, "scale")]
+        if zp_arr is not None:
+            params.append(_blocked_param(zp_arr.astype(np.int32), xs.shape, axis, block_size, "zero point"))
+        return _by_blocks(xs, params, axis, block_size, lambda xp, sp, zp=np.zeros((), np.int32): _quantize_core(
+            xp, sp, zp, it), it.numpy_dtype)
     s = _expand(np.asarray(scale, np.float32), xs.shape, axis, block_size, "scale")
     z = (
         np.zeros((), np.int32)
         if zp_arr is None
         else _expand(zp_arr.astype(np.int32), xs.shape, axis, block_size, "zero point")
     )
+    return _quantize_core(xs, s, z, it)
+
+
+def _quantize_core(xs: np.ndarray, s: np.ndarray, z: np.ndarray, it: IntType) -> IntArray:
+    """:func:`quantize`'s arithmetic on ``xs`` with ``s`` / ``z`` broadcast against it."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         v = np.rint(xs / s)  # float32 / float32: one IEEE division, like MLAS
     lo = (it.qmin - z).astype(np.float32)
@@ -280,6 +291,47 @@ def quantize(
     v = np.clip(v, lo, hi)
     v = np.where(np.isnan(v), lo, v)
     return (v.astype(np.int32) + z).astype(it.numpy_dtype)
+
+
+def _blockwise(x: np.ndarray, axis: int | None, block_size: int | None) -> bool:
+    """Whether a blocked scale / zero point can be applied block by block (:func:`_by_blocks`) instead of being
+    expanded to ``x``'s shape: a blocked layout along a valid axis of an array of rank >= 1."""
+    return block_size is not None and block_size >= 1 and axis is not None and x.ndim >= 1 and -x.ndim <= axis < x.ndim
+
+
+def _blocked_param(param: np.ndarray, shape: tuple[int, ...], axis: int | None, block_size: int | None,
+                   what: str) -> np.ndarray:
+    """``param`` checked as a blocked scale / zero point of an array of ``shape`` (the rules of :func:`_expand`)."""
+    a = int(axis or 0) % len(shape)
+    bs = int(block_size or 1)
+    expected = tuple(-(-d // bs) if i == a else d for i, d in enumerate(shape))
+    if param.shape != expected:
+        raise ValueError(f"blocked {what} must have shape {expected}, got {param.shape}")
+    return param
+
+
+def _by_blocks(x: np.ndarray, params: list[np.ndarray], axis: int | None, block_size: int | None, fn: Any,
+               out_dtype: Any) -> np.ndarray:
+    """``fn(x_part, *param_parts)`` (elementwise) over ``x`` with each blocked param broadcast along its blocks: the
+    whole blocks as a ``[..., blocks, block_size, ...]`` view, a shorter last block apart.  The same values as
+    applying ``fn`` to the params expanded to ``x``'s shape, without those full-size copies."""
+    a = int(axis or 0) % x.ndim
+    bs = int(block_size or 1)
+    n = x.shape[a]
+    kb = n // bs
+    full = kb * bs
+    out = np.empty(x.shape, out_dtype)
+
+    def along(lo: int, hi: int | None) -> tuple[slice, ...]:
+        return (slice(None),) * a + (slice(lo, hi),)
+
+    if kb:
+        shp = x.shape[:a] + (kb, bs) + x.shape[a + 1:]
+        head = fn(x[along(0, full)].reshape(shp), *[np.expand_dims(p[along(0, kb)], a + 1) for p in params])
+        out[along(0, full)] = head.reshape(x[along(0, full)].shape)
+    if full < n:
+        out[along(full, None)] = fn(x[along(full, None)], *[p[along(kb, kb + 1)] for p in params])
+    return out
 
 
 def dequantize(
@@ -292,6 +344,14 @@ def dequantize(
 ) -> FloatArray:
     """ONNX ``DequantizeLinear``: ``float32(int32(q) - int32(zero_point)) * scale``, bit-exact with ORT."""
     qi = np.asarray(q).astype(np.int32)
+    if _blockwise(qi, axis, block_size):
+        params = [_blocked_param(np.asarray(scale, np.float32), qi.shape, axis, block_size, "scale")]
+        if zero_point is not None:
+            params.append(_blocked_param(np.asarray(zero_point).astype(np.int32), qi.shape, axis, block_size,
+                                         "zero point"))
+        return _by_blocks(qi, params, axis, block_size,
+                          lambda qp, sp, zp=np.zeros((), np.int32): ((qp - zp).astype(np.float32) * sp).astype(
+                              np.float32), np.float32)
     s = _expand(np.asarray(scale, np.float32), qi.shape, axis, block_size, "scale")
     z = (
         np.zeros((), np.int32)

@@ -429,6 +429,7 @@ def _session(proto_bytes: bytes) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    so.enable_cpu_mem_arena = False
     return ort.InferenceSession(proto_bytes, so, providers=["CPUExecutionProvider"])
 
 

@@ -173,3 +173,36 @@ def test_bias_int32() -> None:
     np.testing.assert_array_equal(bias_int32([2.5, 3.5], 1.0, 1.0), [2, 4])
     with pytest.raises(CalibrationError):
         bias_int32([1.0], 0.0, 1.0)
+
+
+@pytest.mark.parametrize(("shape", "axis", "block"), [((576, 40), 0, 128), ((64, 9), 0, 32), ((5, 70), 1, 32),
+                                                      ((3, 6, 10), 2, 4), ((7,), 0, 3), ((4, 8), -1, 8)])
+@pytest.mark.parametrize("zp_dtype", ["uint4", "uint8", None])
+def test_blocked_quantize_and_dequantize_match_the_expanded_parameters(shape: tuple[int, ...], axis: int, block: int,
+                                                                      zp_dtype: str | None) -> None:
+    """quantize / dequantize apply a blocked scale block by block (whole blocks as a view, a ragged last block
+    apart): the same codes and values as the scale and zero point repeated to the tensor's shape."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(shape) * 4).astype(np.float32)
+    x.flat[0], x.flat[-1] = np.nan, np.inf
+    a = axis % len(shape)
+    pshape = tuple(-(-d // block) if i == a else d for i, d in enumerate(shape))
+    scale = ((rng.random(pshape) + 0.05) * np.where(rng.random(pshape) < 0.5, -1, 1)).astype(np.float32)
+    hi = {"uint4": 16, "uint8": 256}
+    zp = None if zp_dtype is None else rng.integers(0, hi[zp_dtype], pshape).astype(np.uint8)
+    dtype = zp_dtype or "int8"
+    s_full = np.repeat(scale, block, axis=a).take(np.arange(shape[a]), axis=a)
+    z_full = (np.zeros((), np.int32) if zp is None else
+              np.repeat(zp.astype(np.int32), block, axis=a).take(np.arange(shape[a]), axis=a))
+    q = quantize(x, scale, zp, axis=axis, block_size=block, dtype=dtype)
+    it = {"uint4": (0, 15), "uint8": (0, 255), "int8": (-128, 127)}[dtype]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        v = np.rint(x / s_full)
+    v = np.clip(v, it[0] - z_full, it[1] - z_full)
+    v = np.where(np.isnan(v), it[0] - z_full, v)
+    np.testing.assert_array_equal(q, (v.astype(np.int32) + z_full).astype(q.dtype))
+    dq = dequantize(q, scale, zp, axis=axis, block_size=block)
+    np.testing.assert_array_equal(dq, ((q.astype(np.int32) - z_full).astype(np.float32) * s_full).astype(np.float32))
+    with pytest.raises(ValueError, match="blocked scale must have shape"):
+        quantize(x, scale[..., :1] if scale.shape[-1] > 1 else np.ones((2,) * scale.ndim, np.float32), axis=axis,
+                 block_size=block)

@@ -263,3 +263,29 @@ def test_awq_then_gptq_beats_awq_alone_on_correlated_salient_inputs() -> None:
     combo = awq(W, bits=4, group_size=128, symmetric=True, stats=stats, gptq=True)
     np.testing.assert_array_equal(plain.input_scale, combo.input_scale)  # the same AWQ scale
     assert err(combo) < 0.95 * err(plain)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("K", "g", "bits"), [(576, 128, 4), (576, 32, 4), (200, 64, 8), (96, 96, 4)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_grouped_clip_search_chooses_as_the_generic_one(dtype: type, K: int, g: int, bits: int, weighted: bool) -> None:
+    """The default grid's clip search in the grouped layout picks, bit for bit, the range the generic search (each
+    shrink through group_weight_codes and a float64 dequantization) picks - ragged last groups, all-zero groups
+    and float64 weights included."""
+    from quantkit.algorithms.rtn import CLIP_GRID, _generic_search, _grouped_search
+
+    rng = np.random.default_rng(K + g + bits)
+    N = 37
+    w = (rng.standard_normal((K, N)) * rng.gamma(1.0, 1.0, (1, N))).astype(dtype)
+    w[:, 3] = 0.0
+    w[: min(g, K), 5] = 0.0
+    kb = -(-K // g)
+    pad = kb * g - K
+    wp = np.pad(w, ((0, pad), (0, 0))).reshape(kb, g, N)
+    mn, mx = wp.min(axis=1), wp.max(axis=1)
+    impg = np.pad(rng.gamma(1.0, 1.0, K), (0, pad)).reshape(kb, g, 1) if weighted else None
+    kw = {"symmetric": True, "narrow": False, "impg": impg, "grid": CLIP_GRID}
+    fast = _grouped_search(w, wp, mn, mx, bits, g, **kw)
+    np.testing.assert_array_equal(fast, _generic_search(w, wp, mn, mx, bits, g, **kw))
+    if bits == 4:
+        assert len(np.unique(fast)) > 1  # the search did choose shrunk ranges somewhere
