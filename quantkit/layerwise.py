@@ -464,10 +464,12 @@ class _Hook(BuildHook):
 
     # -- running a block on the cached hidden states ----------------------------------------------------
     def _session(self, index: int, weights: dict[str, Any], packed: dict[str, PackedLinear], taps: list[str]) -> Any:
+        """Block ``index``'s session: with ``taps``, only what they need (their inputs are all a collection
+        fetches); without, the whole block (``hidden_out``)."""
         import onnxruntime as ort
 
         positions = int(self.windows.shape[1]) if self.windows is not None else None  # rotary rows: what runs
-        proto = block_model(self.cfg, index, weights, packed, taps, positions)
+        proto = block_model(self.cfg, index, weights, packed, taps, positions, hidden_out=not taps)
         so = ort.SessionOptions()
         so.log_severity_level = 3
         blob = proto.SerializeToString()

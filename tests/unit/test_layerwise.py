@@ -97,6 +97,40 @@ def test_block_graph_reproduces_the_decoders_hidden_states(folders: dict[bool, t
         assert tap.shape == (1, 9, cfg.intermediate_size)
 
 
+def test_tap_only_block_graph_keeps_only_what_the_tap_needs(folders: dict[bool, tuple[Path, Any]]) -> None:
+    """hidden_out=False: the block graph keeps only the nodes a tap depends on (ONNX Runtime runs every node of a
+    graph whatever is fetched), and the tap's values are the full block graph's, bit for bit."""
+    folder, _ = folders[False]
+    cfg = read_decoder_config(folder)
+    ckpt = llm_builder._Checkpoint(folder)
+    i = 1
+    w = dict(ckpt.read(llm_builder.block_tensor_names(cfg, i, ckpt.__contains__)))
+    rng = np.random.default_rng(0)
+    empty = np.zeros((1, cfg.num_key_value_heads, 0, cfg.head_dim), np.float32)
+    feed = {"hidden": rng.standard_normal((1, 9, cfg.hidden_size)).astype(np.float32),
+            "attention_mask": np.ones((1, 9), np.int64), f"past_key_values.{i}.key": empty,
+            f"past_key_values.{i}.value": empty}  # fmt: skip
+    full = block_model(cfg, i, w, {}, [])
+    sizes = []
+    for layer in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
+        tap = f"model.layers.{i}.{layer}"
+        both = block_model(cfg, i, w, {}, [tap])
+        only = block_model(cfg, i, w, {}, [tap], hidden_out=False)
+        assert [o.name for o in only.graph.output] == [f"{tap}/input"]
+        sizes.append(len(only.graph.node))
+        assert len(only.graph.node) < len(both.graph.node)
+        assert {t.name for t in only.graph.initializer} <= {t.name for t in both.graph.initializer}
+        run = {k: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+               for k, m in (("both", both), ("only", only))}
+        a = run["both"].run([f"{tap}/input"], feed)[0]
+        b = run["only"].run(None, {k: v for k, v in feed.items()
+                                   if k in {x.name for x in run["only"].get_inputs()}})[0]
+        np.testing.assert_array_equal(a, b)
+    assert sizes == sorted(sizes) and sizes[-1] < len(full.graph.node)  # later taps need more of the block
+    with pytest.raises(ValueError, match="needs at least one tap"):
+        block_model(cfg, i, w, {}, [], hidden_out=False)
+
+
 def test_gptq_layerwise_resumes_after_an_interrupt(folders: dict[bool, tuple[Path, Any]], tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     folder, model = folders[True]
