@@ -271,7 +271,7 @@ def quantize(
         params = [_blocked_param(np.asarray(scale, np.float32), xs.shape, axis, block_size, "scale")]
         if zp_arr is not None:
             params.append(_blocked_param(zp_arr.astype(np.int32), xs.shape, axis, block_size, "zero point"))
-        return _by_blocks(xs, params, axis, block_size, lambda xp, sp, zp=np.zeros((), np.int32): _quantize_core(
+        return _by_blocks(xs, params, axis, block_size, lambda xp, sp, zp=_NO_ZERO_POINT: _quantize_core(
             xp, sp, zp, it), it.numpy_dtype)
     s = _expand(np.asarray(scale, np.float32), xs.shape, axis, block_size, "scale")
     z = (
@@ -291,6 +291,10 @@ def _quantize_core(xs: np.ndarray, s: np.ndarray, z: np.ndarray, it: IntType) ->
     v = np.clip(v, lo, hi)
     v = np.where(np.isnan(v), lo, v)
     return (v.astype(np.int32) + z).astype(it.numpy_dtype)
+
+
+_NO_ZERO_POINT = np.zeros((), np.int32)  # an omitted zero point (read-only: never written to)
+_NO_ZERO_POINT.flags.writeable = False
 
 
 def _blockwise(x: np.ndarray, axis: int | None, block_size: int | None) -> bool:
@@ -350,7 +354,7 @@ def dequantize(
             params.append(_blocked_param(np.asarray(zero_point).astype(np.int32), qi.shape, axis, block_size,
                                          "zero point"))
         return _by_blocks(qi, params, axis, block_size,
-                          lambda qp, sp, zp=np.zeros((), np.int32): ((qp - zp).astype(np.float32) * sp).astype(
+                          lambda qp, sp, zp=_NO_ZERO_POINT: ((qp - zp).astype(np.float32) * sp).astype(
                               np.float32), np.float32)
     s = _expand(np.asarray(scale, np.float32), qi.shape, axis, block_size, "scale")
     z = (
