@@ -297,6 +297,15 @@ _NO_ZERO_POINT = np.zeros((), np.int32)  # an omitted zero point (read-only: nev
 _NO_ZERO_POINT.flags.writeable = False
 
 
+def _dequantize_core(q: np.ndarray, s: np.ndarray, z: np.ndarray = _NO_ZERO_POINT) -> np.ndarray:
+    """:func:`dequantize`'s arithmetic, ``float32(int32(q) - z) * s``, on a slice (``s`` / ``z`` broadcast)."""
+    d = q.astype(np.int32) - z
+    f = d.astype(np.float32)
+    del d
+    np.multiply(f, s, out=f)
+    return f
+
+
 def _blockwise(x: np.ndarray, axis: int | None, block_size: int | None) -> bool:
     """Whether a blocked scale / zero point can be applied block by block (:func:`_by_blocks`) instead of being
     expanded to ``x``'s shape: a blocked layout along a valid axis of an array of rank >= 1."""
@@ -321,10 +330,28 @@ def _by_blocks(x: np.ndarray, params: list[np.ndarray], axis: int | None, block_
     applying ``fn`` to the params expanded to ``x``'s shape, without those full-size copies."""
     a = int(axis or 0) % x.ndim
     bs = int(block_size or 1)
+    out = np.empty(x.shape, out_dtype)
+    others = [i for i in range(x.ndim) if i != a]
+    if others and x.size > _BLOCK_CHUNK:  # in slices of another axis: fn's temporaries stay ~_BLOCK_CHUNK values
+        c = max(others, key=lambda i: x.shape[i])
+        step = max(1, _BLOCK_CHUNK * x.shape[c] // x.size)
+        for lo in range(0, x.shape[c], step):
+            sl = (slice(None),) * c + (slice(lo, lo + step),)
+            _blocks_into(out[sl], x[sl], [p[sl] for p in params], a, bs, fn)
+        return out
+    _blocks_into(out, x, params, a, bs, fn)
+    return out
+
+
+_BLOCK_CHUNK = 1 << 22
+"""Values per slice of :func:`_by_blocks` (a 49k x 576 lm_head dequantized whole held ~5 float32 copies of itself)."""
+
+
+def _blocks_into(out: np.ndarray, x: np.ndarray, params: list[np.ndarray], a: int, bs: int, fn: Any) -> None:
+    """:func:`_by_blocks` on one slice (``out`` a view of the result)."""
     n = x.shape[a]
     kb = n // bs
     full = kb * bs
-    out = np.empty(x.shape, out_dtype)
 
     def along(lo: int, hi: int | None) -> tuple[slice, ...]:
         return (slice(None),) * a + (slice(lo, hi),)
@@ -335,7 +362,6 @@ def _by_blocks(x: np.ndarray, params: list[np.ndarray], axis: int | None, block_
         out[along(0, full)] = head.reshape(x[along(0, full)].shape)
     if full < n:
         out[along(full, None)] = fn(x[along(full, None)], *[p[along(kb, kb + 1)] for p in params])
-    return out
 
 
 def dequantize(
@@ -347,15 +373,14 @@ def dequantize(
     block_size: int | None = None,
 ) -> FloatArray:
     """ONNX ``DequantizeLinear``: ``float32(int32(q) - int32(zero_point)) * scale``, bit-exact with ORT."""
-    qi = np.asarray(q).astype(np.int32)
-    if _blockwise(qi, axis, block_size):
-        params = [_blocked_param(np.asarray(scale, np.float32), qi.shape, axis, block_size, "scale")]
+    qa = np.asarray(q)
+    if _blockwise(qa, axis, block_size):
+        params = [_blocked_param(np.asarray(scale, np.float32), qa.shape, axis, block_size, "scale")]
         if zero_point is not None:
-            params.append(_blocked_param(np.asarray(zero_point).astype(np.int32), qi.shape, axis, block_size,
+            params.append(_blocked_param(np.asarray(zero_point).astype(np.int32), qa.shape, axis, block_size,
                                          "zero point"))
-        return _by_blocks(qi, params, axis, block_size,
-                          lambda qp, sp, zp=_NO_ZERO_POINT: ((qp - zp).astype(np.float32) * sp).astype(
-                              np.float32), np.float32)
+        return _by_blocks(qa, params, axis, block_size, _dequantize_core, np.float32)
+    qi = qa.astype(np.int32)
     s = _expand(np.asarray(scale, np.float32), qi.shape, axis, block_size, "scale")
     z = (
         np.zeros((), np.int32)

@@ -450,7 +450,8 @@ def _probe_runner(
     wanted = {i.name for i in sess.get_inputs()}
     tables = {n: space.layers[n].weight for n in space.layers if getattr(space.layers[n], "tied", None)}
     base: dict[str, np.ndarray] = {weights[n]: space.weight(n) for n in space.layers}
-    base.update({t: np.ascontiguousarray(space.weight(n).T) for n, t in tables.items()})
+    # the table as the model holds it (not a transposed copy of the lm_head's [K, N] weight: 113 MB on SmolLM2)
+    base.update({t: _table(space, n, t) for n, t in tables.items()})
     base.update({g: np.array(False) for g in gates.values()})
 
     def run(unit: Any, cand: str | None, eff: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
@@ -480,6 +481,20 @@ def _probe_runner(
 
     run.input_energy = input_energy  # type: ignore[attr-defined]
     return run
+
+
+def _table(space: Any, layer: str, name: str) -> np.ndarray:
+    """The embedding table ``name`` a tied lm_head ``layer`` reads, float32 ``[N, K]``: the model's own array when it
+    is one (no copy), else the transpose of the layer's weight."""
+    from quantkit.lowering.select import constant_array
+
+    v = space.model.graph.initializers.get(name)
+    arr = constant_array(v) if v is not None else None
+    if arr is not None:
+        arr = np.asarray(arr)
+        if arr.dtype == np.float32 and arr.flags.c_contiguous and arr.shape == space.weight(layer).shape[::-1]:
+            return arr
+    return np.ascontiguousarray(space.weight(layer).T, np.float32)
 
 
 def _emit_runner(

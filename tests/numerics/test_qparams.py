@@ -176,6 +176,7 @@ def test_bias_int32() -> None:
 
 
 @pytest.mark.parametrize(("shape", "axis", "block"), [((576, 40), 0, 128), ((64, 9), 0, 32), ((5, 70), 1, 32),
+                                                      ((2100, 2001), 0, 128), ((2001, 2100), 1, 32),
                                                       ((3, 6, 10), 2, 4), ((7,), 0, 3), ((4, 8), -1, 8)])
 @pytest.mark.parametrize("zp_dtype", ["uint4", "uint8", None])
 def test_blocked_quantize_and_dequantize_match_the_expanded_parameters(shape: tuple[int, ...], axis: int, block: int,
