@@ -42,8 +42,8 @@ __all__ = ["CHECK_OUTPUTS", "SLICE_BYTES", "NBitsWeights", "check_bytes", "check
 
 CHECK_OUTPUTS = 1 << 23
 """At most this many output values per layer are computed by each of the four products (a cost bound, not a
-tuning: 8.4M outputs are 4096 rows of a 2048-wide layer).  Measured: 30 s for the 211 layers of SmolLM2-135M
-(K = 576 / 1536, 4096 rows) on two cores; the cost grows with K."""
+tuning: 8.4M outputs are 4096 rows of a 2048-wide layer).  Measured: 23-26 s for the 136 4-bit layers of the
+INT4 mix of SmolLM2-135M (K = 576 / 1536, 4096 rows) on two cores; the cost grows with K."""
 
 SLICE_BYTES = 64 << 20
 """float32 bytes of dequantized weights per column slice (a 128k-vocabulary lm_head is not unpacked whole)."""
