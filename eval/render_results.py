@@ -132,7 +132,7 @@ DOCUMENTED: dict[str, dict[str, str]] = {
         "title": "INT4 SmolLM2-135M on held-out Persuasion and Python docs: recipes/llama-int4-mix.yaml with int4 g32 "
                  "as a third candidate and the scaled sensitivity, against ONNX Runtime's RTN and HQQ and the genai "
                  "builder in the same run; an earlier run of the same mix with every damage measured; the recipe's "
-                 "cold run",
+                 "cold runs (before and after the search's and the build's speed-ups)",
     },
     "int4_mix_equal_bytes_x86-vnni.json": {
         "title": "INT4 SmolLM2-135M at equal bytes: the searched mix with int4 g32 against onnxruntime-genai's "
