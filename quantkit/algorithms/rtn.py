@@ -26,7 +26,7 @@ import numpy as np
 from quantkit.algorithms.woq import WOQResult, check_weight, register_weight_algorithm, resolve_group_size
 from quantkit.calibrate.layer_stats import LayerStats
 from quantkit.errors import RecipeError
-from quantkit.scheme.qparams import _SMALLEST_SCALE, group_weight_codes
+from quantkit.scheme.qparams import group_weight_codes, signed_group_scale
 
 __all__ = ["rtn"]
 
@@ -37,13 +37,6 @@ CLIP_GRID: tuple[float, ...] = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79, 0
 
 _CLIP_CHUNK = 1 << 22
 """Weight elements per block of columns in :func:`clip_ranges`."""
-
-
-def _signed_extreme(mn: np.ndarray, mx: np.ndarray) -> np.ndarray:
-    """Per group, the (float64) value of largest magnitude of a range ``[mn, mx]`` (``mn`` on a tie), as
-    :func:`~quantkit.scheme.qparams.group_weight_codes` picks it for the symmetric grid."""
-    mn64, mx64 = np.asarray(mn, np.float64), np.asarray(mx, np.float64)
-    return np.where(np.abs(mn64) >= np.abs(mx64), mn64, mx64)
 
 
 def clip_ranges(
@@ -91,10 +84,7 @@ def _grouped_search(w: np.ndarray, wp: np.ndarray, mn: np.ndarray, mx: np.ndarra
     d = np.empty(wp.shape, np.float64)
     half = float(2 ** (bits - 1))
     for r in grid:
-        ext = _signed_extreme(mn * r, mx * r)
-        raw = ext / -half
-        raw = np.where(ext == 0, 1.0, np.where(np.abs(raw) < _SMALLEST_SCALE, np.sign(raw) * _SMALLEST_SCALE, raw))
-        s32 = raw.astype(np.float32)[:, None, :]
+        s32 = signed_group_scale(mn * r, mx * r, bits)[:, None, :]
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             np.divide(wp32, s32, out=v)
         np.rint(v, out=v)

@@ -59,6 +59,7 @@ __all__ = [
     "compute_qparams",
     "dequantize",
     "group_weight_codes",
+    "signed_group_scale",
     "quantize",
     "weight_qparams",
 ]
@@ -241,9 +242,7 @@ def _expand(
         return param.reshape([shape[a] if i == a else 1 for i in range(ndim)])
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    expected = tuple(-(-d // block_size) if i == a else d for i, d in enumerate(shape))
-    if param.shape != expected:
-        raise ValueError(f"blocked {what} must have shape {expected}, got {param.shape}")
+    _blocked_param(param, shape, a, block_size, what)
     idx = np.arange(shape[a]) // block_size
     return np.take(param, idx, axis=a)
 
@@ -453,6 +452,18 @@ def bias_int32(
     return np.clip(np.rint(b / bs), _INT32_MIN, _INT32_MAX).astype(np.int32)
 
 
+def signed_group_scale(mn: npt.ArrayLike, mx: npt.ArrayLike, bits: int) -> npt.NDArray[np.float32]:
+    """The symmetric grid's signed scale of groups with ranges ``[mn, mx]``: ``e / -2^(bits-1)``, ``e`` the group's
+    value of largest magnitude (``mn`` on a tie), so that ``e`` is exact at code 0 (:func:`group_weight_codes`)."""
+    mn64, mx64 = np.asarray(mn, np.float64), np.asarray(mx, np.float64)
+    ext = np.where(np.abs(mn64) >= np.abs(mx64), mn64, mx64)  # signed value of largest magnitude
+    raw = ext / -float(2 ** (bits - 1))
+    # an all-zero group: scale 1 (every value is exact at the zero point); a scale below the smallest
+    # normal float32 keeps its sign at that magnitude (as compute_qparams does for positive scales)
+    raw = np.where(ext == 0, 1.0, np.where(np.abs(raw) < _SMALLEST_SCALE, np.sign(raw) * _SMALLEST_SCALE, raw))
+    return raw.astype(np.float32)
+
+
 def group_weight_codes(
     w: npt.ArrayLike,
     bits: int,
@@ -496,15 +507,8 @@ def group_weight_codes(
     else:
         mn, mx = np.asarray(min_val), np.asarray(max_val)
     if symmetric and not narrow:
-        mn64, mx64 = np.asarray(mn, np.float64), np.asarray(mx, np.float64)
-        ext = np.where(np.abs(mn64) >= np.abs(mx64), mn64, mx64)  # signed value of largest magnitude
-        half = float(2 ** (bits - 1))
-        raw = ext / -half
-        # an all-zero group: scale 1 (every value is exact at the zero point); a scale below the smallest
-        # normal float32 keeps its sign at that magnitude (as compute_qparams does for positive scales)
-        raw = np.where(ext == 0, 1.0, np.where(np.abs(raw) < _SMALLEST_SCALE, np.sign(raw) * _SMALLEST_SCALE, raw))
-        scale: npt.NDArray[np.float32] = raw.astype(np.float32)
-        zp: npt.NDArray[np.integer] = np.full(scale.shape, int(half), np.uint8)
+        scale: npt.NDArray[np.float32] = signed_group_scale(mn, mx, bits)
+        zp: npt.NDArray[np.integer] = np.full(scale.shape, 1 << (bits - 1), np.uint8)
     else:
         scale, zp = compute_qparams(mn, mx, dtype, symmetric=symmetric, narrow=narrow and symmetric)
     codes = quantize(arr, scale, zp, axis=0, block_size=group_size, dtype=dtype)
