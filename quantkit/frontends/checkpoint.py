@@ -36,6 +36,7 @@ __all__ = [
     "TensorInfo",
     "check_config_values",
     "checkpoint_tensors",
+    "read_tensor",
     "safetensors_header",
     "weight_files",
 ]
@@ -106,6 +107,8 @@ class TensorInfo:
     file: Path
     dtype: str
     shape: tuple[int, ...]
+    offset: int = -1
+    """Byte offset of the tensor's data in :attr:`file` (``-1``: not known)."""
 
 
 def safetensors_header(path: str | os.PathLike[str]) -> dict[str, TensorInfo]:
@@ -144,11 +147,11 @@ def safetensors_header(path: str | os.PathLike[str]) -> dict[str, TensorInfo]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        out[name] = _tensor_info(p, name, entry, data_bytes)
+        out[name] = _tensor_info(p, name, entry, data_bytes, 8 + n)
     return out
 
 
-def _tensor_info(p: Path, name: str, entry: Any, data_bytes: int) -> TensorInfo:
+def _tensor_info(p: Path, name: str, entry: Any, data_bytes: int, data_start: int) -> TensorInfo:
     where = f"{str(p)!r}: tensor {name!r}"
     if not isinstance(entry, dict):
         raise ModelError(f"{where}: header entry is {entry!r}; allowed: an object with dtype, shape, data_offsets")
@@ -168,7 +171,41 @@ def _tensor_info(p: Path, name: str, entry: Any, data_bytes: int) -> TensorInfo:
     if itemsize is not None and end - begin != math.prod(shape) * itemsize:
         raise ModelError(f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, but {dtype} {shape} "
                          f"needs {math.prod(shape) * itemsize}")  # fmt: skip
-    return TensorInfo(p, dtype, tuple(shape))
+    return TensorInfo(p, dtype, tuple(shape), data_start + begin)
+
+
+def read_tensor(info: TensorInfo) -> Any:
+    """The tensor's values as a numpy array in its stored float dtype (``BF16`` as ``ml_dtypes.bfloat16``: the
+    bits as stored, converted to float32 exactly by ``np.asarray(a, np.float32)``), read from the file without
+    torch or the safetensors library (a plain read of the bytes the header points to, little-endian as the format
+    stores them).
+
+    Raises:
+        ModelError: the dtype is not one of :data:`FLOAT_DTYPES`, the offset is unknown, or the file is shorter
+            than the header says.
+    """
+    import numpy as np
+
+    if info.dtype == "BF16":
+        import ml_dtypes
+
+        dt = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dt = {"F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8")}.get(info.dtype)
+    if dt is None or info.offset < 0:
+        raise ModelError(f"{str(info.file)!r}: cannot read a {info.dtype} tensor; allowed dtypes: "
+                         f"{', '.join(FLOAT_DTYPES)}")  # fmt: skip
+    count = math.prod(info.shape)
+    try:
+        with open(info.file, "rb") as fh:
+            fh.seek(info.offset)
+            arr = np.fromfile(fh, dtype=dt, count=count)
+    except OSError as e:
+        raise ModelError(f"cannot read {str(info.file)!r}: {e}") from e
+    if arr.size != count:
+        raise ModelError(f"{str(info.file)!r}: a {info.dtype} tensor of shape {list(info.shape)} needs {count} values "
+                         f"at byte {info.offset}, the file holds {arr.size} (a truncated file)")  # fmt: skip
+    return arr.reshape(info.shape)
 
 
 def _plain_relative(entry: str) -> bool:

@@ -9,8 +9,8 @@ The LLaMA layout is described here; the others differ as their :class:`~quantkit
 or not, bf16 / fp16 / fp32) and writes the decoder graph directly, the way onnxruntime-genai's
 model builder does, instead of tracing the PyTorch model:
 
-* the weights are streamed: a decoder block's tensors are read with ``safetensors.safe_open``
-  (one shard open at a time, closed after the block), then each is converted to float32 and
+* the weights are streamed: a decoder block's tensors are read from the safetensors files (plain reads at the
+  header's offsets, in the stored dtype, no torch), then each is converted to float32 and
   transposed to ``[K, N]`` in row chunks that are **written straight into the external-data
   file** (``<model>.onnx.data``); the graph only holds a reference (location, offset, length).
   Peak memory is about one block in its stored dtype plus a chunk, whatever the model size,
@@ -70,7 +70,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from quantkit.errors import ModelError
-from quantkit.frontends.checkpoint import TensorInfo, checkpoint_tensors
+from quantkit.frontends.checkpoint import TensorInfo, checkpoint_tensors, read_tensor
 from quantkit.frontends.families import (
     ROTARY_CACHE_POSITIONS,
     DecoderConfig,
@@ -220,38 +220,25 @@ class _Checkpoint:
         return self.where[self._name(name)]
 
     def read(self, names: Iterable[str]) -> Iterator[tuple[str, Any]]:
-        """Yield ``(name, tensor)`` in the stored dtype; each shard is opened once per call and closed after.
+        """Yield ``(name, tensor)``: numpy arrays in the stored dtype (bf16 as ``ml_dtypes.bfloat16``), read with
+        plain file reads (:func:`quantkit.frontends.checkpoint.read_tensor`; no torch, no memory map).
 
-        The tensors are torch tensors (bf16 needs torch: numpy has no bfloat16), or float32
-        numpy arrays without torch; :meth:`_ExternalData.add` converts them to float32 in row
-        chunks as it writes them.  Closing the shard drops its memory map, so pages touched for
-        this call's tensors do not stay resident (they would count in the RSS until it is closed).
+        Each tensor is its own array, freed when the caller drops it; :meth:`_ExternalData.add` converts it to
+        float32 in row chunks as it writes it.  Reading without torch keeps a process that builds or probes a
+        decoder free of torch's ~300 MB (the search's child process never imports it).
         """
-        from safetensors import safe_open
-
         names = list(names)
         missing = [n for n in names if n not in self]
         if missing:
             raise ModelError(f"checkpoint lacks tensors {missing[:4]}")
-        by_shard: dict[Path, list[str]] = {}
         for n in names:
-            by_shard.setdefault(self.file(n), []).append(n)
-        try:
-            import torch  # noqa: F401
-        except ImportError:  # pragma: no cover - torch is a dependency of the LLM frontends
-            framework = "numpy"
-        else:
-            framework = "pt"
-        for shard, group in by_shard.items():
-            with safe_open(str(shard), framework=framework) as h:
-                for n in group:
-                    t = h.get_tensor(self._name(n))
-                    t = t if framework == "pt" else np.asarray(t, np.float32)
-                    yield n, (t.T if n in self.transposed else t)
+            t = read_tensor(self.tensors[self._name(n)])
+            yield n, (t.T if n in self.transposed else t)
 
 
 def _float32_rows(t: Any, start: int, stop: int) -> np.ndarray:
-    """Rows ``start:stop`` of a torch tensor / numpy array (maybe a transposed view) as C-contiguous float32."""
+    """Rows ``start:stop`` of a numpy array (any float dtype, bfloat16 included; maybe a transposed view) or a
+    torch tensor (a caller's own) as C-contiguous float32."""
     chunk = t[start:stop]
     if isinstance(chunk, np.ndarray):
         return np.ascontiguousarray(chunk, dtype=np.float32)
@@ -260,8 +247,9 @@ def _float32_rows(t: Any, start: int, stop: int) -> np.ndarray:
     return chunk.to(torch.float32).contiguous().numpy()
 
 
+# integer arrays only: a float array of any width (a checkpoint's float16 or bfloat16 tensor) is written as float32
 _NP_TO_ONNX = {np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.int8): TensorProto.INT8,
-               np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.int64): TensorProto.INT64}  # fmt: skip
+               np.dtype(np.int64): TensorProto.INT64}  # fmt: skip
 
 
 def _is_raw(arr: Any) -> bool:
@@ -274,8 +262,8 @@ class _ExternalData:
 
     Float tensors (torch or numpy, any float dtype) are written as float32, converted in row
     chunks of about ``chunk_bytes``, so a transposed view (``W.T`` for ``MatMul(x, W^T)``) or a
-    bf16 tensor costs one chunk of extra memory, not a full float32 copy.  uint8 / int8 / float16
-    / int64 numpy arrays (packed 4-bit codes, ...) are written as they are.
+    bf16 tensor costs one chunk of extra memory, not a full float32 copy.  uint8 / int8 / int64 numpy
+    arrays (packed 4-bit codes, ...) are written as they are.
     """
 
     def __init__(self, path: Path, chunk_bytes: int = 16 << 20) -> None:

@@ -205,8 +205,8 @@ def test_block_graphs_reproduce_transformers_hidden_states(built: Any, kind: str
     with torch.no_grad():
         hs = b.model(torch.from_numpy(ids), output_hidden_states=True).hidden_states
     table = dict(ckpt.read([f"{n.embed}.weight"] + ([f"{n.positions}.weight"] if n.positions else [])))
-    pos = table[f"{n.positions}.weight"][:20].float().numpy() if n.positions else None
-    h = embedded_stream(cfg, table[f"{n.embed}.weight"].float().numpy()[ids], pos)
+    pos = np.asarray(table[f"{n.positions}.weight"][:20], np.float32) if n.positions else None
+    h = embedded_stream(cfg, np.asarray(table[f"{n.embed}.weight"], np.float32)[ids], pos)
     np.testing.assert_allclose(h, hs[0].numpy(), atol=1e-5, rtol=0)
     import onnxruntime as ort
 
