@@ -176,6 +176,9 @@ def _picklable(args: tuple[Any, ...]) -> bool:
 
 def _search_child(conn: Any, fn: Any, args: tuple[Any, ...], level: int) -> None:
     """The child process's body: the search, its result (or its exception) sent back through ``conn``."""
+    from quantkit.frontends.tokenizer_worker import isolate
+
+    isolate()  # text is tokenized in a worker process that ends before the search's heavy work: no torch here
     if level:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))

@@ -145,10 +145,15 @@ def check_hf_folder(path: str | os.PathLike[str]) -> None:
 
 
 def load_hf_tokenizer(path: str | os.PathLike[str]) -> Any:
-    """The folder's tokenizer via ``AutoTokenizer`` (local files only)."""
+    """The folder's tokenizer via ``AutoTokenizer`` (local files only); in a process that isolates tokenizers
+    (:func:`quantkit.frontends.tokenizer_worker.isolate`), the same tokenizer served by a worker process."""
+    folder = _check_folder(path)
+    from quantkit.frontends.tokenizer_worker import WorkerTokenizer, isolated
+
+    if isolated():
+        return WorkerTokenizer(str(folder))
     from transformers import AutoTokenizer
 
-    folder = _check_folder(path)
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:

@@ -317,6 +317,10 @@ def prepare_search(
                                            progress=progress, timings=timings)
     inputs = model_inputs(float_model)
     ev = _eval_dataset(rec, loaded, evaluation_data, inputs)
+    # a tokenizer served by a worker process (quantkit.frontends.tokenizer_worker) ends here: the text is tokenized
+    release = getattr(getattr(loaded, "tokenizer", None), "release", None)
+    if callable(release):
+        release()
     if ev is None:
         raise DataError(
             "the search measures latency and quality: set evaluation.data or pass evaluation_data"
