@@ -212,6 +212,9 @@ def probe_model(space: Any) -> tuple[onnx.ModelProto, dict[str, str], dict[tuple
     for name, v in moved:
         t = v.const_value
         proto.graph.input.append(onnx.helper.make_tensor_value_info(name, int(t.dtype), list(t.shape.numpy())))
+    for n, lay in space.layers.items():
+        if getattr(lay, "tied", None):
+            _gather_from_weight(proto, lay.weight, weights[n], lay.K)
     gates: dict[tuple[str, str], str] = {}
     if int8_cands:
         for u in space.units:
@@ -265,6 +268,62 @@ def probe_model(space: Any) -> tuple[onnx.ModelProto, dict[str, str], dict[tuple
         if not any(o.domain == "com.microsoft" for o in proto.opset_import):
             proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     return proto, weights, gates
+
+
+def _gather_from_weight(proto: onnx.ModelProto, table: str, weight: str, K: int) -> None:
+    """Make the embedding lookups of a tied table ``E [N, K]`` read the lm_head's probe weight ``W = E^T [K, N]``
+    (``Gather(W, ids, axis=1)`` transposed back: the same rows, bit for bit), so a candidate is fed once, as
+    ``W``, and no transposed ``[N, K]`` copy of it is made per run (113 MB on SmolLM2).  Only when every reader
+    of the table is a row lookup (``Gather``, axis 0); the table input is then dropped from the probe."""
+    used = _names_read(proto.graph)
+    # a reader whose outputs nobody reads (the lm_head's own Transpose(E), now that it reads W) goes
+    dead = [nd for nd in proto.graph.node if table in nd.input and not any(o in used for o in nd.output)]
+    if dead:
+        keep_nodes = [nd for nd in proto.graph.node if nd not in dead]
+        del proto.graph.node[:]
+        proto.graph.node.extend(keep_nodes)
+    readers = [nd for nd in proto.graph.node if table in nd.input]
+    lookups = [nd for nd in readers if nd.op_type == "Gather" and nd.domain in ("", "ai.onnx")
+               and nd.input[0] == table and table not in nd.input[1:]
+               and all(a.name != "axis" or a.i == 0 for a in nd.attribute)]  # fmt: skip
+    if not lookups or len(lookups) != len(readers):
+        return
+    nodes = list(proto.graph.node)
+    out = []
+    helper = onnx.helper
+    for nd in nodes:
+        if nd not in lookups:
+            out.append(nd)
+            continue
+        ids, y = nd.input[1], nd.output[0]
+        p = f"{nd.name or y}/from_weight"
+        out += [
+            helper.make_node("Reshape", [ids, f"{p}/flat_shape"], [f"{p}/flat_ids"], name=f"{p}/flat"),
+            helper.make_node("Gather", [weight, f"{p}/flat_ids"], [f"{p}/cols"], name=f"{p}/gather", axis=1),
+            helper.make_node("Transpose", [f"{p}/cols"], [f"{p}/rows"], name=f"{p}/transpose", perm=[1, 0]),
+            helper.make_node("Shape", [ids], [f"{p}/ids_shape"], name=f"{p}/ids_shape"),
+            helper.make_node("Concat", [f"{p}/ids_shape", f"{p}/k"], [f"{p}/out_shape"], name=f"{p}/out_shape",
+                             axis=0),
+            helper.make_node("Reshape", [f"{p}/rows", f"{p}/out_shape"], [y], name=f"{p}/reshape"),
+        ]
+        proto.graph.initializer.extend([onnx.numpy_helper.from_array(np.array([-1], np.int64), f"{p}/flat_shape"),
+                                        onnx.numpy_helper.from_array(np.array([K], np.int64), f"{p}/k")])
+    del proto.graph.node[:]
+    proto.graph.node.extend(out)
+    keep = [i for i in proto.graph.input if i.name != table]
+    del proto.graph.input[:]
+    proto.graph.input.extend(keep)
+
+
+def _names_read(graph: onnx.GraphProto) -> set[str]:
+    """Every value name read by ``graph``'s nodes (subgraphs included) or output by it."""
+    out = {o.name for o in graph.output}
+    for nd in graph.node:
+        out.update(nd.input)
+        for a in nd.attribute:
+            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                out |= _names_read(g)
+    return out
 
 
 def _ok(space: Any, unit: Any, cand: str) -> bool:
@@ -448,7 +507,9 @@ def _probe_runner(
     del proto
     out_name = sess.get_outputs()[0].name
     wanted = {i.name for i in sess.get_inputs()}
-    tables = {n: space.layers[n].weight for n in space.layers if getattr(space.layers[n], "tied", None)}
+    # a tied table the probe still reads as such (not only through row lookups, see _gather_from_weight)
+    tables = {n: space.layers[n].weight for n in space.layers
+              if getattr(space.layers[n], "tied", None) and space.layers[n].weight in wanted}
     base: dict[str, np.ndarray] = {weights[n]: space.weight(n) for n in space.layers}
     # the table as the model holds it (not a transposed copy of the lm_head's [K, N] weight: 113 MB on SmolLM2)
     base.update({t: _table(space, n, t) for n, t in tables.items()})
