@@ -39,6 +39,11 @@ Rules (see :mod:`quantkit.ops` for the op roles):
    (quantized input, every consumer quantized, no activation folded after it); its output inherits
    its input's quantization with the scale multiplied by ``c`` (``1/c`` for ``Div``) and the node
    itself is dropped by the lowering (:attr:`QuantPlan.rescales`).
+7. A ``Concat`` with some quantized inputs and some from float ops (DeepLabV3's ASPP: four int8 branches and a
+   pooled branch upsampled by a float ``Resize(linear)``) is kept in the chain: each float input gets a
+   QuantizeLinear on the Concat output's grid (inherited: no range of its own), so ``QLinearConcat`` computes
+   exactly what quantizing the float concatenation would (one rounding on the output grid), without a
+   DequantizeLinear per int8 input, a float Concat and a QuantizeLinear of the whole output.
 """
 
 from __future__ import annotations
@@ -392,11 +397,8 @@ def _keep_int8_chains(model: ir.Model, plan: QuantPlan, nodes: Mapping[str, ir.N
             if node.op_type not in GLUE and node.op_type not in PASSTHROUGH and node.op_type not in RESCALE:
                 continue
             reason = None
-            for i in _activation_inputs(node):
-                v = node.inputs[i]
-                if v is None or _q_producer(plan, v) is None:
-                    reason = "an input comes from a float op (quantizing it would add a Q/DQ round trip)"
-                    break
+            if not _float_inputs_ok(plan, node):
+                reason = "an input comes from a float op (quantizing it would add a Q/DQ round trip)"
             if reason is None:
                 for out in node.outputs:
                     users = _consumers(out)
@@ -415,6 +417,25 @@ def _keep_int8_chains(model: ir.Model, plan: QuantPlan, nodes: Mapping[str, ir.N
                 del plan.layers[name]
                 plan.skipped[name] = f"not in an int8 chain: {reason}"
                 changed = True
+
+
+def _float_inputs(plan: QuantPlan, node: ir.Node) -> list[ir.Value]:
+    """The activation inputs of ``node`` that no quantized node produces."""
+    out = []
+    for i in _activation_inputs(node):
+        v = node.inputs[i]
+        if v is not None and _q_producer(plan, v) is None:
+            out.append(v)
+    return out
+
+
+def _float_inputs_ok(plan: QuantPlan, node: ir.Node) -> bool:
+    """Rule 2's input condition: every activation input is quantized - or, for a ``Concat`` with at least one
+    quantized input (rule 7), the float ones are quantized on the Concat's own output grid."""
+    floats = _float_inputs(plan, node)
+    if not floats:
+        return True
+    return node.op_type == "Concat" and len(floats) < len(_activation_inputs(node))
 
 
 def _add_tensor(plan: QuantPlan, v: ir.Value, lp: LayerPlan, consumer: str | None, **kw: object) -> None:
@@ -454,12 +475,18 @@ def _place_tensors(model: ir.Model, plan: QuantPlan, q: Any) -> None:
     for node in [n for n in model.graph if n.name in plan.layers]:
         lp = plan.layers[node.name or ""]
         factor = rescale_factor(node)
+        target, bounds = _output_target(node, q, graph_outputs, plan.folded_gates)
         for i in _activation_inputs(node):
             v = node.inputs[i]
             if v is None or node.op_type in PASSTHROUGH or factor is not None:
                 continue  # a passthrough's / rescale's input is quantized by its producer (it is in an int8 chain)
             p = v.producer()
             qp = _q_producer(plan, v)
+            if qp is None and node.op_type == "Concat" and (v.name or "") not in plan.tensors:  # rule 7
+                _add_tensor(plan, v, lp, node.name, inherit_from=target.name,
+                            note=f"a float input of Concat {node.name!r}, on its output's grid (the rounding "
+                                 "quantizing the concatenation makes)")  # fmt: skip
+                continue
             if p is not None and p.op_type in ABSORBABLE and qp is not None and q.fold_clip_ranges:
                 _add_tensor(plan, v, plan.layers[qp.name or ""], node.name, clip=clip_bounds(p))
             elif p is not None and (p.name or "") in plan.folded_gates and qp is not None and q.fold_clip_ranges:
@@ -478,7 +505,6 @@ def _place_tensors(model: ir.Model, plan: QuantPlan, q: Any) -> None:
                         lp, calibrator=src_tq.calibrator, act_dtype=src_tq.dtype, act_symmetric=src_tq.symmetric)
                     _add_tensor(plan, out, lp_out, None, inherit_from=src_name)
             continue
-        target, bounds = _output_target(node, q, graph_outputs, plan.folded_gates)
         users = _consumers(target)
         needs = node.op_type not in WEIGHTED or not WEIGHTED[node.op_type].float_output_ok
         feeds_q = any(u.name in plan.layers for u in users)

@@ -73,6 +73,19 @@ def _block(kind: str, seed: int = 0) -> onnx.ModelProto:
         up = node("Resize", [x, "", "scales"], "up", mode=kind.split("_")[1])
         a = node("Relu", [node("Conv", [up, w("wd", C, C, 2, 2, s=0.2), w("bd", C, s=0.1)], "cd", strides=[2, 2])],
                  "a0")
+    elif kind == "aspp":  # DeepLabV3's ASPP: conv branches and a pooled branch upsampled (linear), concatenated
+        x = node("Relu", [x], "r0")
+        b1 = node("Relu", [node("Conv", [x, w("wa", C, C, 1, 1), w("ba", C, s=0.1)], "ca")], "ra")
+        b2 = node("Relu", [node("Conv", [x, w("wb", C, C, 3, 3), w("bb", C, s=0.1)], "cb", pads=[2, 2, 2, 2],
+                                dilations=[2, 2])], "rb")
+        p = node("GlobalAveragePool", [x], "p")
+        pc = node("Relu", [node("Conv", [p, w("wp", C, C, 1, 1), w("bp", C, s=0.1)], "cp")], "rp")
+        c("scales", [1, 1, 16, 16])
+        up = node("Resize", [pc, "", "scales"], "up", mode="linear")
+        a = node("Concat", [b1, b2, up], "a0", axis=1)
+        y = node("Relu", [node("Conv", [a, w("w1", C, 3 * C, 3, 3, s=0.1), w("b1", C, s=0.1)], "c1",
+                               pads=[1, 1, 1, 1])], "out")
+        return g.model(kind, y, ["N", C, 16, 16])
     elif kind == "slice":  # a slice of the channels (a split written as Slice), zero-padded back by a Concat
         x = node("Relu", [x], "r0")
         for n, v in (("st", [0]), ("en", [C // 2]), ("ax", [1])):
@@ -285,3 +298,22 @@ def test_a_linear_resize_is_a_float_island_not_a_stray() -> None:
     islands = res.report["census"]["float_islands"]
     assert "Resize(linear)" in islands and "nearest" in islands["Resize(linear)"]["reason"], islands
     assert "linear" in res.plan.skipped["up_node"], res.plan.skipped
+
+
+def test_a_concat_with_a_float_input_is_quantized_on_its_output_grid() -> None:
+    """Rule 7: DeepLabV3's ASPP concatenates int8 branches with a pooled branch upsampled by a float
+    Resize(linear).  The float input gets a Q on the Concat output's grid, so the Concat is one QLinearConcat (no
+    DQ per int8 branch, float Concat and Q: 4 stray round trips in DeepLabV3-MobileNetV3 before), and the fused
+    model computes the QDQ math."""
+    model = _block("aspp")
+    res = quantize(model, image_batches(8), _recipe(), evaluation_data=image_batches(4, seed=9), progress=False)
+    kernels = res.census.quantized_kernels
+    assert kernels.get("QLinearConcat") == 1 and kernels.get("QLinearConv") == 5, kernels
+    assert res.report["census"]["leftover_by_kind"]["stray"] == 0, res.census.leftover_qdq_nodes
+    assert "Resize(linear)" in res.report["census"]["float_islands"]
+    tq = res.plan.tensors["up"]
+    assert tq.inherit_from == "a0" and tq.consumers == ("a0_node",), tq
+    assert res.report["kernels"]["check"]["agree"], res.report["kernels"]["check"]["first_parted"]
+    feed = image_batches(1, seed=42, batch=4)[0]
+    sq = _sqnr_db(_run(model, feed), _run(ir.to_proto(res.model), feed))
+    assert sq > 30, sq
