@@ -190,31 +190,22 @@ def _int8_branch(
 def probe_model(space: Any) -> tuple[onnx.ModelProto, dict[str, str], dict[tuple[str, str], str]]:
     """``(probe proto, layer -> weight input name, (unit, int8 candidate) -> gate input name)``.
 
-    A tied lm_head (``MatMul(h, Transpose(E))``) reads its own weight input ``W [K, N]`` in the probe and the
-    embedding ``Gather`` reads the table ``E`` as an input too: both are fed the candidate's weight (the
-    emitted model stores the table once, quantized, for both)."""
+    A tied lm_head (``MatMul(h, Transpose(E))``) keeps the graph's own form: its weight input is the table ``E
+    [N, K]``, which the embedding ``Gather`` reads too, and both are fed the candidate's weight in the table's
+    layout (the emitted model stores the table once, quantized, for both; the space builds a tied candidate's
+    weight in that layout, so no transposed copy is made)."""
     from quantkit.irtools import weightless_proto
 
     int8_cands = [n for n, c in space.candidates.items() if c.format == "int8_dynamic"]
     layer_unit = {n: u for u in space.units for n in u.layers}
-    weights = {n: (f"quantkit_probe::{n}::W" if getattr(space.layers[n], "tied", None) else space.layers[n].weight)
-               for n in space.layers}
-    wanted = {space.layers[n].weight for n in space.layers}
+    weights = {n: space.layers[n].weight for n in space.layers}  # a tied lm_head's: the table E
+    wanted = set(weights.values())
     # the probe feeds the searched weights: the graph serialized without them (no second copy of the model's
     # weights in memory, ~0.5 GB for a 135M-parameter decoder)
     proto, moved = weightless_proto(space.model, wanted)
-    for node in proto.graph.node:
-        if node.name in weights and getattr(space.layers[node.name], "tied", None):
-            lay = space.layers[node.name]
-            node.input[1] = weights[node.name]
-            proto.graph.input.append(
-                onnx.helper.make_tensor_value_info(weights[node.name], onnx.TensorProto.FLOAT, [lay.K, lay.N]))
     for name, v in moved:
         t = v.const_value
         proto.graph.input.append(onnx.helper.make_tensor_value_info(name, int(t.dtype), list(t.shape.numpy())))
-    for n, lay in space.layers.items():
-        if getattr(lay, "tied", None):
-            _gather_from_weight(proto, lay.weight, weights[n], lay.K)
     gates: dict[tuple[str, str], str] = {}
     if int8_cands:
         for u in space.units:
@@ -268,62 +259,6 @@ def probe_model(space: Any) -> tuple[onnx.ModelProto, dict[str, str], dict[tuple
         if not any(o.domain == "com.microsoft" for o in proto.opset_import):
             proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     return proto, weights, gates
-
-
-def _gather_from_weight(proto: onnx.ModelProto, table: str, weight: str, K: int) -> None:
-    """Make the embedding lookups of a tied table ``E [N, K]`` read the lm_head's probe weight ``W = E^T [K, N]``
-    (``Gather(W, ids, axis=1)`` transposed back: the same rows, bit for bit), so a candidate is fed once, as
-    ``W``, and no transposed ``[N, K]`` copy of it is made per run (113 MB on SmolLM2).  Only when every reader
-    of the table is a row lookup (``Gather``, axis 0); the table input is then dropped from the probe."""
-    used = _names_read(proto.graph)
-    # a reader whose outputs nobody reads (the lm_head's own Transpose(E), now that it reads W) goes
-    dead = [nd for nd in proto.graph.node if table in nd.input and not any(o in used for o in nd.output)]
-    if dead:
-        keep_nodes = [nd for nd in proto.graph.node if nd not in dead]
-        del proto.graph.node[:]
-        proto.graph.node.extend(keep_nodes)
-    readers = [nd for nd in proto.graph.node if table in nd.input]
-    lookups = [nd for nd in readers if nd.op_type == "Gather" and nd.domain in ("", "ai.onnx")
-               and nd.input[0] == table and table not in nd.input[1:]
-               and all(a.name != "axis" or a.i == 0 for a in nd.attribute)]  # fmt: skip
-    if not lookups or len(lookups) != len(readers):
-        return
-    nodes = list(proto.graph.node)
-    out = []
-    helper = onnx.helper
-    for nd in nodes:
-        if nd not in lookups:
-            out.append(nd)
-            continue
-        ids, y = nd.input[1], nd.output[0]
-        p = f"{nd.name or y}/from_weight"
-        out += [
-            helper.make_node("Reshape", [ids, f"{p}/flat_shape"], [f"{p}/flat_ids"], name=f"{p}/flat"),
-            helper.make_node("Gather", [weight, f"{p}/flat_ids"], [f"{p}/cols"], name=f"{p}/gather", axis=1),
-            helper.make_node("Transpose", [f"{p}/cols"], [f"{p}/rows"], name=f"{p}/transpose", perm=[1, 0]),
-            helper.make_node("Shape", [ids], [f"{p}/ids_shape"], name=f"{p}/ids_shape"),
-            helper.make_node("Concat", [f"{p}/ids_shape", f"{p}/k"], [f"{p}/out_shape"], name=f"{p}/out_shape",
-                             axis=0),
-            helper.make_node("Reshape", [f"{p}/rows", f"{p}/out_shape"], [y], name=f"{p}/reshape"),
-        ]
-        proto.graph.initializer.extend([onnx.numpy_helper.from_array(np.array([-1], np.int64), f"{p}/flat_shape"),
-                                        onnx.numpy_helper.from_array(np.array([K], np.int64), f"{p}/k")])
-    del proto.graph.node[:]
-    proto.graph.node.extend(out)
-    keep = [i for i in proto.graph.input if i.name != table]
-    del proto.graph.input[:]
-    proto.graph.input.extend(keep)
-
-
-def _names_read(graph: onnx.GraphProto) -> set[str]:
-    """Every value name read by ``graph``'s nodes (subgraphs included) or output by it."""
-    out = {o.name for o in graph.output}
-    for nd in graph.node:
-        out.update(nd.input)
-        for a in nd.attribute:
-            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                out |= _names_read(g)
-    return out
 
 
 def _ok(space: Any, unit: Any, cand: str) -> bool:
@@ -474,7 +409,9 @@ def _weighted_errors(space: Any, unit: Any, energy: Mapping[str, np.ndarray]
         for n, w in eff.items():
             ref = space.weight(n)
             for j in range(0, ref.shape[1], _ERR_COLUMNS):
-                d = np.asarray(w[:, j:j + _ERR_COLUMNS], np.float32) - ref[:, j:j + _ERR_COLUMNS]
+                # C order whatever the layouts (a tied layer's weights are views of [N, K] tables): the same sums
+                d = np.subtract(np.asarray(w[:, j:j + _ERR_COLUMNS], np.float32), ref[:, j:j + _ERR_COLUMNS],
+                                order="C")
                 per_k += np.einsum("kn,kn->k", d, d, dtype=np.float64)
         out[c] = float(h @ per_k)
         if top is None or out[c] > out[top]:
@@ -507,10 +444,8 @@ def _probe_runner(
     del proto
     out_name = sess.get_outputs()[0].name
     wanted = {i.name for i in sess.get_inputs()}
-    # a tied table the probe still reads as such (not only through row lookups, see _gather_from_weight)
-    tables = {n: space.layers[n].weight for n in space.layers
-              if getattr(space.layers[n], "tied", None) and space.layers[n].weight in wanted}
-    base: dict[str, np.ndarray] = {weights[n]: space.weight(n) for n in space.layers}
+    tables = {n: space.layers[n].weight for n in space.layers if getattr(space.layers[n], "tied", None)}
+    base: dict[str, np.ndarray] = {weights[n]: space.weight(n) for n in space.layers if n not in tables}
     # the table as the model holds it (not a transposed copy of the lm_head's [K, N] weight: 113 MB on SmolLM2)
     base.update({t: _table(space, n, t) for n, t in tables.items()})
     base.update({g: np.array(False) for g in gates.values()})
@@ -524,9 +459,8 @@ def _probe_runner(
                 feed[gates[(unit.name, cand)]] = np.array(True)
             else:
                 for n, w in eff.items():
-                    feed[weights[n]] = np.ascontiguousarray(w, np.float32)
-                    if n in tables:
-                        feed[tables[n]] = np.ascontiguousarray(w.T, np.float32)
+                    # a tied layer's [K, N] weight is the transpose of a [N, K] table: no copy when it is one
+                    feed[weights[n]] = np.ascontiguousarray(w.T if n in tables else w, np.float32)
         return [
             sess.run([out_name], {**{k: v for k, v in f.items() if k in wanted}, **feed})[0] for f in feeds
         ]

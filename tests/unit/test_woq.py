@@ -289,3 +289,25 @@ def test_grouped_clip_search_chooses_as_the_generic_one(dtype: type, K: int, g: 
     np.testing.assert_array_equal(fast, _generic_search(w, wp, mn, mx, bits, g, **kw))
     if bits == 4:
         assert len(np.unique(fast)) > 1  # the search did choose shrunk ranges somewhere
+
+
+def test_rtn_effective_by_column_slices_is_the_whole_matrix_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search rounds a wide weight (a 49k-column lm_head) by column slices, a tied one into the table's
+    layout: RTN's groups run along K, so the values are the whole matrix's, bit for bit (ragged groups and a
+    ragged last slice included)."""
+    import quantkit.search.linear as L
+    from quantkit.algorithms.woq import get_weight_algorithm
+
+    fn = get_weight_algorithm("rtn")
+    rng = np.random.default_rng(7)
+    W = (rng.standard_normal((72, 1000)) * rng.uniform(0.01, 1.0, (1, 1000))).astype(np.float32)
+    monkeypatch.setattr(L, "_RTN_SLICE_BYTES", 4 * 72 * 137)  # slices of 137 columns: the last one ragged
+    for kw in ({"bits": 4, "group_size": 32, "symmetric": True}, {"bits": 4, "group_size": 20, "symmetric": False},
+               {"bits": 8, "group_size": None, "symmetric": True}):
+        whole = fn(W, stats=None, **kw).effective_weight()
+        sliced = L._rtn_effective(fn, W, False, stats=None, **kw)
+        table = np.ascontiguousarray(W.T)
+        tied = L._rtn_effective(fn, table.T, True, stats=None, **kw)
+        assert tied.T.flags.c_contiguous  # built in the table's layout: fed without a transposed copy
+        np.testing.assert_array_equal(sliced.view(np.uint32), whole.view(np.uint32))
+        np.testing.assert_array_equal(np.ascontiguousarray(tied).view(np.uint32), whole.view(np.uint32))
