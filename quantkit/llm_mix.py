@@ -133,6 +133,12 @@ def run_layerwise_mix(model: Any, calibration_data: Any, rec: RecipeModel, *, ev
     args = (model, calibration_data, rec, evaluation_data, progress, use_cache)
     t = time.perf_counter()
     child = _picklable(args)
+    if child:
+        # a checkpoint that is converted on first use (the built-in's GGUF: a process of ~1.2 GB) is converted
+        # here, before the search's process starts, so the two never run side by side
+        from quantkit.llm_run import resolve_llm_folder
+
+        resolve_llm_folder(model if model is not None else (rec.model.source if rec.model is not None else None))
     overrides, search = _in_child(_search, args) if child else _search(*args)
     search["process"] = ("a child process (its memory returned before the build)" if child else
                          "this process (an in-memory model or dataset that does not pickle)")

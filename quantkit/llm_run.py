@@ -301,6 +301,9 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
         shutil.rmtree(build_dir, ignore_errors=True)
         raise
     timings["quantize_s"] = time.perf_counter() - t
+    from quantkit.memory import return_free_memory
+
+    return_free_memory()  # the build's freed arrays, before the evaluation's sessions (its peak)
     if res.resumed_blocks:
         log.info("resumed: %d finished blocks reused from %s", res.resumed_blocks, work)
     q_path = res.path

@@ -105,6 +105,26 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
 
+def return_free_memory() -> None:
+    """Hand memory this process freed back to the system: a garbage collection, then (Linux, glibc) ``malloc_trim``.
+
+    glibc keeps freed heap memory for reuse, and after a large array is freed it serves arrays up to 32 MB from
+    the heap instead of fresh memory maps (its dynamic mmap threshold): a phase that allocates and frees many such
+    arrays (the layer-wise build) leaves them counted in the process's RSS until it ends.  Called between phases,
+    before the next one's peak (the evaluation's sessions)."""
+    import gc
+    import sys
+
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl has no malloc_trim): nothing to hand back this way
+            pass
+
+
 def gb(n: float) -> str:
     """``n`` bytes as ``"1.23 GB"`` (decimal gigabytes; two decimals under 10 GB)."""
     return f"{n / 1e9:.2f} GB" if n < 10e9 else f"{n / 1e9:.1f} GB"
