@@ -106,6 +106,10 @@ DOCUMENTED: dict[str, dict[str, str]] = {
     "zoo_probes_x86-vnni.json": {
         "title": "Architectures outside the zoo (ShuffleNet v2, RegNet-Y, LR-ASPP segmentation): the lowering rules on unseen blocks",
     },
+    "zoo_probes_2_x86-vnni.json": {
+        "title": "More architectures outside the zoo (GoogLeNet, MNASNet, Swin-T, ResNeXt-50, DeepLabV3, and "
+                 "transformers' MobileViT, SegFormer, ConvNeXt-V2, PoolFormer): the lowering rules on unseen blocks",
+    },
     "families_x86-vnni.json": {
         "title": "Every decoder family layer-wise (INT4 RTN, random bf16 weights at published widths): peak memory "
                  "and time at two depths; an unsupported family's refusal",

@@ -48,11 +48,24 @@ TORCHVISION_MODELS = {
     "convnext_tiny": {},
 }
 PROBES = {"shufflenet_v2_x0_5": {}, "regnet_y_400mf": {},
-          "lraspp_mobilenet_v3_large": {"weights_backbone": None, "num_classes": 21}}
+          "lraspp_mobilenet_v3_large": {"weights_backbone": None, "num_classes": 21},
+          "googlenet": {"init_weights": True, "aux_logits": False}, "swin_t": {}, "mnasnet0_5": {},
+          "resnext50_32x4d": {}, "deeplabv3_mobilenet_v3_large": {"weights_backbone": None, "num_classes": 21,
+                                                                  "aux_loss": False}}
 """Architectures outside the zoo's table (``--models shufflenet_v2_x0_5,...``, never in ``all``): checks that the
 lowering rules hold on blocks the zoo does not have (ShuffleNet's channel shuffle, RegNet's squeeze-excite,
 LR-ASPP's segmentation head: a pooled attention branch multiplied in, bilinear upsampling, per-pixel logits)."""
-SEGMENTATION = ("lraspp_mobilenet_v3_large",)
+HF_VISION = {"mobilevit_s": ("MobileViTConfig", "MobileViTForImageClassification", {}),
+             "segformer_b0": ("SegformerConfig", "SegformerForSemanticSegmentation", {"num_labels": 19}),
+             "convnextv2_atto": ("ConvNextV2Config", "ConvNextV2ForImageClassification",
+                                 {"depths": [2, 2, 6, 2], "hidden_sizes": [40, 80, 160, 320]}),
+             "poolformer_s12": ("PoolFormerConfig", "PoolFormerForImageClassification", {})}
+"""Probes built from transformers' vision classes with random weights (``--models mobilevit_s,...``): MobileViT's
+unfold/fold of patches around a transformer, SegFormer's overlapping patch embeddings, reduced-key attention and
+all-MLP decoder (upsampled and concatenated scales), ConvNeXt-V2's global response norm, PoolFormer's pooling token
+mixer with GroupNorm.  Exported as ``input -> logits`` (SegFormer's at 1/4 resolution)."""
+PROBES.update({k: {} for k in HF_VISION})
+SEGMENTATION = ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large", "segformer_b0")
 """Probes from ``torchvision.models.segmentation``: exported as ``input -> logits [N, classes, H, W]`` (the
 model's ``out``); judged by output SQNR (a per-pixel top-1 would need the class axis, not the last one)."""
 ENCODERS = ("bert_base", "distilbert")
@@ -136,6 +149,21 @@ def build_torch(name: str, size: int) -> Any:
     torch.manual_seed(0)  # the random weights are the same in every build (zoo-v1 was not seeded)
     if name == "se_cnn":
         return warm_batchnorm(SECNN.make(), size)
+    if name in HF_VISION:
+        import transformers
+
+        cfg_name, cls_name, kw = HF_VISION[name]
+        hf = getattr(transformers, cls_name)(getattr(transformers, cfg_name)(**kw)).eval()
+
+        class Logits(torch.nn.Module):  # transformers' models return an output object
+            def __init__(self) -> None:
+                super().__init__()
+                self.hf = hf
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.hf(pixel_values=x).logits
+
+        return warm_batchnorm(Logits(), size)
     tvm = torchvision_models()
     if name == "vit_6l":
         from torchvision.models.vision_transformer import VisionTransformer
