@@ -138,7 +138,7 @@ def run_layerwise_mix(model: Any, calibration_data: Any, rec: RecipeModel, *, ev
         # here, before the search's process starts, so the two never run side by side
         from quantkit.llm_run import resolve_llm_folder
 
-        resolve_llm_folder(model if model is not None else (rec.model.source if rec.model is not None else None))
+        resolve_llm_folder(_source(model, rec))
     overrides, search = _in_child(_search, args) if child else _search(*args)
     search["process"] = ("a child process (its memory returned before the build)" if child else
                          "this process (an in-memory model or dataset that does not pickle)")
@@ -163,6 +163,11 @@ def run_layerwise_mix(model: Any, calibration_data: Any, rec: RecipeModel, *, ev
     result.report["search"] = search
     result.report.setdefault("timings", {})["search_s"] = search["search_s"]
     return result
+
+
+def _source(model: Any, rec: RecipeModel) -> Any:
+    """The model the run quantizes: the one passed, else the recipe's ``model.source``."""
+    return model if model is not None else (rec.model.source if rec.model is not None else None)
 
 
 def _picklable(args: tuple[Any, ...]) -> bool:
@@ -246,8 +251,7 @@ def _search(model: Any, calibration_data: Any, rec: RecipeModel, evaluation_data
     srch = rec.search
     if srch is None or srch.target is None:
         raise RecipeError("a searched layer-wise mix needs a recipe with a 'search' section and a search.target")
-    source = model if model is not None else (rec.model.source if rec.model is not None else None)
-    cfg = read_decoder_config(resolve_llm_folder(source))
+    cfg = read_decoder_config(resolve_llm_folder(_source(model, rec)))
     t = time.perf_counter()
     # a size budget: the costs are the formats' bytes (no uniform model emitted and profiled: ~35 s and two more
     # copies of the weights in memory for a 135M-parameter decoder)

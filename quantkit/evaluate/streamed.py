@@ -46,21 +46,13 @@ __all__ = ["extra_datasets", "merge_extra", "streamed_perplexity", "truncate_dec
 
 
 def _f32(t: Any) -> np.ndarray:
-    """A checkpoint tensor (torch bf16 / fp16 / fp32, or numpy) as float32 numpy."""
-    if isinstance(t, np.ndarray):
-        return np.asarray(t, np.float32)
-    import torch
-
-    return t.to(torch.float32).numpy()
+    """A checkpoint tensor (numpy, any float dtype: bf16 as ``ml_dtypes.bfloat16``) as float32."""
+    return np.asarray(t, np.float32)
 
 
 def _rows(table: Any, ids: np.ndarray) -> np.ndarray:
-    """Rows ``ids`` of an embedding table (torch or numpy) as float32."""
-    if isinstance(table, np.ndarray):
-        return np.asarray(table[ids], np.float32)
-    import torch
-
-    return _f32(table[torch.from_numpy(np.ascontiguousarray(ids))])
+    """Rows ``ids`` of an embedding table as float32."""
+    return np.asarray(table[ids], np.float32)
 
 
 class _States:
