@@ -153,13 +153,52 @@ def _fidelity(fp32: Any, q: Any, q_ref: Any, feeds: list[dict[str, np.ndarray]],
     return out
 
 
-def run_model(name: str, work: Path, *, repeat: int) -> dict[str, Any]:
+def _target_check(path: Path, isa: str, feeds: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+    """Is the quantized model at ``path`` exact on CPU class ``isa`` for every input (its int8 weight pairs, as
+    quantkit's report judges it)?  When not: the layers at risk, and the largest fraction of int32 accumulators
+    the class's kernel gets wrong on the first evaluation samples (NumPy emulation of the saturating int16 pair
+    sums on the QDQ reference's input codes) - its measured SQNR, this CPU's exact arithmetic, is then only an
+    upper bound of what it computes on that class."""
+    import onnx
+
+    from quantkit.evaluate.latency import make_session
+    from quantkit.lowering.kernel_check import emulate_saturation, portability, with_outputs
+
+    model = onnx.load(str(path))
+    table = portability(model)
+    verdict = table["classes"][isa]
+    out: dict[str, Any] = {"isa": isa, "exact": bool(verdict["exact"]), "why": verdict["why"],
+                           "layers_at_risk": len(table["layers_at_risk"])}
+    if verdict["exact"]:
+        return out
+    risky = {r["layer"] for r in table["layers_at_risk"]}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    codes = sorted({producer[n.input[0]].input[0] for n in model.graph.node
+                    if n.name in risky and n.input[0] in producer
+                    and producer[n.input[0]].op_type == "DequantizeLinear"})
+    sess = make_session(with_outputs(model, codes), level="disabled")
+    names = [o.name for o in sess.get_outputs()]
+    worst: dict[str, float] = {}
+    for f in feeds[:4]:
+        env = dict(zip(names, sess.run(None, f), strict=True))
+        for k, v in emulate_saturation(model, env, risky).items():
+            worst[k] = max(worst.get(k, 0.0), v)
+    if worst:
+        layer = max(worst, key=lambda k: worst[k])
+        out["worst_wrong_accumulators"] = {"layer": layer, "fraction": round(worst[layer], 4),
+                                           "samples": min(4, len(feeds))}
+    return out
+
+
+def run_model(name: str, work: Path, *, repeat: int, isa: str | None = None) -> dict[str, Any]:
     from quantkit.evaluate.latency import make_session
 
     paths = build(name)
-    folder = work / name
+    folder = work / (name if isa is None else f"{name}-{isa}")
     folder.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if isa is not None:  # quantkit builds for that class exactly as on such a CPU (its `isa: auto`)
+        env["QUANTKIT_CPU_CLASS"] = isa
     models: dict[str, Path] = {"fp32": paths["model"]}
     row: dict[str, Any] = {"model": name, "methods": {}}
     qk_out = folder / "quantkit"
@@ -188,6 +227,8 @@ def run_model(name: str, work: Path, *, repeat: int) -> dict[str, Any]:
         m = row["methods"][key]
         m["census"] = _census(path)
         m.update(_fidelity(fp32, make_session(str(path)), make_session(str(path), level="disabled"), feeds, classify))
+        if isa is not None:
+            m["target_check"] = _target_check(path, isa, feeds)
     _time_row(row, models, feeds[0], repeat)
     orts = [k for k in ("ort", "ort_rr") if "sqnr_db" in row["methods"][k]]
     if orts:
@@ -310,8 +351,28 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
              "| peak RSS MiB qk / ORT |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
+    isa = env.get("isa")
+    if isa:
+        lines[0] += (f"; **quantkit built for `{isa}`** (`QUANTKIT_CPU_CLASS={isa}`, what `isa: auto` does on such a "
+                     f"CPU), every model measured on this {env['cpu_class']} CPU")
+        lines[2] = lines[2].replace("| top-1", f"| exact on {isa} qk / ORT | top-1")
+        lines[3] += "---|"
+
     def f(v: Any, fmt: str = ".1f") -> str:
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    def exact(m: dict[str, Any]) -> str:
+        t = m.get("target_check")
+        if not t:
+            return "-"
+        if t["exact"]:
+            return "yes"
+        w = t.get("worst_wrong_accumulators")
+        return f"no ({t['layers_at_risk']} layers" + (f", up to {w['fraction']:.1%} wrong" if w else "") + ")"
+
+    def sq(m: dict[str, Any]) -> str:  # a model not exact on the target class: its figure here is an upper bound
+        t = m.get("target_check")
+        return ("<= " if t and not t["exact"] else "") + f(m.get("sqnr_db"))
 
     def x(a: Any, b: Any) -> str:
         return f(a / b, ".2f") if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "-"
@@ -326,8 +387,9 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         lines.append(
             f"| {row['model']} | {c.get('fused', '-')}/{c.get('float_gemm', '-')}/{c.get('stray', '-')}{_islands(c)} "
             f"| {co.get('fused', '-')}/{co.get('float_gemm', '-')}/{co.get('stray', '-')} ({row.get('ort_best', '-')}) "
-            f"| {f(q.get('sqnr_db'))} / {f(o.get('sqnr_db'))}{_ci(row.get('sqnr_diff_ci95'))} "
-            f"| {f(q.get('top1_agreement'), '.2f')} / {f(o.get('top1_agreement'), '.2f')} "
+            f"| {sq(q)} / {sq(o)}{_ci(row.get('sqnr_diff_ci95'))} "
+            + (f"| {exact(q)} / {exact(o)} " if isa else "")
+            + f"| {f(q.get('top1_agreement'), '.2f')} / {f(o.get('top1_agreement'), '.2f')} "
             f"| {f(q.get('kernel_vs_math_sqnr_db'))} / {f(o.get('kernel_vs_math_sqnr_db'))} "
             f"| {f(q.get('x_fp32'), '.2f')} / {f(o.get('x_fp32'), '.2f')} "
             f"| {x(q.get('x_fp32'), o.get('x_fp32'))} "
@@ -341,6 +403,12 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
               ", ".join(f"`{k}`" for k in EVALUATION_STAGES) + " (report.json `timings`; ORT does none of it). "
               "SQNR interval: 95% bootstrap interval of quantkit's minus ORT's output SQNR over the evaluation samples "
               "(2000 resamples, the same images for both; a gap is a loss only when the interval lies below 0). "
+              + (f"*exact on {isa}*: whether the model's int8 weight pairs keep the {isa} kernels' saturating int16 pair "
+                 "sums exact for every input (quantkit's portability check); when not, the layers at risk and the "
+                 "largest fraction of a layer's int32 accumulators that kernel gets wrong on 4 evaluation samples "
+                 "(NumPy emulation), and the SQNR measured here (exact int32 arithmetic) is only an upper bound "
+                 "(`<=`) of that model's on such a CPU; ORT's row is its better setting by that bound. Latency and "
+                 "kernel-vs-math columns are this CPU's. " if isa else "")
               + ("Peak RSS: each process's own `ru_maxrss`, from `wait4` in a small launcher."
                  if env.get("peak_rss") else
                  "Peak RSS in this file is **not** per process (measured before the launcher: a child's `ru_maxrss` "
@@ -354,6 +422,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=60, help="latency runs per model (interleaved rounds)")
     ap.add_argument("--out", help="write the rows and the environment as JSON here (and a .md beside it)")
     ap.add_argument("--table", help="print (and with --out rewrite) the table of an earlier --out JSON; no runs")
+    ap.add_argument("--isa", choices=("x86-avx2", "x86-vnni", "arm64"),
+                    help="build quantkit's models for this CPU class (QUANTKIT_CPU_CLASS) and check every quantized "
+                         "model's exactness there; the figures are still measured on this CPU")
     ap.add_argument("--retime", help="re-time the models of an earlier --out JSON in place (latency columns only)")
     args = ap.parse_args()
     if args.retime:
@@ -373,10 +444,12 @@ def main() -> None:
     names = CI_SUBSET if args.models == "ci" else ALL if args.models == "all" else tuple(args.models.split(","))
     work = cache_root() / "runs"
     env = _env()
+    if args.isa:
+        env["isa"] = args.isa
     rows = []
     for n in names:
         print(f"== {n}", flush=True)
-        rows.append(run_model(n, work, repeat=args.repeat))
+        rows.append(run_model(n, work, repeat=args.repeat, isa=args.isa))
         print(_table(rows[-1:], env).splitlines()[4], flush=True)  # the model's row
     text = _table(rows, env)
     print(text)

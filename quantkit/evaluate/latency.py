@@ -29,15 +29,22 @@ class Latency:
 
 
 def make_session(
-    model: bytes | str, *, threads: int | None = None, level: str = "all", arena: bool = True
+    model: bytes | str, *, threads: int | None = None, level: str = "all", arena: bool = True, spinning: bool = True
 ) -> ort.InferenceSession:
     """A CPU session with all graph optimizations (what a deployment would use).
 
     ``arena=False`` frees each run's buffers when it ends instead of keeping them in ORT's memory arena: for
     LLMs, whose logits alone are ``seq x vocab`` floats (200 MB at 1024 x 49152 tokens), this keeps two
     sessions timed side by side from holding two arenas of them (SmolLM2, prefill 1024: 1.33 -> 1.07 GB peak,
-    same speed)."""
+    same speed).
+
+    ``spinning=False`` makes the session's intra-op threads block as soon as a run ends instead of spinning for
+    a while (ONNX Runtime's default): for comparing models whose sessions take turns on a small machine, where
+    the previous session's spinning threads slow the next one's first runs (2 cores, ResNeXt-50 int8: 25-45 ms
+    instead of 15 ms for the first 2-3 runs after a switch; with spinning off, 15-16 ms from the first run)."""
     so = ort.SessionOptions()
+    if not spinning:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.enable_cpu_mem_arena = arena
     so.graph_optimization_level = {
         "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
@@ -82,6 +89,13 @@ def measure_latency(
     )
 
 
+SETTLE_S = 0.1
+"""Pause before each session's turn in :func:`compare_latency`: the previous session's intra-op threads spin for
+a while after its last run (ONNX Runtime's default, kept: it is how the model is deployed) and slow the next
+session's first runs - on 2 cores 25-45 ms instead of 15 ms for ResNeXt-50's first 2-3 runs after a switch; after
+20 ms of pause the first run is still slow, after 100 ms none is."""
+
+
 def compare_latency(
     sessions: Mapping[str, ort.InferenceSession],
     feed: Mapping[str, np.ndarray],
@@ -109,6 +123,7 @@ def compare_latency(
         # one timed next (a 2-core machine: MobileNetV2's FP32 model 12.5 ms timed after nothing, 9.1 ms timed last)
         for k in names[r % len(names):] + names[: r % len(names)]:
             s = sessions[k]
+            time.sleep(SETTLE_S)
             for _ in range(per_round):
                 t0 = time.perf_counter()
                 s.run(None, dict(feeds[k]))

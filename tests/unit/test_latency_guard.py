@@ -288,13 +288,13 @@ def test_ab_rounds_of_a_fast_model_hold_enough_runs_to_outlast_the_jitter(monkey
             runs[self.name] = runs.get(self.name, 0) + 1
             time.sleep(self.ms / 1e3)
 
-    monkeypatch.setattr(latency, "make_session", lambda blob, threads=None: Sleepy(blob.decode(), 2.0))
+    monkeypatch.setattr(latency, "make_session", lambda blob, threads=None, **kw: Sleepy(blob.decode(), 2.0))
     out = ab_compare({"fp32": b"fp32", "int8": b"int8"}, {}, threads=1, rounds=4, warmup=2)
     assert [len(v) for v in out.values()] == [4, 4]
     per_round = (runs["int8"] - 2) // 4
     assert per_round >= AB_ROUND_MS / 2.0 * 0.5 and per_round <= 50  # ~10 runs of 2 ms, not 3
     runs.clear()
-    monkeypatch.setattr(latency, "make_session", lambda blob, threads=None: Sleepy(blob.decode(), 30.0))
+    monkeypatch.setattr(latency, "make_session", lambda blob, threads=None, **kw: Sleepy(blob.decode(), 30.0))
     ab_compare({"fp32": b"fp32", "int8": b"int8"}, {}, threads=1, rounds=2, warmup=1)
     assert runs["int8"] == 1 + 2 * 3  # a model slower than a round's budget keeps the 3 runs per round
 
@@ -316,7 +316,7 @@ def test_the_ab_stops_once_every_candidate_has_lost_half_the_rounds(monkeypatch:
             time.sleep(self.ms / 1e3)
 
     speed = {"fp32": 6.0, "int8": 2.0, "slow": 4.0, "fast": 1.0}
-    monkeypatch.setattr(latency, "make_session", lambda blob, threads=None: Sleepy(speed[blob.decode()]))
+    monkeypatch.setattr(latency, "make_session", lambda blob, threads=None, **kw: Sleepy(speed[blob.decode()]))
     out = ab_compare({k: k.encode() for k in ("fp32", "int8", "slow")}, {}, threads=1, warmup=1, max_per_round=3,
                      stop=lambda ab: hopeless(ab, ["slow"]))
     assert [len(v) for v in out.values()] == [5, 5, 5]
@@ -327,3 +327,53 @@ def test_the_ab_stops_once_every_candidate_has_lost_half_the_rounds(monkeypatch:
     # the arithmetic behind the rule: with half of 10 rounds lost, no shorter A/B passes the sign test either
     assert hopeless({"int8": [1.0] * 5, "c": [1.0, 2.0, 1.5, 1.1, 1.2]}, ["c"])
     assert not hopeless({"int8": [1.0] * 5, "c": [0.9, 2.0, 1.5, 1.1, 1.2]}, ["c"])
+
+
+def test_ab_sessions_do_not_spin_and_the_report_pauses_between_sessions(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """A session whose intra-op threads spin after its runs slows the next session's first runs (on 2 cores the
+    rounds of an A/B came out 24 or 15 ms for the same model): the A/B's sessions block instead of spinning, and
+    the report's interleaved latency pauses before each session's turn (spinning kept: that is how models are
+    deployed)."""
+    import onnx
+
+    import quantkit.evaluate.latency as latency
+    from quantkit.guard import ab_compare
+
+    path = tmp_path / "m.onnx"
+    onnx.save(tiny_cnn(), str(path))
+    key = "session.intra_op.allow_spinning"
+    assert latency.make_session(str(path), spinning=False).get_session_options().get_session_config_entry(key) == "0"
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # the default: ORT's own (spinning)
+        latency.make_session(str(path)).get_session_options().get_session_config_entry(key)
+
+    opened: list[dict[str, Any]] = []
+
+    class Quick:
+        def run(self, *a: Any) -> None:
+            return None
+
+    def fake(blob: Any, **kw: Any) -> Quick:
+        opened.append(kw)
+        return Quick()
+
+    monkeypatch.setattr(latency, "make_session", fake)
+    ab_compare({"int8": b"a", "guarded": b"b"}, {}, threads=1, rounds=2, warmup=1)
+    assert opened and all(kw.get("spinning") is False for kw in opened)
+
+    events: list[str] = []
+
+    class Logged:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def run(self, *a: Any) -> None:
+            events.append(self.name)
+
+        def get_inputs(self) -> list[Any]:
+            return []
+
+    monkeypatch.setattr(latency.time, "sleep", lambda s: events.append(f"sleep {s}"))
+    latency.compare_latency({"fp32": Logged("fp32"), "int8": Logged("int8")}, {}, warmup=0, repeat=4, rounds=2)
+    pause = f"sleep {latency.SETTLE_S}"
+    assert events == [pause, "fp32", "fp32", pause, "int8", "int8", pause, "int8", "int8", pause, "fp32", "fp32"]
