@@ -64,12 +64,44 @@ HF_VISION = {"mobilevit_s": ("MobileViTConfig", "MobileViTForImageClassification
 unfold/fold of patches around a transformer, SegFormer's overlapping patch embeddings, reduced-key attention and
 all-MLP decoder (upsampled and concatenated scales), ConvNeXt-V2's global response norm, PoolFormer's pooling token
 mixer with GroupNorm.  Exported as ``input -> logits`` (SegFormer's at 1/4 resolution)."""
+PROBES.update({"efficientnet_v2_s": {}, "maxvit_t": {}, "mobilenet_v3_large": {},
+               "inception_v3": {"init_weights": True, "aux_logits": False}})
+"""(third set) EfficientNet-V2's fused MBConv blocks, MaxViT's block and grid attention around MBConv with
+squeeze-excite, MobileNetV3-Large, Inception-V3's factorised 1x7 / 7x1 convolutions and pooled branches."""
+HF_VISION.update({
+    "levit_128s": ("LevitConfig", "LevitForImageClassification", {}),
+    "dinov2_s6": ("Dinov2Config", "Dinov2ForImageClassification",
+                  {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 6, "patch_size": 14,
+                   "image_size": 224}),
+    "beit_s6": ("BeitConfig", "BeitForImageClassification",
+                {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 6, "intermediate_size": 1536,
+                 "use_relative_position_bias": True, "use_mean_pooling": True, "layer_scale_init_value": 0.1})})
+"""(third set) LeViT's attention with learned biases gathered by index, Hardswish and BatchNorm after linear
+layers; DINOv2's layer scale; BEiT's relative position bias and mean pooling."""
 PROBES.update({k: {} for k in HF_VISION})
 SEGMENTATION = ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large", "segformer_b0")
 """Probes from ``torchvision.models.segmentation``: exported as ``input -> logits [N, classes, H, W]`` (the
 model's ``out``); judged by output SQNR (a per-pixel top-1 would need the class axis, not the last one)."""
-ENCODERS = ("bert_base", "distilbert")
-ALL = (*TORCHVISION_MODELS, "vit_6l", *ENCODERS, "efficientnet_lite0", "se_cnn")
+ZOO_ENCODERS = ("bert_base", "distilbert")
+HF_ENCODERS = {
+    "albert": ("AlbertConfig", "AlbertModel", {"embedding_size": 128, "hidden_size": 768, "num_hidden_layers": 12,
+                                               "num_attention_heads": 12, "intermediate_size": 3072}),
+    "roberta": ("RobertaConfig", "RobertaModel", {"num_hidden_layers": 6}),
+    "electra_small": ("ElectraConfig", "ElectraModel", {"embedding_size": 128, "hidden_size": 256,
+                                                        "num_hidden_layers": 12, "num_attention_heads": 4,
+                                                        "intermediate_size": 1024}),
+    "deberta_v2": ("DebertaV2Config", "DebertaV2Model", {"hidden_size": 384, "num_hidden_layers": 6,
+                                                         "num_attention_heads": 6, "intermediate_size": 1536,
+                                                         "relative_attention": True, "position_buckets": 256,
+                                                         "pos_att_type": ["p2c", "c2p"], "max_relative_positions": -1,
+                                                         "position_biased_input": False}),
+}
+"""Encoder probes (transformers, random weights, vocabulary 30522 so the BERT tokenizer's ids fit): ALBERT's
+factorised embedding and one layer's weights shared by all twelve, RoBERTa's padding-aware positions, ELECTRA's
+embedding projection, DeBERTa-V2's disentangled relative attention."""
+ENCODERS = (*ZOO_ENCODERS, *HF_ENCODERS)
+PROBES.update({k: {} for k in HF_ENCODERS})
+ALL = (*TORCHVISION_MODELS, "vit_6l", *ZOO_ENCODERS, "efficientnet_lite0", "se_cnn")
 KNOWN = (*ALL, *PROBES)
 CI_SUBSET = ("squeezenet1_1", "mobilenet_v3_small", "se_cnn")
 
@@ -209,12 +241,18 @@ def _forward_args(model: Any) -> list[str]:
 
 
 def build_encoder(name: str, path: Path, seq: int) -> None:
-    """A BERT-base-shaped or DistilBERT-shaped encoder with random weights (transformers, offline)."""
+    """A BERT-base-shaped or DistilBERT-shaped encoder, or one of :data:`HF_ENCODERS`, with random weights
+    (transformers, offline)."""
     import torch
     from transformers import BertConfig, BertModel, DistilBertConfig, DistilBertModel
 
     torch.manual_seed(0)
-    if name == "bert_base":
+    if name in HF_ENCODERS:
+        import transformers
+
+        cfg_name, cls_name, kw = HF_ENCODERS[name]
+        model = getattr(transformers, cls_name)(getattr(transformers, cfg_name)(vocab_size=30522, **kw)).eval()
+    elif name == "bert_base":
         model = BertModel(BertConfig(num_hidden_layers=12, hidden_size=768, intermediate_size=3072,
                                      num_attention_heads=12, vocab_size=30522)).eval()
     else:

@@ -649,7 +649,7 @@ def _bias_safe_scale(node: ir.Node, bias_input: int | None, w_scale: Any, x_para
     return np.maximum(ws, floor).astype(np.float32)
 
 
-def hessian_requests(model: ir.Model, plan: QuantPlan, max_k: int = 4096) -> dict[str, tuple[str, int, Any]]:
+def hessian_requests(model: ir.Model, plan: QuantPlan, max_k: int = 16384) -> dict[str, tuple[str, int, Any]]:
     """``layer -> (input tensor, K, conv geometry)`` of the planned int8 GEMM-like layers whose weight
     pairs pair-constrained GPTQ can use (2-D Conv with one group, Gemm, MatMul; ``K <= max_k``)."""
     from quantkit.calibrate.kernel_hessian import ConvGeometry

@@ -233,3 +233,43 @@ def test_sampled_im2col_rows_equal_the_full_im2col(kh: int, stride: int, dil: in
         return
     rows = rng.choice(full.shape[0], min(11, full.shape[0]), replace=False)
     np.testing.assert_array_equal(im2col_rows_nhwc(x, *args, rows), full[rows])
+
+
+def test_the_kernel_hessian_keeps_exact_diagonal_blocks_and_block_gptq_is_gptq_per_block() -> None:
+    """The pair-safe Hessian is kept as its diagonal blocks, accumulated by buffered in-place rank-k updates: each
+    block equals the same rows' ``x^T x / n``; GPTQ with the blocks is GPTQ run block by block (the error of a
+    block's rows spread over that block only), and with one block it is GPTQ with the full matrix."""
+    from quantkit.calibrate.kernel_hessian import BlockDiagonal, KernelHessian
+
+    rng = np.random.default_rng(5)
+    K, N = 300, 40
+    x = rng.standard_normal((5000, K)).astype(np.float32)
+    x[:, 1::2] += x[:, 0::2]
+    kh = KernelHessian(K, max_rows_per_update=10**9, block=64)
+    for part in np.array_split(x, 7):  # uneven updates: some flush, some wait in the buffer
+        kh.update(part)
+    bd = kh.hessian()
+    assert isinstance(bd, BlockDiagonal) and [b.shape[0] for b in bd.blocks] == [64, 64, 64, 64, 44]
+    full = x.astype(np.float64).T @ x / len(x)
+    for o, b in zip(bd.offsets, bd.blocks, strict=True):
+        np.testing.assert_allclose(b, full[o : o + len(b), o : o + len(b)], rtol=1e-5, atol=1e-5)
+    w = rng.standard_normal((K, N)) * 0.05
+    s = np.abs(w).max(0) / 127 * 0.6
+    per_block = np.concatenate([pair_gptq(w[o : o + len(b)], s, b) for o, b in zip(bd.offsets, bd.blocks, strict=True)])
+    np.testing.assert_array_equal(pair_gptq(w, s, bd), per_block)
+    one = KernelHessian(K, max_rows_per_update=10**9, block=None)
+    one.update(x)
+    h1 = one.hessian()
+    assert h1 is not None and len(h1.blocks) == 1
+    np.testing.assert_array_equal(pair_gptq(w, s, h1), pair_gptq(w, s, h1.blocks[0]))
+    d = rng.standard_normal((K, N))
+    from quantkit.algorithms.pair_rounding import _objective
+
+    np.testing.assert_allclose(_objective(d, bd), _objective(d, bd.dense()))
+    # the kept blocks are what pair-constrained GPTQ needs: its error stays below the data-free rounding's
+    q_rtn = np.clip(np.rint(w / s), -127, 127).astype(np.int8)
+    q, s2, changed = pair_safe_weight(w.astype(np.float32), q_rtn, s.astype(np.float32), np.zeros(N, np.int8),
+                                      op_type="MatMul", hessian=bd)
+    q_c, s_c, _ = pair_safe_codes(w[None], s[None])
+    assert changed > 0 and not pair_violations(kernel_view(q, "MatMul")).any()
+    assert np.sum((x @ (q * s2) - x @ w) ** 2) < np.sum((x @ (q_c[0] * s_c[0]) - x @ w) ** 2)
