@@ -47,7 +47,7 @@ class Artifacts:
 
     ranges: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     means: dict[str, np.ndarray] = field(default_factory=dict)
-    hessians: dict[str, np.ndarray] = field(default_factory=dict)
+    hessians: dict[str, Any] = field(default_factory=dict)  # layer -> BlockDiagonal (pair-safe rounding)
     pair_cache: dict[tuple[str, bytes], Any] = field(default_factory=dict)
     woq: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # (layer, scheme key) -> WOQResult
     dynamic: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # (layers, scheme key) -> DynamicArtifact

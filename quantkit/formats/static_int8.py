@@ -109,7 +109,7 @@ class StaticInt8(FormatHandler):
         return sorted(k for k in qplan.calibrated_tensors() if k in first)
 
     @staticmethod
-    def _hessians(job: Job, qplan: Any) -> dict[str, np.ndarray] | None:
+    def _hessians(job: Job, qplan: Any) -> dict[str, Any] | None:
         """Input second moments in kernel K order, for pair-constrained rounding (pair-safe targets only)."""
         if not job.target.pair_safe or job.calibration is None:
             return None
@@ -130,7 +130,7 @@ class StaticInt8(FormatHandler):
 
 
 def choose_calibrator(job: Job, qplan: Any, tensors: list[str], means: dict[str, np.ndarray] | None,
-                      hessians: dict[str, np.ndarray] | None) -> tuple[ir.Model, Any]:
+                      hessians: dict[str, Any] | None) -> tuple[ir.Model, Any]:
     """The ``auto`` calibrator's choice: the plan lowered once per candidate's ranges of ``tensors`` (the other
     tensors keep theirs), each run with this CPU's fused kernels (``ORT_ENABLE_ALL``: the model that ships) on the
     first ``samples`` calibration samples against the FP32 model; the candidate with the highest output SQNR
@@ -184,7 +184,7 @@ def choose_calibrator(job: Job, qplan: Any, tensors: list[str], means: dict[str,
 
 
 def _lower(job: Job, model: ir.Model, qplan: Any, ranges: dict[str, Any], means: dict[str, np.ndarray] | None,
-           hessians: dict[str, np.ndarray] | None) -> Any:
+           hessians: dict[str, Any] | None) -> Any:
     """:func:`quantkit.lowering.qdq.lower_int8` of ``qplan`` on ``model`` (in place) with the recipe's export settings."""
     from quantkit.lowering.qdq import lower_int8
 

@@ -175,7 +175,7 @@ def lower_int8(
     matmul_form: str = "fused",
     input_means: Mapping[str, np.ndarray] | None = None,
     target: Target | None = None,
-    hessians: Mapping[str, np.ndarray] | None = None,
+    hessians: Mapping[str, Any] | None = None,
     pair_cache: dict[tuple[str, bytes], tuple[np.ndarray, np.ndarray, int]] | None = None,
 ) -> LoweringResult:
     """Insert Q/DQ and quantize weights in ``model`` (in place); return the parameters used.
@@ -504,7 +504,7 @@ def _insert_activation_qdq(graph: ir.Graph, plan: QuantPlan, result: LoweringRes
 
 
 def _pair_safe(node: ir.Node, lp: Any, w: np.ndarray, wq: np.ndarray, w_scale: Any, w_zp: Any,
-               hessian: np.ndarray | None,
+               hessian: Any,
                pair_cache: dict[tuple[str, bytes], tuple[np.ndarray, np.ndarray, int]] | None,
                ) -> tuple[np.ndarray, Any, int]:
     """The layer's int8 codes rounded to the int16 pair bound (memoised per layer and weight scale)."""
@@ -527,7 +527,7 @@ def _pair_safe(node: ir.Node, lp: Any, w: np.ndarray, wq: np.ndarray, w_scale: A
 def _lower_weights(graph: ir.Graph, plan: QuantPlan, result: LoweringResult, namer: _Namer, const: Any,
                    act_inputs: dict[str, str],
                    input_means: Mapping[str, np.ndarray] | None, target: Target | None,
-                   hessians: Mapping[str, np.ndarray] | None,
+                   hessians: Mapping[str, Any] | None,
                    pair_cache: dict[tuple[str, bytes], tuple[np.ndarray, np.ndarray, int]] | None) -> None:
     """Integer weights (per channel, pair-safe for saturating targets) and int32 biases of every planned
     weighted layer, read through DequantizeLinear; bias correction when ``input_means`` are given."""

@@ -224,24 +224,33 @@ def emulate_u8s8(a: npt.ArrayLike, q: npt.ArrayLike, *, saturate: bool = True, c
 def constrained_round(u: np.ndarray, qmin: int, qmax: int) -> np.ndarray:
     """Round targets ``u [..., K, N]`` to codes on ``[qmin, qmax]`` with every same-sign pair obeying
     ``|q0 + q1| <= PAIR_LIMIT``, each pair at least squared error (exact: the cost is a convex
-    quadratic along the boundary ``q0 + q1 = +-PAIR_LIMIT``, minimised at the rounded midpoint)."""
+    quadratic along the boundary ``q0 + q1 = +-PAIR_LIMIT``, minimised at the rounded midpoint).
+
+    Only the pairs that break the rule (a few percent) are solved on the boundary; with codes within
+    ``[-PAIR_LIMIT, PAIR_LIMIT]`` a pair breaks it exactly when ``|q0 + q1| > PAIR_LIMIT`` (both codes then
+    have the sum's sign)."""
     k = u.shape[-2]
     q = np.clip(np.rint(u), qmin, qmax)
-    up = _pairs(u.astype(np.float64))
     qp = _pairs(q)
-    pos = np.maximum(qp, 0).sum(axis=-2) > PAIR_LIMIT
-    neg = np.minimum(qp, 0).sum(axis=-2) < -PAIR_LIMIT
-    u0, u1 = up[..., 0, :], up[..., 1, :]
-    # positive pairs on the boundary q0 + q1 = L: q0 = t, q1 = L - t, both on [qmin, qmax]
-    t = np.clip(np.rint((u0 - u1 + PAIR_LIMIT) / 2), max(qmin, PAIR_LIMIT - qmax), min(qmax, PAIR_LIMIT - qmin))
-    qp[..., 0, :] = np.where(pos, t, qp[..., 0, :])
-    qp[..., 1, :] = np.where(pos, PAIR_LIMIT - t, qp[..., 1, :])
-    # negative pairs on q0 + q1 = -L
-    t = np.clip(np.rint((u0 - u1 - PAIR_LIMIT) / 2), max(qmin, -PAIR_LIMIT - qmax), min(qmax, -PAIR_LIMIT - qmin))
-    qp[..., 0, :] = np.where(neg, t, qp[..., 0, :])
-    qp[..., 1, :] = np.where(neg, -PAIR_LIMIT - t, qp[..., 1, :])
-    out = qp.reshape(*u.shape[:-2], -1, u.shape[-1])[..., :k, :]
-    return out
+    q0, q1 = qp[..., 0, :], qp[..., 1, :]
+    if qmax <= PAIR_LIMIT and qmin >= -PAIR_LIMIT:
+        total = q0 + q1
+        pos, neg = total > PAIR_LIMIT, total < -PAIR_LIMIT
+    else:
+        pos = np.maximum(q0, 0) + np.maximum(q1, 0) > PAIR_LIMIT
+        neg = np.minimum(q0, 0) + np.minimum(q1, 0) < -PAIR_LIMIT
+    if pos.any() or neg.any():
+        up = _pairs(u)
+        for mask, bound in ((pos, PAIR_LIMIT), (neg, -PAIR_LIMIT)):
+            idx = np.nonzero(mask)
+            if not idx[0].size:
+                continue
+            # the pair on the boundary q0 + q1 = bound: q0 = t, q1 = bound - t, both on [qmin, qmax]
+            d = up[..., 0, :][idx].astype(np.float64) - up[..., 1, :][idx].astype(np.float64)
+            t = np.clip(np.rint((d + bound) / 2), max(qmin, bound - qmax), min(qmax, bound - qmin))
+            q0[idx] = t
+            q1[idx] = bound - t
+    return qp.reshape(*u.shape[:-2], -1, u.shape[-1])[..., :k, :]
 
 
 def pair_safe_codes(
