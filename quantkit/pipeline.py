@@ -181,6 +181,8 @@ def calibrate_ranges(
     candidates: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] | None = None,
     source: str | None = None,
     digest: Callable[[], str] | None = None,
+    transient: Mapping[str, Any] | None = None,
+    transient_out: dict[str, Any] | None = None,
 ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, np.ndarray] | None, dict[str, Any]]:
     """Ranges of every planned tensor (+ per-channel input means for bias correction), or of ``tensors`` and the
     means of ``mean_layers`` only (what an earlier plan on the same model did not calibrate yet).
@@ -191,6 +193,8 @@ def calibrate_ranges(
     tensor is its first candidate's, until the run chooses).  ``source``: the float model staged on disk
     (:mod:`quantkit.staging`), which the statistics pass opens instead of serializing ``float_proto``;
     ``digest``: the model's content hash for the statistics cache (else the hash of ``float_bytes``).
+    ``transient``: gather requests collected in the same pass and never cached (a pair-safe target's kernel-order
+    second moments); their collectors go to ``transient_out``.
     """
     from quantkit.algorithms.bias_correction import ChannelMean
     from quantkit.calibrate.cache import StatsCache, cache_key, model_hash
@@ -227,7 +231,10 @@ def calibrate_ranges(
     uncached = uncached_reason(use_cache, rec)
     got = gather(source if source is not None else float_proto, cal, requests, cache=cache, batch_size=rec.calibration.batch_size,
                  max_batch_output_bytes=rec.calibration.max_batch_output_bytes, progress=progress,
-                 uncached=uncached)
+                 uncached=uncached, transient=transient,
+                 transient_what="pair-safe rounding input second moments (never cached: K x 256 floats per layer)")
+    if transient and transient_out is not None:
+        transient_out.update({k: got.collectors[k] for k in transient})
     options = dict(rec.calibration.calibrator_options)
     streaming = {name: _factory(classes[name], tq.dtype, tq.symmetric, options)
                  for name, tq in cal_tensors.items() if name not in requests}

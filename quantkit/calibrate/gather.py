@@ -65,8 +65,14 @@ def gather(
     progress: bool,
     what: str = "calibration statistics",
     uncached: str = "cache disabled",
+    transient: Mapping[str, Request] | None = None,
+    transient_what: str = "statistics that are never cached",
 ) -> GatherResult:
     """Restore the cached requests, collect the rest in one pass (module doc).
+
+    ``transient``: requests that are never cached (their keys apart from ``requests``'), collected in the same
+    pass - which then runs even when every cached request is restored; ``transient_what`` names them on the
+    console.
 
     ``what`` names the statistics on the console; ``uncached`` says why they are not cached when ``cache`` is
     None (``"--no-cache"``, ``"calibration.cache: false"``, or why this statistic is never cached).  Inside
@@ -84,27 +90,34 @@ def gather(
                 log.warning("cached statistics %r unusable (%s); collecting again", key, exc)
         missing.setdefault(req.tensor, {})[key] = req.new()
     n_missing = sum(len(v) for v in missing.values())
+    for key, req in (transient or {}).items():
+        if key in requests:
+            raise ValueError(f"gather: {key!r} is both a cached and a transient request")
+        missing.setdefault(req.tensor, {})[key] = req.new()
     if missing:
         factories: dict[str, Any] = {t: functools.partial(_Fanout, parts) for t, parts in missing.items()}
         got = collect_statistics(model, dataset, factories, batch_size=batch_size,
                                  max_batch_output_bytes=max_batch_output_bytes, progress=progress and not grouped)
         for fan in got.values():
             out.update(fan.parts)  # type: ignore[attr-defined]
-        if cache is not None:
+        if cache is not None and n_missing:
             states = dict(cached)
             for parts in missing.values():
                 for key in parts:
-                    states[key] = out[key].state()
+                    if transient is None or key not in transient:
+                        states[key] = out[key].state()
             cache.save(states)
     reused = len(requests) - n_missing
     where = str(cache.path) if cache is not None else None
+    more = f"; {len(transient)} {transient_what} in the same pass" if transient else ""
     if tally(what, f"not cached: {uncached}" if cache is None else f"cache {where}", collected=n_missing,
              reused=reused):
         pass  # inside a search phase: one line for all its gathers, when the phase ends
     elif cache is None:
-        log.info("%s: collected %d in one pass (not cached: %s)", what, n_missing, uncached)
+        log.info("%s: collected %d in one pass (not cached: %s)%s", what, n_missing, uncached, more)
     elif n_missing == 0:
-        log.info("%s: reused all %d from cache %s - no pass over the data", what, reused, where)
+        log.info("%s: reused all %d from cache %s%s", what, reused, where,
+                 f"; one pass for {len(transient)} {transient_what}" if transient else " - no pass over the data")
     else:
-        log.info("%s: reused %d from cache, collected %d in one pass (%s)", what, reused, n_missing, where)
+        log.info("%s: reused %d from cache, collected %d in one pass (%s)%s", what, reused, n_missing, where, more)
     return GatherResult(out, reused, n_missing, where)

@@ -17,14 +17,17 @@ rounding).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from quantkit.errors import CalibrationError
 from quantkit.scheme.saturation import im2col_nhwc, im2col_rows_nhwc
 
-__all__ = ["BLOCK", "FLUSH_ROWS", "ROWS_PER_K", "BlockDiagonal", "ConvGeometry", "KernelHessian", "sampled_rows"]
+__all__ = ["BLOCK", "FLUSH_ROWS", "ROWS_PER_K", "BlockDiagonal", "ConvGeometry", "KernelHessian", "collect_kernel_hessians",
+           "finished_hessians", "gather_requests", "sampled_rows"]
 
 BLOCK = 256
 """Inputs per diagonal block of the kept second moment (even: a pair never straddles two blocks)."""
@@ -178,6 +181,35 @@ class KernelHessian:
         return BlockDiagonal(tuple(blocks))
 
 
+def gather_requests(layers: dict[str, tuple[str, int, ConvGeometry | None]], dataset: object,
+                     batch_size: int) -> dict[str, Any]:
+    """``layer -> gather Request`` of a :class:`KernelHessian` per layer (``layer -> (input tensor, K, conv
+    geometry)``), sampling :func:`sampled_rows` rows over the whole pass.  Never cached (``restore`` gives
+    nothing): the calibration pass collects them beside the activation statistics
+    (:func:`quantkit.calibrate.gather.gather`'s ``transient``)."""
+    import functools
+
+    from quantkit.calibrate.gather import Request
+
+    try:
+        batches = max(1, -(-len(dataset) // max(1, batch_size)))  # type: ignore[arg-type]
+    except TypeError:  # a dataset of unknown length: sample per batch as if it were one
+        batches = 1
+    return {layer: Request(tensor, functools.partial(KernelHessian, k, geo, max(64, -(-sampled_rows(k) // batches))),
+                           lambda st: None)
+            for layer, (tensor, k, geo) in layers.items()}
+
+
+def finished_hessians(collectors: Mapping[str, Any], layers: Iterable[str]) -> dict[str, BlockDiagonal]:
+    """The second moments of ``layers`` from their collectors (layers that saw no finite row left out)."""
+    out = {}
+    for layer in layers:
+        h = collectors[layer].hessian()
+        if h is not None:
+            out[layer] = h
+    return out
+
+
 def collect_kernel_hessians(
     model_proto: object,
     dataset: object,
@@ -189,29 +221,14 @@ def collect_kernel_hessians(
 ) -> dict[str, BlockDiagonal]:
     """One pass of the FP32 model over ``dataset``: ``H / rows`` of every layer in ``layers``
     (``layer -> (input tensor, K, conv geometry)``), its diagonal blocks.  Not cached: ``K x BLOCK`` floats
-    per layer."""
-    import functools
-
-    from quantkit.calibrate.gather import Request, gather
+    per layer.  (The static INT8 path collects them in its calibration pass instead; this pass is for a
+    plan whose activation statistics are all known already.)"""
+    from quantkit.calibrate.gather import gather
 
     if not layers:
         return {}
-    try:
-        batches = max(1, -(-len(dataset) // max(1, batch_size)))  # type: ignore[arg-type]
-    except TypeError:  # a dataset of unknown length: sample per batch as if it were one
-        batches = 1
-    requests = {
-        layer: Request(tensor, functools.partial(KernelHessian, k, geo, max(64, -(-sampled_rows(k) // batches))),
-                       lambda st: None)
-        for layer, (tensor, k, geo) in layers.items()
-    }
-    got = gather(model_proto, dataset, requests, cache=None, batch_size=batch_size,  # type: ignore[arg-type]
-                 max_batch_output_bytes=max_batch_output_bytes, progress=progress,
+    got = gather(model_proto, dataset, gather_requests(layers, dataset, batch_size), cache=None,  # type: ignore[arg-type]
+                 batch_size=batch_size, max_batch_output_bytes=max_batch_output_bytes, progress=progress,
                  what="pair-safe rounding: input second moments",
                  uncached="K x 256 floats per layer, recomputed every run; the activation statistics are cached")
-    out = {}
-    for layer in layers:
-        h = got.collectors[layer].hessian()
-        if h is not None:
-            out[layer] = h
-    return out
+    return finished_hessians(got.collectors, layers)

@@ -85,13 +85,26 @@ class StaticInt8(FormatHandler):
             return
         if job.calibration is None:
             raise DataError("static int8 layers need calibration data: set calibration.data or pass calibration_data")
+        # a pair-safe target's kernel-order second moments ride along in the same pass (never cached)
+        todo = StaticInt8._hessian_todo(job, qplan)
+        transient = None
+        if todo:
+            from quantkit.calibrate.kernel_hessian import gather_requests
+
+            transient = gather_requests(todo, job.calibration, job.recipe.calibration.batch_size)
+        collected: dict[str, Any] = {}
         with stage("calibrate: activation statistics over the calibration data", enabled=job.progress):
             staged = job.float_staged
             ranges, means, info = calibrate_ranges(
                 job.float_model, job.float_proto, None, qplan, job.calibration, job.recipe, progress=job.progress,
                 use_cache=job.use_cache, tensors=missing, mean_layers=means_missing,
                 candidates=art.range_candidates, source=None if staged is None else staged.path,
-                digest=job.float_digest)
+                digest=job.float_digest, transient=transient, transient_out=collected)
+        if todo:
+            from quantkit.calibrate.kernel_hessian import finished_hessians
+
+            art.hessians.update(finished_hessians(collected, todo))
+            info = {**info, "pair_hessians_in_pass": len(todo)}
         chosen = art.calibrator_choice.get("chosen")
         if chosen:  # an earlier plan on this model chose: its new ``auto`` tensors take the same candidate
             ranges.update({k: v for k, v in art.range_candidates.get(chosen, {}).items() if k in ranges})
@@ -109,16 +122,25 @@ class StaticInt8(FormatHandler):
         return sorted(k for k in qplan.calibrated_tensors() if k in first)
 
     @staticmethod
+    def _hessian_todo(job: Job, qplan: Any) -> dict[str, Any]:
+        """The plan's layers whose kernel-order second moment a pair-safe target needs and the run has not
+        collected yet (``layer -> (input tensor, K, conv geometry)``; empty for other targets)."""
+        if not job.target.pair_safe or job.calibration is None:
+            return {}
+        from quantkit.lowering.qdq import hessian_requests
+
+        return {k: v for k, v in hessian_requests(job.float_model, qplan).items() if k not in job.artifacts.hessians}
+
+    @staticmethod
     def _hessians(job: Job, qplan: Any) -> dict[str, Any] | None:
         """Input second moments in kernel K order, for pair-constrained rounding (pair-safe targets only)."""
         if not job.target.pair_safe or job.calibration is None:
             return None
         from quantkit.calibrate.kernel_hessian import collect_kernel_hessians
-        from quantkit.lowering.qdq import hessian_requests
 
         cache = job.artifacts.hessians
-        todo = {k: v for k, v in hessian_requests(job.float_model, qplan).items() if k not in cache}
-        if todo:
+        todo = StaticInt8._hessian_todo(job, qplan)
+        if todo:  # the activation statistics were all known already (a later plan): a pass of their own
             rec = job.recipe
             with stage("pair-safe rounding: input second moments (one pass)", enabled=job.progress):
                 staged = job.float_staged

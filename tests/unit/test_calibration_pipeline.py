@@ -147,3 +147,42 @@ def test_a_second_plan_on_the_same_model_calibrates_only_what_the_first_did_not(
         _, lowered = execute(float_model, second, cal, progress=False, use_cache=False, artifacts=art)
         assert layer not in lowered.static.layers
         assert passes[before:] == ([new] if new else []), (layer, passes[before:], new)
+
+
+def test_pair_safe_second_moments_ride_in_the_calibration_pass_and_are_never_cached(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A pair-safe target needs each int8 GEMM's input second moment in kernel order: it is collected in the
+    activation statistics' pass (one pass over the data, not two), never written to the statistics cache, and a
+    rerun that reuses every cached statistic still collects it (one pass, said on the console) and builds the same
+    weights."""
+    import os
+
+    import quantkit.calibrate.gather as gather_mod
+
+    passes: list[int] = []
+    real = gather_mod.collect_statistics
+
+    def counting(*a: Any, **k: Any) -> Any:
+        passes.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(gather_mod, "collect_statistics", counting)
+    data = image_batches(4)
+    rec = {**_recipe(), "target": {"isa": "portable"}}
+    first = quantize(tiny_cnn(), data, rec, evaluate=False, progress=False)
+    assert len(passes) == 1 and first.report["calibration"]["pair_hessians_in_pass"] == 3
+    cached = list(Path(os.environ["QUANTKIT_CACHE"]).rglob("*.npz"))
+    assert cached
+    for path in cached:  # the cache holds the activation statistics only
+        with np.load(path, allow_pickle=False) as z:
+            assert z.files and not any("hessian" in k.lower() or "//" not in k and k.startswith("conv") for k in z.files)
+    passes.clear()
+    with caplog.at_level(logging.INFO, logger="quantkit"):
+        second = quantize(tiny_cnn(), data, rec, evaluate=False, progress=False)
+    assert len(passes) == 1 and second.report["calibration"]["collected"] == 0
+    assert any("one pass for 3 pair-safe" in r.message for r in caplog.records)
+    # the reused statistics and the same second moments: the same weights
+    for k, v in first.model.graph.initializers.items():
+        if v.const_value is not None:
+            np.testing.assert_array_equal(v.const_value.numpy(),
+                                          second.model.graph.initializers[k].const_value.numpy(), err_msg=k)
