@@ -100,6 +100,14 @@ DOCUMENTED: dict[str, dict[str, str]] = {
     "zoo_x86-vnni.json": {
         "title": "Conformance zoo: quantkit's default recipe vs ONNX Runtime's quantize_static on every zoo model",
     },
+    "zoo_x86-avx2-on-vnni.json": {
+        "title": "Conformance zoo, every model built for CPUs without VNNI (x86-avx2: pair-safe int8 weights) and "
+                 "measured here: exactness there, SQNR, and the pair-safe build's quantization time",
+    },
+    "zoo_probes_3_x86-vnni.json": {
+        "title": "A third set of architectures outside the zoo (EfficientNet-V2, MaxViT, MobileNetV3-Large, "
+                 "Inception-V3, LeViT, DINOv2, BEiT, and the encoders ALBERT, RoBERTa, ELECTRA, DeBERTa-V2)",
+    },
     "zoo_partial_x86-vnni.json": {
         "title": "Conformance zoo, partial run: the six models of the full run above 3x ORT's wall time, re-run with the latency guard's early-stopping A/B",
     },

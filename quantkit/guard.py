@@ -215,14 +215,15 @@ def ab_compare(blobs: Mapping[str, bytes | str], feed: dict[str, Any], *, thread
     """``name -> [median ms of each round]``: every model run ``per_round`` times per round - more for a fast
     model, up to ``max_per_round``, so that the slowest of them fills :data:`AB_ROUND_MS` - the models interleaved
     in each round (so that machine noise hits them alike) and their order rotated between rounds; the sessions'
-    threads do not spin between runs (:func:`quantkit.evaluate.latency.make_session`), so a round's first runs are
-    not slowed by the previous model's threads.  ``stop``: asked
+    threads stop spinning when a run returns (:func:`quantkit.evaluate.latency.make_session`), so a round's first
+    runs are not slowed by the previous model's threads.  ``stop``: asked
     after each round with the rounds so far; True ends the comparison there (the verdict is already certain)."""
     from quantkit.evaluate.latency import make_session
 
-    # threads that block when a run ends: a spinning session slows the next one's first runs for ~50 ms, which
-    # made every round's median of a few runs bimodal (24 or 15 ms for the same model on 2 cores)
-    sessions = {k: make_session(b, threads=threads, spinning=False) for k, b in blobs.items()}
+    # threads that stop spinning when a run ends (make_session's default): a session spinning on slowed the next
+    # one's first runs for ~50 ms, which made every round's median of a few runs bimodal (24 or 15 ms for the same
+    # model on 2 cores)
+    sessions = {k: make_session(b, threads=threads) for k, b in blobs.items()}
     slowest = 0.0
     for s in sessions.values():
         last = 0.0

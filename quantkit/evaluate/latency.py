@@ -29,7 +29,8 @@ class Latency:
 
 
 def make_session(
-    model: bytes | str, *, threads: int | None = None, level: str = "all", arena: bool = True, spinning: bool = True
+    model: bytes | str, *, threads: int | None = None, level: str = "all", arena: bool = True,
+    stop_spinning: bool = True,
 ) -> ort.InferenceSession:
     """A CPU session with all graph optimizations (what a deployment would use).
 
@@ -38,13 +39,18 @@ def make_session(
     sessions timed side by side from holding two arenas of them (SmolLM2, prefill 1024: 1.33 -> 1.07 GB peak,
     same speed).
 
-    ``spinning=False`` makes the session's intra-op threads block as soon as a run ends instead of spinning for
-    a while (ONNX Runtime's default): for comparing models whose sessions take turns on a small machine, where
-    the previous session's spinning threads slow the next one's first runs (2 cores, ResNeXt-50 int8: 25-45 ms
-    instead of 15 ms for the first 2-3 runs after a switch; with spinning off, 15-16 ms from the first run)."""
+    ``stop_spinning`` (the default): the intra-op threads stop spinning as soon as a run returns
+    (``session.force_spinning_stop``; within a run they spin as ONNX Runtime's default has them).  Otherwise a
+    session's threads keep spinning for a while after its run and slow whatever runs next on a small machine -
+    another session timed next: 2 cores, ResNeXt-50 int8 took 25-45 ms instead of 15 ms for the first 2-3 runs
+    after a switch, which made an A/B's rounds bimodal (24 or 15 ms for the same model).  Turning spinning off
+    altogether (``allow_spinning = 0``) removes that too but slows the runs themselves, unevenly: a model of many
+    small int8 kernels more than its float twin (EfficientNet-B0: the latency guard then put 60 layers in float).
+    Measured on 2 cores with two ResNeXt-50 sessions taking turns: 10-11 ms per run with the stop from the
+    first run of each turn, 11-13 with spinning off, 12-37 ms with ONNX Runtime's default."""
     so = ort.SessionOptions()
-    if not spinning:
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if stop_spinning:
+        so.add_session_config_entry("session.force_spinning_stop", "1")
     so.enable_cpu_mem_arena = arena
     so.graph_optimization_level = {
         "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
@@ -89,13 +95,6 @@ def measure_latency(
     )
 
 
-SETTLE_S = 0.1
-"""Pause before each session's turn in :func:`compare_latency`: the previous session's intra-op threads spin for
-a while after its last run (ONNX Runtime's default, kept: it is how the model is deployed) and slow the next
-session's first runs - on 2 cores 25-45 ms instead of 15 ms for ResNeXt-50's first 2-3 runs after a switch; after
-20 ms of pause the first run is still slow, after 100 ms none is."""
-
-
 def compare_latency(
     sessions: Mapping[str, ort.InferenceSession],
     feed: Mapping[str, np.ndarray],
@@ -123,7 +122,6 @@ def compare_latency(
         # one timed next (a 2-core machine: MobileNetV2's FP32 model 12.5 ms timed after nothing, 9.1 ms timed last)
         for k in names[r % len(names):] + names[: r % len(names)]:
             s = sessions[k]
-            time.sleep(SETTLE_S)
             for _ in range(per_round):
                 t0 = time.perf_counter()
                 s.run(None, dict(feeds[k]))

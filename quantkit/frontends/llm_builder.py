@@ -1313,6 +1313,9 @@ class LLMSession:
         if session is None:
             so = ort.SessionOptions()
             so.log_severity_level = 3  # not the "initializer logits_to_keep appears in graph inputs" notice
+            # threads stop spinning when a run returns: decode timings interleave two models' sessions
+            # (quantkit.evaluate.latency.make_session)
+            so.add_session_config_entry("session.force_spinning_stop", "1")
             if threads:
                 so.intra_op_num_threads = threads
             session = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
