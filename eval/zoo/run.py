@@ -378,6 +378,9 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         return f(a / b, ".2f") if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "-"
 
     for row in rows:
+        if row.get("error"):
+            lines.append(f"| {row['model']} | not built: {row['error']} |" + " |" * (len(lines[3].split("|")) - 4))
+            continue
         q = row["methods"].get("quantkit", {})
         o = row["methods"].get(row.get("ort_best", "ort"), {})
         c = q.get("census", {})
@@ -449,8 +452,17 @@ def main() -> None:
     rows = []
     for n in names:
         print(f"== {n}", flush=True)
-        rows.append(run_model(n, work, repeat=args.repeat, isa=args.isa))
+        try:
+            rows.append(run_model(n, work, repeat=args.repeat, isa=args.isa))
+        except Exception as exc:  # noqa: BLE001 - a model that cannot be built (its exporter) is a row, not the end
+            import traceback
+
+            traceback.print_exc()
+            rows.append({"model": n, "methods": {}, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"})
         print(_table(rows[-1:], env).splitlines()[4], flush=True)  # the model's row
+        if args.out:  # after every model, beside the output: a run cut short keeps what it measured
+            Path(args.out).with_suffix(".partial.json").write_text(
+                json.dumps({"environment": {**env, "partial": True}, "rows": rows}, indent=1))
     text = _table(rows, env)
     print(text)
     env["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -458,6 +470,7 @@ def main() -> None:
         out = Path(args.out)
         out.write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
         out.with_suffix(".md").write_text(text + "\n")
+        out.with_suffix(".partial.json").unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
