@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 import pytest
 
@@ -273,28 +274,29 @@ def test_an_ab_short_of_the_sign_test_by_a_majority_runs_one_more_batch(
 
 
 def test_ab_rounds_of_a_fast_model_hold_enough_runs_to_outlast_the_jitter(monkeypatch: pytest.MonkeyPatch) -> None:
-    import time
-
     import quantkit.evaluate.latency as latency
+    import quantkit.guard as guard
     from quantkit.guard import AB_ROUND_MS, ab_compare
 
     runs: dict[str, int] = {}
+    clock = [0.0]  # a fake clock each run advances by its duration: no dependence on the machine's timer slack
 
-    class Sleepy:
+    class Timed:
         def __init__(self, name: str, ms: float) -> None:
             self.name, self.ms = name, ms
 
         def run(self, *a: Any) -> None:
             runs[self.name] = runs.get(self.name, 0) + 1
-            time.sleep(self.ms / 1e3)
+            clock[0] += self.ms / 1e3
 
-    monkeypatch.setattr(latency, "make_session", lambda blob, threads=None, **kw: Sleepy(blob.decode(), 2.0))
+    monkeypatch.setattr(guard.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(latency, "make_session", lambda blob, threads=None, **kw: Timed(blob.decode(), 2.0))
     out = ab_compare({"fp32": b"fp32", "int8": b"int8"}, {}, threads=1, rounds=4, warmup=2)
     assert [len(v) for v in out.values()] == [4, 4]
     per_round = (runs["int8"] - 2) // 4
-    assert per_round >= AB_ROUND_MS / 2.0 * 0.5 and per_round <= 50  # ~10 runs of 2 ms, not 3
+    assert per_round == int(np.ceil(AB_ROUND_MS / 2.0)) == 10  # ~10 runs of 2 ms fill a round, not 3
     runs.clear()
-    monkeypatch.setattr(latency, "make_session", lambda blob, threads=None, **kw: Sleepy(blob.decode(), 30.0))
+    monkeypatch.setattr(latency, "make_session", lambda blob, threads=None, **kw: Timed(blob.decode(), 30.0))
     ab_compare({"fp32": b"fp32", "int8": b"int8"}, {}, threads=1, rounds=2, warmup=1)
     assert runs["int8"] == 1 + 2 * 3  # a model slower than a round's budget keeps the 3 runs per round
 
@@ -303,17 +305,20 @@ def test_the_ab_stops_once_every_candidate_has_lost_half_the_rounds(monkeypatch:
     """A candidate slower than all-int8 in every round: after 5 of 10 rounds nothing can change the verdict (it
     can neither reach 8 wins nor the majority that earns extra rounds), so the A/B ends there; a candidate that
     wins keeps it running to the end."""
-    import time
-
     import quantkit.evaluate.latency as latency
+    import quantkit.guard as guard
     from quantkit.guard import AB_ROUNDS, ab_compare, ab_verdict, hopeless
+
+    clock = [0.0]  # a fake clock each run advances by its duration: no dependence on the machine's timer slack
 
     class Sleepy:
         def __init__(self, ms: float) -> None:
             self.ms = ms
 
         def run(self, *a: Any) -> None:
-            time.sleep(self.ms / 1e3)
+            clock[0] += self.ms / 1e3
+
+    monkeypatch.setattr(guard.time, "perf_counter", lambda: clock[0])
 
     speed = {"fp32": 6.0, "int8": 2.0, "slow": 4.0, "fast": 1.0}
     monkeypatch.setattr(latency, "make_session", lambda blob, threads=None, **kw: Sleepy(speed[blob.decode()]))
