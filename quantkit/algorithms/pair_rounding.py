@@ -101,8 +101,6 @@ def pair_gptq(
         Q[r] = q
         return q * s
 
-    if len(prepared) > 1 and block_size <= _LANE:
-        return _pair_gptq_blocks(Wm, s, prepared, qmin, qmax, block_size)
     bs = max(2, block_size - block_size % 2)  # pairs never straddle a block (and Hessian blocks are even)
     for o, U, _ in prepared:
         part = Wm[o : o + U.shape[0]]  # a view: obs_rounding updates it in place
@@ -112,57 +110,6 @@ def pair_gptq(
 
         obs_rounding(part, U, rr, bs)
     return Q.astype(np.int8)
-
-
-_LANE = 32
-"""Rows rounded between two lazy updates in :func:`_pair_gptq_blocks` (GPTQ's lazy batch: the rows of a lane
-update each other one by one, the rest of their block once, by a matrix product)."""
-
-
-def _pair_gptq_blocks(Wm: np.ndarray, s: np.ndarray, prepared: Prepared, qmin: int, qmax: int,
-                      block_size: int) -> np.ndarray:
-    """:func:`pair_gptq` over a block-diagonal Hessian with every block at once: block ``b``'s row ``i`` is rounded
-    beside row ``i`` of every other block (the blocks never update each other), so the loop runs over one
-    block's rows, not ``K`` - ResNet-50's pair-safe layers loop 14 k times instead of 55 k.  A shorter last
-    block is padded with zero weights and an identity factor (rounded to 0, no error, no update).  The same
-    rounding as block by block, to float rounding of the updates' order."""
-    K, N = Wm.shape
-    B = max(U.shape[0] for _, U, _ in prepared)
-    B += B % 2
-    nb = len(prepared)
-    Wb = np.zeros((nb, B, N), np.float64)
-    Ub = np.zeros((nb, B, B), np.float64)
-    for b, (o, U, _) in enumerate(prepared):
-        n = U.shape[0]
-        Wb[b, :n] = Wm[o : o + n]
-        Ub[b, :n, :n] = U
-        Ub[b, n:, n:] = np.eye(B - n)
-    Q = np.zeros((nb, B, N), np.int32)
-    lane = max(2, min(_LANE, block_size) - min(_LANE, block_size) % 2)
-    for i1 in range(0, B, lane):
-        i2 = min(i1 + lane, B)
-        W1 = Wb[:, i1:i2].copy()
-        E1 = np.zeros_like(W1)
-        for i in range(i2 - i1):
-            r = i1 + i
-            u = W1[:, i] / s
-            q = np.clip(np.rint(u), qmin, qmax)
-            if r % 2 == 0 and i + 1 < i2 - i1:
-                q = _first_of_pair(u, q, W1[:, i + 1] / s, qmin, qmax)
-            elif r % 2 == 1:
-                qa = Q[:, r - 1]
-                q = np.clip(q, np.maximum(qmin, -PAIR_LIMIT - np.minimum(qa, 0)),
-                            np.minimum(qmax, PAIR_LIMIT - np.maximum(qa, 0)))
-            Q[:, r] = q
-            err = (W1[:, i] - q * s) / Ub[:, r, r][:, None]
-            W1[:, i + 1 :] -= Ub[:, r, r + 1 : i2][:, :, None] * err[:, None, :]
-            E1[:, i] = err
-        if i2 < B:
-            Wb[:, i2:] -= np.matmul(Ub[:, i1:i2, i2:].transpose(0, 2, 1), E1)
-    out = np.zeros((K, N), np.int32)
-    for b, (o, U, _) in enumerate(prepared):
-        out[o : o + U.shape[0]] = Q[b, : U.shape[0]]
-    return out.astype(np.int8)
 
 
 def _first_of_pair(u0: np.ndarray, q0: np.ndarray, u1: np.ndarray, qmin: int, qmax: int) -> np.ndarray:
