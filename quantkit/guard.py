@@ -31,8 +31,11 @@ guard, on by default (``report.latency.guard``):
    the smaller winner ships unless the larger one beats it by the same rule (ties go
    to fewer float layers); it is re-run in full (census, kernel check, evaluation) and ships; a tie with the
    all-int8 model keeps the all-int8 model (the default);
-3. records everything in the report (``latency_guard``: per-region times and ratios, the A/B rounds, the
-   decision and why).
+3. when the model it would ship was still measured slower than FP32, times it against the FP32 model by the
+   same rule and, when FP32 wins, ships every layer in float (:func:`_finish`: no int8 layout tried is faster on
+   this CPU; not when the recipe states a size target, which only int8 meets);
+4. records everything in the report (``latency_guard``: per-region times and ratios, the A/B rounds, the
+   fallback's rounds, the decision and why).
 
 Determinism: what ships is decided by measurements, so the rules are built to give the same answer on every
 run in normal conditions (an unloaded or evenly loaded machine).  A region is a candidate only on a
@@ -336,7 +339,7 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
     path = _cache_path(quant_digest, feed, threads)
     cached = _load_decision(path) if use_cache else None
     record: dict[str, Any]
-    if cached is not None and set(cached["float_layers"]) <= set(layers):
+    if cached is not None and set(cached["float_layers"]) <= set(result.plan.layers):
         record = {**cached, "cached": str(path)}
         float_layers = list(cached["float_layers"])
         log.info("latency guard: the decision for this int8 model on this machine is cached (%s): %s", path,
@@ -346,6 +349,8 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
             return result
         second = rerun(_float_plan(result, float_layers))
         second.report["latency_guard"] = record
+        if (record.get("fallback") or {}).get("fp32_faster"):
+            second.report.setdefault("warnings", []).append(f"latency guard (cached): {record['decision']}")
         return second
 
     t0 = time.perf_counter()
@@ -403,10 +408,8 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
             if not slow else
             f"kept all layers int8: the {len(slow)} region(s) slower in int8 add {excess:.3f} ms to the int8 model's "
             f"{total:.3f} ms of kernels, less than the A/B margin ({AB_MARGIN:.0%}) - nothing to try"))
-        _attach(result, record, t0)
-        if use_cache:
-            _save_decision(path, record)
-        return result
+        return _finish(result, result, quant_bytes, record["first_speedup"], record, float_bytes, feed, rerun,
+                       t0, path if use_cache else None)
     log.info("latency guard: %d layer region(s) measured slower in int8 than in float in every round; trying in "
              "float: %s", len(slow), "; ".join(f"{k}: {', '.join(v[:6])}" for k, v in candidates.items()))
     built: dict[str, Any] = {}
@@ -433,10 +436,8 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
     if not candidates:
         record.update(float_layers=[], decision="kept all layers int8: every candidate left stray Q/DQ in ONNX "
                                                 "Runtime's graph")
-        _attach(result, record, t0)
-        if use_cache:
-            _save_decision(path, record)
-        return result
+        return _finish(result, result, quant_bytes, record["first_speedup"], record, float_bytes, feed, rerun,
+                       t0, path if use_cache else None)
     ab = ab_compare(blobs, feed, threads=threads, stop=lambda so_far: hopeless(so_far, list(candidates)))
     if len(ab["int8"]) < AB_ROUNDS:
         record["ab_stopped_early"] = (f"after {len(ab['int8'])} of {AB_ROUNDS} rounds: every candidate had lost "
@@ -489,14 +490,55 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
             f"{k} ({len(candidates[k])} layer(s) in float) won {record['ab'][k]['wins']} of {len(ab['int8'])} rounds, "
             f"median {record['ab'][k]['median_ratio_to_int8']:.3f}x the all-int8 time" for k in candidates
         ) + " - not faster by the rule"
-    _attach(chosen, record, t0)
-    if use_cache:
-        _save_decision(path, record)
     shipped = record["ab"][best[1]]["speedup"] if best is not None else i8_speedup
-    if shipped is not None and shipped < 1.0:
+    return _finish(result, chosen, blobs[best[1]] if best is not None else quant_bytes, shipped, record,
+                   float_bytes, feed, rerun, t0, path if use_cache else None)
+
+
+def _finish(result: Any, chosen: Any, chosen_blob: bytes | str, speedup: float | None, record: dict[str, Any],
+            float_bytes: bytes | str, feed: dict[str, Any], rerun: Callable[[Any], Any], t0: float,
+            cache: Any) -> Any:
+    """The guard's last step: when the model it would ship (``chosen``, serialized as ``chosen_blob``) was measured
+    slower than FP32 (``speedup`` < 1: the run's own latency or the A/B's estimate), it is timed against the FP32
+    model in an A/B of its own (:data:`AB_ROUNDS` rounds, the extra rounds when inconclusive); when FP32 wins by the
+    same rule, every layer ships in float (:func:`_float_plan`: no Q/DQ left, the float model's weights) - no
+    int8 layout tried was faster on this CPU - unless the recipe states a size target (``search.target.size``),
+    which only int8 meets: then the slower model ships with the warning.  Records ``fallback`` and writes the
+    decision (``cache``: its path, or None)."""
+    rec = result.recipe
+    if speedup is not None and speedup < 1.0:
+        target = (rec.search.target or {}) if rec.search is not None else {}
+        if "size" in target:
+            record["fallback"] = {"skipped": f"the recipe's size target ({target['size']}) needs int8 layers"}
+        else:
+            ab = ab_compare({"shipped": chosen_blob, "fp32": float_bytes}, feed, threads=rec.report.latency.threads)
+            faster, wins, ratio = ab_verdict(ab["shipped"], ab["fp32"])
+            if not faster and 2 * wins > len(ab["shipped"]) and ratio <= 1.0 - AB_MARGIN:
+                more = ab_compare({"shipped": chosen_blob, "fp32": float_bytes}, feed,
+                                  threads=rec.report.latency.threads, rounds=AB_EXTRA_ROUNDS)
+                ab = {k: v + more[k] for k, v in ab.items()}
+                faster, wins, ratio = ab_verdict(ab["shipped"], ab["fp32"])
+            record["fallback"] = {"rounds_ms": {k: [round(x, 4) for x in v] for k, v in ab.items()},
+                                  "fp32_wins": wins, "fp32_median_ratio": ratio, "fp32_faster": faster}
+            if faster:
+                names = sorted(n for n, lp in result.plan.layers.items() if lp.format == "int8")
+                chosen = rerun(_float_plan(result, names))
+                record["float_layers"] = names
+                record["decision"] = (
+                    f"shipped in float (every layer, {len(names)}): {record['decision']}, and that model was still "
+                    f"slower than FP32 - FP32 was faster in {wins} of {len(ab['fp32'])} interleaved rounds, median "
+                    f"{ratio:.3f}x its time; no int8 layout tried is faster on this CPU")
+                speedup = 1.0 / ratio if ratio > 0 else None
+                chosen.report.setdefault("warnings", []).append(
+                    f"latency guard: {record['decision']}. The model is not quantized (size unchanged); to ship the "
+                    f"int8 model anyway: report: {{latency: {{guard: false}}}}")
+    _attach(chosen, record, t0)
+    if cache is not None:
+        _save_decision(cache, record)
+    if speedup is not None and speedup < 1.0 and not record.get("fallback", {}).get("fp32_faster"):
         chosen.report.setdefault("warnings", []).append(
             f"latency guard: {record['decision']}; still slower than FP32 on this CPU in its A/B "
-            f"({shipped:.2f}x, see latency_guard)")
+            f"({speedup:.2f}x, see latency_guard)")
     log.info("latency guard: %s", record["decision"])
     return chosen
 

@@ -115,14 +115,16 @@ def test_candidates_are_the_chain_entries_first_then_every_slower_region(monkeyp
 
     def fake(blobs: dict[str, bytes], feed: Any, **kw: Any) -> dict[str, list[float]]:
         timed.append(sorted(blobs))
-        times = {"fp32": 2.0, "int8": 1.0, "chain_entry": 0.9, "all_slower": 0.89}  # within the margin: a tie
+        # within the margin: a tie ("shipped": the model the guard ships, timed against FP32 when the run measured
+        # it slower than FP32 - the tiny model may be)
+        times = {"fp32": 2.0, "int8": 1.0, "chain_entry": 0.9, "all_slower": 0.89, "shipped": 0.9}
         return {k: [times[k]] * AB_ROUNDS for k in blobs}
 
     monkeypatch.setattr(guard, "ab_compare", fake)
     res = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, progress=False)
     g = res.report["latency_guard"]
     # one A/B for both candidates; FP32 is not timed in it (the run measured its latency)
-    assert timed == [["all_slower", "chain_entry", "int8"]]
+    assert timed[0] == ["all_slower", "chain_entry", "int8"] and timed[1:] in ([], [["fp32", "shipped"]])
     assert g["candidates"]["chain_entry"]["float_layers"] == ["conv0"]
     assert g["candidates"]["all_slower"]["float_layers"] == ["conv0", "dwconv"]
     assert g["float_layers"] == ["conv0"] and "dwconv" in res.plan.layers  # ties go to fewer float layers
@@ -146,7 +148,8 @@ def test_a_larger_candidate_that_removes_less_than_the_margin_more_is_not_timed(
     monkeypatch.setattr(guard, "ab_compare", fake)
     res = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, progress=False)
     g = res.report["latency_guard"]
-    assert timed == [["chain_entry", "int8"]] and list(g["candidates"]) == ["chain_entry"]
+    assert timed[0] == ["chain_entry", "int8"] and timed[1:] in ([], [["fp32", "shipped"]])
+    assert list(g["candidates"]) == ["chain_entry"]
     assert "0.010 ms more than the smaller candidate" in g["not_tried"]["all_slower"]
     assert g["float_layers"] == ["conv0"]
 
@@ -187,7 +190,12 @@ def test_no_slow_region_or_too_little_to_gain_keeps_the_model_without_a_rerun(mo
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
     import quantkit.guard as guard
 
-    monkeypatch.setattr(guard, "ab_compare", lambda *a, **k: pytest.fail("no A/B without a slow region"))
+    def fake(blobs: dict[str, bytes], feed: Any, **kw: Any) -> dict[str, list[float]]:
+        if "int8" in blobs:
+            pytest.fail("no A/B of candidates without a slow region")
+        return {"shipped": [1.0] * AB_ROUNDS, "fp32": [2.0] * AB_ROUNDS}  # only the check against FP32
+
+    monkeypatch.setattr(guard, "ab_compare", fake)
     for slow in (None, {"conv0": (0.1, 0.101)}):  # 1 us more in a 1 ms model: below the A/B margin
         _fake_profile(monkeypatch, slow)
         res = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, progress=False, use_cache=False)
@@ -262,6 +270,8 @@ def test_an_ab_short_of_the_sign_test_by_a_majority_runs_one_more_batch(
     batches = [first, second]
 
     def fake(blobs: dict[str, bytes], feed: Any, **kw: Any) -> dict[str, list[float]]:
+        if "int8" not in blobs:  # the shipped model against FP32 (the tiny model may measure slower than FP32)
+            return {"shipped": [1.0] * AB_ROUNDS, "fp32": [2.0] * AB_ROUNDS}
         ratios = batches.pop(0)
         assert ratios is not None, "a second batch was run without a majority in the first"
         return {k: [{"fp32": 2.0, "int8": 1.0}.get(k, r) for r in ratios] for k in blobs}
@@ -355,3 +365,63 @@ def test_sessions_stop_spinning_when_a_run_returns(tmp_path: Path) -> None:
     import inspect
 
     assert '"session.force_spinning_stop", "1"' in inspect.getsource(LLMSession.__init__)  # the decode sessions
+
+
+def _fake_run_latency(monkeypatch: pytest.MonkeyPatch, fp32_ms: float, quantized_ms: float) -> None:
+    """The run's own FP32-vs-quantized latency (quantkit.pipeline.measure_pair_latency) at fixed figures."""
+    import quantkit.pipeline as pipeline
+    from quantkit.evaluate.latency import Latency
+
+    def fake(sessions: dict[str, Any], feed: Any, **kw: Any) -> dict[str, Latency]:
+        ms = {"fp32": fp32_ms, "quantized": quantized_ms}
+        return {k: Latency(ms[k], ms[k], ms[k], ms[k], 3, 1, 0, "x") for k in sessions}
+
+    monkeypatch.setattr(pipeline, "compare_latency", fake)
+
+
+def test_a_model_still_slower_than_fp32_ships_in_float_when_fp32_wins_its_own_ab(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    import quantkit.guard as guard
+
+    _fake_profile(monkeypatch, None)  # no region slower in int8: the all-int8 model is the guard's choice
+    _fake_run_latency(monkeypatch, 1.0, 1.25)  # ... and the run measured it slower than FP32 (0.8x)
+    timed: list[list[str]] = []
+
+    def fake(blobs: dict[str, bytes], feed: Any, **kw: Any) -> dict[str, list[float]]:
+        timed.append(sorted(blobs))
+        return {"shipped": [1.25] * AB_ROUNDS, "fp32": [1.0] * AB_ROUNDS}
+
+    monkeypatch.setattr(guard, "ab_compare", fake)
+    res = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, evaluation_data=image_batches(2, seed=1),
+                            progress=False)
+    g = res.report["latency_guard"]
+    assert timed == [["fp32", "shipped"]]
+    assert g["fallback"]["fp32_faster"] and g["fallback"]["fp32_wins"] == AB_ROUNDS
+    assert g["decision"].startswith("shipped in float") and "conv0" in g["float_layers"]
+    # every layer in float: no int8 kernel, no Q/DQ left, the float weights
+    assert not res.census.quantized_kernels and res.census.leftover_qdq_nodes == []
+    assert any("not quantized" in w for w in res.report["warnings"])
+    # a tie with FP32 keeps the int8 model (with the warning that it is slower)
+    monkeypatch.setattr(guard, "ab_compare",
+                        lambda blobs, feed, **kw: {"shipped": [1.0] * AB_ROUNDS, "fp32": [0.995] * AB_ROUNDS})
+    res = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, progress=False, use_cache=False)
+    g = res.report["latency_guard"]
+    assert not g["fallback"]["fp32_faster"] and g["float_layers"] == [] and res.census.quantized_kernels
+    assert any("still slower than FP32" in w for w in res.report["warnings"])
+
+
+def test_a_size_target_keeps_the_int8_model_even_when_fp32_is_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import quantkit.guard as guard
+    from quantkit.recipe.load import load_recipe
+
+    rec = load_recipe({**RECIPE, "search": {"candidates": ["int8", "fp32"], "target": {"size": 0.5}}})
+    monkeypatch.setattr(guard, "ab_compare", lambda *a, **k: pytest.fail("no A/B: only int8 meets the size target"))
+    chosen = types.SimpleNamespace(report={})
+    result = types.SimpleNamespace(recipe=rec, plan=None)
+    record: dict[str, Any] = {"decision": "kept all layers int8", "float_layers": []}
+    out = guard._finish(result, chosen, b"", 0.8, record, b"", {}, lambda plan: pytest.fail("no rerun"), 0.0, None)
+    assert out is chosen and "size target" in record["fallback"]["skipped"]
+    assert any("still slower than FP32" in w for w in chosen.report["warnings"])
