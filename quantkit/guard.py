@@ -221,7 +221,7 @@ def ab_compare(blobs: Mapping[str, bytes | str], feed: dict[str, Any], *, thread
     threads stop spinning when a run returns (:func:`quantkit.evaluate.latency.make_session`), so a round's first
     runs are not slowed by the previous model's threads.  ``stop``: asked
     after each round with the rounds so far; True ends the comparison there (the verdict is already certain)."""
-    from quantkit.evaluate.latency import make_session
+    from quantkit.evaluate.latency import make_session, settle
 
     # threads that stop spinning when a run ends (make_session's default): a session spinning on slowed the next
     # one's first runs for ~50 ms, which made every round's median of a few runs bimodal (24 or 15 ms for the same
@@ -242,6 +242,7 @@ def ab_compare(blobs: Mapping[str, bytes | str], feed: dict[str, Any], *, thread
     for r in range(rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for k in order:
+            settle(sessions[k], feed)  # untimed: the caches refill after the other models ran
             ts = []
             for _ in range(per_round):
                 t0 = time.perf_counter()

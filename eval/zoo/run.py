@@ -95,13 +95,15 @@ quantize_static(src, dst, R(), quant_format=QuantFormat.QDQ, per_channel=True, a
 """
 
 
-def _recipe(folder: Path, paths: dict[str, Path]) -> Path:
+def _recipe(folder: Path, paths: dict[str, Path], *, guard: bool = True) -> Path:
     import yaml
 
-    rec = {"version": 1, "name": "zoo", "model": {"source": str(paths["model"])},
-           "calibration": {"data": {"kind": "npz", "path": str(paths["calibration"])}},
-           "evaluation": {"data": {"kind": "npz", "path": str(paths["evaluation"])}}}
-    path = folder / "recipe.yaml"
+    rec: dict[str, Any] = {"version": 1, "name": "zoo", "model": {"source": str(paths["model"])},
+                           "calibration": {"data": {"kind": "npz", "path": str(paths["calibration"])}},
+                           "evaluation": {"data": {"kind": "npz", "path": str(paths["evaluation"])}}}
+    if not guard:
+        rec["report"] = {"latency": {"guard": False}}
+    path = folder / ("recipe.yaml" if guard else "recipe-int8.yaml")
     path.write_text(yaml.safe_dump(rec))
     return path
 
@@ -210,6 +212,16 @@ def run_model(name: str, work: Path, *, repeat: int, isa: str | None = None) -> 
         models["quantkit"] = qk_out / "model.onnx"
         rep = json.loads((qk_out / "report.json").read_text())
         r["stages_s"] = {k: round(v, 2) for k, v in rep.get("timings", {}).items()}
+        guard = rep.get("latency_guard") or {}
+        r["guard_decision"] = guard.get("decision")
+        r["shipped_in_float"] = bool((guard.get("fallback") or {}).get("fp32_faster"))
+        if r["shipped_in_float"]:  # the int8 model it would have shipped: its quality against ORT's, its speed
+            out8 = folder / "quantkit-int8"
+            r8 = _timed([sys.executable, "-m", "quantkit.cli", "calibrate", "-q", "--overwrite", "--no-cache",
+                         "--recipe", str(_recipe(folder, paths, guard=False)), "--output", str(out8)], env)
+            row["methods"]["quantkit_int8"] = r8
+            if r8["rc"] == 0:
+                models["quantkit_int8"] = out8 / "model.onnx"
     for rr in (False, True):
         key = "ort_rr" if rr else "ort"
         dst = folder / f"{key}.onnx"
@@ -236,6 +248,9 @@ def run_model(name: str, work: Path, *, repeat: int, isa: str | None = None) -> 
         if "per_sample" in row["methods"]["quantkit"]:
             row["sqnr_diff_ci95"] = sqnr_diff_interval(row["methods"]["quantkit"]["per_sample"],
                                                        row["methods"][row["ort_best"]]["per_sample"])
+        if "per_sample" in row["methods"].get("quantkit_int8", {}):
+            row["int8_sqnr_diff_ci95"] = sqnr_diff_interval(row["methods"]["quantkit_int8"]["per_sample"],
+                                                            row["methods"][row["ort_best"]]["per_sample"])
     return row
 
 
@@ -269,7 +284,8 @@ def retime(path: Path, repeat: int) -> dict[str, Any]:
         paths = build(name)
         models = {"fp32": paths["model"]}
         for key in row["methods"]:
-            p = work / name / ("quantkit/model.onnx" if key == "quantkit" else f"{key}.onnx")
+            p = work / name / ({"quantkit": "quantkit/model.onnx", "quantkit_int8": "quantkit-int8/model.onnx"}
+                               .get(key) or f"{key}.onnx")
             if row["methods"][key].get("rc") == 0 and p.is_file():
                 models[key] = p
         print(f"== {name}: {', '.join(models)}", flush=True)
@@ -332,6 +348,11 @@ def time_split(q: dict[str, Any]) -> dict[str, float] | None:
     return {"quantize_s": q["wall_s"] - ev, "evaluate_s": ev}
 
 
+def _in_float(q: dict[str, Any]) -> bool:
+    """quantkit's latency guard shipped every layer in float (FP32 beat its best int8 model in an A/B)."""
+    return bool(q.get("shipped_in_float")) or "latency guard: shipped in float" in q.get("log_tail", "")
+
+
 def _ci(ci: Any) -> str:
     return f" [{ci[0]:+.1f}, {ci[1]:+.1f}]" if isinstance(ci, list) and len(ci) == 2 else ""
 
@@ -388,7 +409,8 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         sp = time_split(q) or {}
         qs, es, ow = sp.get("quantize_s"), sp.get("evaluate_s"), o.get("wall_s")
         lines.append(
-            f"| {row['model']} | {c.get('fused', '-')}/{c.get('float_gemm', '-')}/{c.get('stray', '-')}{_islands(c)} "
+            f"| {row['model']} | {c.get('fused', '-')}/{c.get('float_gemm', '-')}/{c.get('stray', '-')}{_islands(c)}"
+            f"{' **float: no int8 layout faster than FP32 (guard)**' if _in_float(q) else ''} "
             f"| {co.get('fused', '-')}/{co.get('float_gemm', '-')}/{co.get('stray', '-')} ({row.get('ort_best', '-')}) "
             f"| {sq(q)} / {sq(o)}{_ci(row.get('sqnr_diff_ci95'))} "
             + (f"| {exact(q)} / {exact(o)} " if isa else "")
@@ -400,12 +422,27 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
             f"| {f(es)} ({x(es, ow)}) "
             f"| {f(q.get('wall_s'))} ({x(q.get('wall_s'), ow)}) "
             f"| {f(q.get('peak_rss_mb'), '.0f')} / {f(o.get('peak_rss_mb'), '.0f')} |")
+        q8 = row["methods"].get("quantkit_int8")
+        if q8 and q8.get("census"):
+            c8 = q8["census"]
+            lines.append(
+                f"| {row['model']} int8 (guard off) | {c8.get('fused', '-')}/{c8.get('float_gemm', '-')}/"
+                f"{c8.get('stray', '-')}{_islands(c8)} | | {sq(q8)} / {sq(o)}{_ci(row.get('int8_sqnr_diff_ci95'))} "
+                + ("| | " if isa else "")
+                + f"| {f(q8.get('top1_agreement'), '.2f')} / {f(o.get('top1_agreement'), '.2f')} "
+                f"| {f(q8.get('kernel_vs_math_sqnr_db'))} / {f(o.get('kernel_vs_math_sqnr_db'))} "
+                f"| {f(q8.get('x_fp32'), '.2f')} / {f(o.get('x_fp32'), '.2f')} | {x(q8.get('x_fp32'), o.get('x_fp32'))} "
+                f"| | | | {f(q8.get('peak_rss_mb'), '.0f')} / {f(o.get('peak_rss_mb'), '.0f')} |")
     lines += ["", "Times are each tool's own process, wall clock. *quantize*: quantkit's wall time minus its evaluation "
               "stages (process start, load, prepare, calibrate + lower, writing the model), against the wall time of "
               "ORT's `quantize_static` process (the better setting's); *evaluation*: quantkit's " +
               ", ".join(f"`{k}`" for k in EVALUATION_STAGES) + " (report.json `timings`; ORT does none of it). "
               "SQNR interval: 95% bootstrap interval of quantkit's minus ORT's output SQNR over the evaluation samples "
               "(2000 resamples, the same images for both; a gap is a loss only when the interval lies below 0). "
+              "*float (guard)*: quantkit's latency guard found FP32 faster than every int8 model it tried on this CPU "
+              "and shipped the model unquantized (its SQNR is then FP32's own; ORT's row is its int8 model); the "
+              "row below it, *int8 (guard off)*, is the int8 model quantkit builds with `report: {latency: {guard: "
+              "false}}`, in the same run. "
               + (f"*exact on {isa}*: whether the model's int8 weight pairs keep the {isa} kernels' saturating int16 pair "
                  "sums exact for every input (quantkit's portability check); when not, the layers at risk and the "
                  "largest fraction of a layer's int32 accumulators that kernel gets wrong on 4 evaluation samples "

@@ -95,6 +95,24 @@ def measure_latency(
     )
 
 
+SETTLE_MS = 10.0
+"""Untimed runs of a session before each round's timed ones, until about this many milliseconds have passed (at
+least one run, at most :data:`SETTLE_RUNS`): after another model ran, a session's first runs are slow while its
+weights come back into the caches (MobileNetV3-Small at batch 1 on 2 cores: its 1st-6th runs 1.03, 0.85, 0.76,
+0.73, 0.69, 0.66 ms, then 0.64) - timed, those runs favoured the model with fewer bytes of weights (its int8 twin
+looked 1.25x faster than FP32 with 6 runs per round, 0.92x in the steady state)."""
+SETTLE_RUNS = 10
+
+
+def settle(session: ort.InferenceSession, feed: Mapping[str, np.ndarray]) -> None:
+    """Run ``session`` untimed for about :data:`SETTLE_MS` (1 to :data:`SETTLE_RUNS` runs): see there."""
+    t0 = time.perf_counter()
+    session.run(None, dict(feed))
+    one = (time.perf_counter() - t0) * 1e3
+    for _ in range(min(SETTLE_RUNS, int(np.ceil(SETTLE_MS / max(one, 1e-3)))) - 1):
+        session.run(None, dict(feed))
+
+
 def compare_latency(
     sessions: Mapping[str, ort.InferenceSession],
     feed: Mapping[str, np.ndarray],
@@ -106,7 +124,9 @@ def compare_latency(
 ) -> dict[str, Latency]:
     """Time several sessions on the same feed, interleaved in ``rounds`` (their order rotated from round to
     round) so that machine noise (another process, frequency changes, the previous session's spinning threads)
-    hits all of them alike; each session's runs are pooled before taking the median."""
+    hits all of them alike; each session's runs are pooled before taking the median.  Each round of a session
+    starts with untimed runs (:func:`settle`): the figures are the steady state, not the caches refilling after
+    the other model ran."""
     from quantkit.frontends.kv_cache import match_cache_feed
 
     pooled: dict[str, list[float]] = {k: [] for k in sessions}
@@ -122,6 +142,7 @@ def compare_latency(
         # one timed next (a 2-core machine: MobileNetV2's FP32 model 12.5 ms timed after nothing, 9.1 ms timed last)
         for k in names[r % len(names):] + names[: r % len(names)]:
             s = sessions[k]
+            settle(s, feeds[k])
             for _ in range(per_round):
                 t0 = time.perf_counter()
                 s.run(None, dict(feeds[k]))

@@ -50,6 +50,16 @@ def test_zoo_model_through_the_default_recipe(zoo: object, tmp_path: Path, name:
     ort = row["methods"][row["ort_best"]]
     assert q["sqnr_db"] >= ort["sqnr_db"] - 0.5, (q["sqnr_db"], ort["sqnr_db"])
     rep = json.loads((tmp_path / name / "quantkit" / "report.json").read_text())
+    if q["shipped_in_float"]:
+        # the latency guard found FP32 faster than every int8 model it tried (a small model at batch 1): shipped
+        # unquantized, and said so; the int8 model it would have shipped is built with the guard off (same run)
+        assert not rep["census"]["quantized_kernels"] and rep["size"]["ratio"] == pytest.approx(1.0, abs=0.01)
+        assert any("not quantized" in w for w in rep["warnings"])
+        q = row["methods"]["quantkit_int8"]
+        assert q["rc"] == 0, q["log_tail"]
+        assert q["census"]["stray"] == 0 and q["census"]["fused"] > 0, q["census"]
+        assert q["sqnr_db"] >= ort["sqnr_db"] - 0.5, (q["sqnr_db"], ort["sqnr_db"])
+        rep = json.loads((tmp_path / name / "quantkit-int8" / "report.json").read_text())
     # a layer runs in float only when the latency guard measured its int8 region slower and shipped it in float
     kept = (rep.get("latency_guard") or {}).get("float_layers") or []
     assert q["census"]["float_gemm"] == len(kept), (q["census"], rep.get("latency_guard"))

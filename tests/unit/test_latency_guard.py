@@ -303,12 +303,13 @@ def test_ab_rounds_of_a_fast_model_hold_enough_runs_to_outlast_the_jitter(monkey
     monkeypatch.setattr(latency, "make_session", lambda blob, threads=None, **kw: Timed(blob.decode(), 2.0))
     out = ab_compare({"fp32": b"fp32", "int8": b"int8"}, {}, threads=1, rounds=4, warmup=2)
     assert [len(v) for v in out.values()] == [4, 4]
-    per_round = (runs["int8"] - 2) // 4
+    settle = int(np.ceil(latency.SETTLE_MS / 2.0))  # untimed runs before each round's timed ones
+    per_round = (runs["int8"] - 2) // 4 - settle
     assert per_round == int(np.ceil(AB_ROUND_MS / 2.0)) == 10  # ~10 runs of 2 ms fill a round, not 3
     runs.clear()
     monkeypatch.setattr(latency, "make_session", lambda blob, threads=None, **kw: Timed(blob.decode(), 30.0))
     ab_compare({"fp32": b"fp32", "int8": b"int8"}, {}, threads=1, rounds=2, warmup=1)
-    assert runs["int8"] == 1 + 2 * 3  # a model slower than a round's budget keeps the 3 runs per round
+    assert runs["int8"] == 1 + 2 * (1 + 3)  # a model slower than a round's budget keeps the 3 runs per round
 
 
 def test_the_ab_stops_once_every_candidate_has_lost_half_the_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -425,3 +426,36 @@ def test_a_size_target_keeps_the_int8_model_even_when_fp32_is_faster(monkeypatch
     out = guard._finish(result, chosen, b"", 0.8, record, b"", {}, lambda plan: pytest.fail("no rerun"), 0.0, None)
     assert out is chosen and "size target" in record["fallback"]["skipped"]
     assert any("still slower than FP32" in w for w in chosen.report["warnings"])
+
+
+def test_each_round_times_the_steady_state_after_untimed_settling_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After another model ran, a session's first runs are slow (its weights back into the caches): timed, they
+    favoured the model with fewer bytes.  compare_latency (the run's, the zoo's latency) and the guard's A/B run
+    each session untimed for ~SETTLE_MS first, and time the steady state."""
+    import quantkit.evaluate.latency as latency
+    from quantkit.guard import ab_compare
+
+    clock = [0.0]
+    last: list[str] = [""]
+
+    class Cold:  # 3 ms for its first 4 runs after another session ran, then its steady time
+        def __init__(self, name: str, ms: float) -> None:
+            self.name, self.ms, self.warm = name, ms, 0
+
+        def run(self, *a: Any) -> None:
+            if last[0] != self.name:
+                self.warm, last[0] = 0, self.name
+            self.warm += 1
+            clock[0] += (3.0 if self.warm <= 4 else self.ms) / 1e3
+
+        def get_inputs(self) -> list[Any]:
+            return []
+
+    monkeypatch.setattr(latency.time, "perf_counter", lambda: clock[0])
+    sessions = {"fp32": Cold("fp32", 1.0), "int8": Cold("int8", 1.2)}
+    lat = latency.compare_latency(sessions, {}, warmup=1, repeat=30, rounds=10)  # 3 timed runs per round
+    assert lat["fp32"].median_ms == pytest.approx(1.0) and lat["int8"].median_ms == pytest.approx(1.2)
+    monkeypatch.setattr(latency, "make_session", lambda blob, threads=None, **kw: sessions[blob.decode()])
+    ab = ab_compare({"fp32": b"fp32", "int8": b"int8"}, {}, threads=1, rounds=3, warmup=1, per_round=3,
+                    max_per_round=3)
+    assert np.median(ab["fp32"]) == pytest.approx(1.0) and np.median(ab["int8"]) == pytest.approx(1.2)
