@@ -100,10 +100,6 @@ DOCUMENTED: dict[str, dict[str, str]] = {
     "zoo_x86-vnni.json": {
         "title": "Conformance zoo: quantkit's default recipe vs ONNX Runtime's quantize_static on every zoo model",
     },
-    "zoo_fallback_x86-vnni.json": {
-        "title": "Conformance zoo, the small mobile CNNs re-run after the latency guard learned to ship FP32 when "
-                 "no int8 model it tried is faster (and, for those, the int8 model built with the guard off)",
-    },
     "zoo_x86-avx2-on-vnni.json": {
         "title": "Conformance zoo, every model built for CPUs without VNNI (x86-avx2: pair-safe int8 weights) and "
                  "measured here: exactness there, SQNR, and the pair-safe build's quantization time",
