@@ -97,6 +97,10 @@ DOCUMENTED: dict[str, dict[str, str]] = {
         "title": "README command 1 on a fresh clone, output to a file: wall time by stage, longest silence "
                  "between log lines, the run's figures",
     },
+    "llama_int4_peak_x86-vnni.json": {
+        "title": "The llama-int4 recipe's peak memory, cold, phase by phase: the steps that brought it under 1.5 GB "
+                 "(same session, one run at a time)",
+    },
     "zoo_x86-vnni.json": {
         "title": "Conformance zoo: quantkit's default recipe vs ONNX Runtime's quantize_static on every zoo model",
     },
@@ -300,6 +304,21 @@ def _residual_cnn(data: dict[str, Any]) -> list[str]:
     lines = [f"{data.get('eval_count', '?')} test images; calibrated on {data.get('calibration_count', '?')} "
              "training images.", ""]
     return lines + _table(["method"], [(r["method"], r) for r in data["rows"]], cols)
+
+
+def _recipe_peak(data: dict[str, Any]) -> list[str]:
+    """A recipe's peak memory run after run: quantkit's meter, and the sampled process tree phase by phase."""
+    phases = list(dict.fromkeys(k for r in data["rows"] for k in r["sampled_peak_gib_by_phase"]))
+    cols: list[Column] = [("peak GB (quantkit's meter)", lambda r: r.get("measured_peak_gb"), "{:.3f}"),
+                          ("estimated GB", lambda r: r.get("estimated_peak_gb"), "{:.3f}"),
+                          ("build process", lambda r: r.get("build_process"), "{}")]
+    for ph in phases:
+        cols.append((f"{ph} GiB", lambda r, ph=ph: r["sampled_peak_gib_by_phase"].get(ph), "{:.2f}"))
+    cols += [("seconds", lambda r: r.get("total_s"), "{:.0f}"),
+             ("perplexity Emma FP32 / quantized", lambda r: " / ".join(map(str, r.get("perplexity_emma_fp32_quantized")
+                                                                             or [])) or None, "{}"),
+             ("teacher-forced agreement", lambda r: r.get("teacher_forced_agreement"), "{:.3f}")]
+    return _table(["run"], [(r["run"], r) for r in data["rows"]], cols)
 
 
 def _memory_phases(data: dict[str, Any]) -> list[str]:
@@ -602,6 +621,9 @@ def body(name: str, data: Any) -> list[str]:
     if isinstance(data, dict) and isinstance(data.get("rows"), list) and data["rows"] and \
             "phases_measured_GB" in data["rows"][0]:
         return _memory_phases(data)
+    if isinstance(data, dict) and isinstance(data.get("rows"), list) and data["rows"] and \
+            "sampled_peak_gib_by_phase" in data["rows"][0]:
+        return _recipe_peak(data)
     if isinstance(data, dict) and isinstance(data.get("rows"), list):
         return _residual_cnn(data)
     if isinstance(data, dict) and ("fp32_exactness" in data or (

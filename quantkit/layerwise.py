@@ -135,7 +135,11 @@ def _pack(res: WOQResult, accuracy_level: int) -> PackedLinear:
 
 # float32 bytes of W per column slice (RTN's temporaries are ~12x a slice; GPTQ factors the Hessian once per
 # slice, so its slices are larger)
-_COLUMN_WISE = {"rtn": 16 << 20, "gptq": 256 << 20}
+_COLUMN_WISE = {"rtn": 16 << 20, "gptq": 32 << 20}
+"""Bytes of float32 weights an algorithm that treats output columns one by one (given the layer's Hessian) takes per
+call: a wide layer goes in column slices, same result.  GPTQ's at 32 MB: SmolLM2's tied lm_head (576 x 49152, 113 MB)
+had gone whole, its float64 work arrays the recipe's peak (~0.2 GB above the blocks')."""
+_MIN_COLUMNS = 256
 _SLICE_BYTES = 64 << 20
 
 
@@ -325,7 +329,7 @@ class _Hook(BuildHook):
         # RTN and GPTQ treat every output column on its own (GPTQ: given the shared Hessian), so a wide
         # layer (an lm_head: 49152 or 128256 columns) is quantized in column slices: same result, a slice's
         # temporaries instead of the whole layer's
-        step = N if algo not in _COLUMN_WISE else max(256, _COLUMN_WISE[algo] // (4 * K))
+        step = N if algo not in _COLUMN_WISE else max(_MIN_COLUMNS, _COLUMN_WISE[algo] // (4 * K))
         res = None
         if step >= N:
             res = fn(np.ascontiguousarray(w), bits=bits, group_size=lp.group_size, symmetric=lp.weight_symmetric,

@@ -34,6 +34,7 @@ import logging
 import time
 from typing import Any
 
+from quantkit.child import in_child, picklable
 from quantkit.errors import RecipeError
 from quantkit.recipe import RecipeModel, load_recipe
 from quantkit.weight_only import STATS_ALGORITHMS
@@ -132,14 +133,14 @@ def run_layerwise_mix(model: Any, calibration_data: Any, rec: RecipeModel, *, ev
                           "'between:<a>:<b>:<t>'>}")
     args = (model, calibration_data, rec, evaluation_data, progress, use_cache)
     t = time.perf_counter()
-    child = _picklable(args)
+    child = picklable(args)
     if child:
         # a checkpoint that is converted on first use (the built-in's GGUF: a process of ~1.2 GB) is converted
         # here, before the search's process starts, so the two never run side by side
         from quantkit.llm_run import resolve_llm_folder
 
         resolve_llm_folder(_source(model, rec))
-    overrides, search = _in_child(_search, args) if child else _search(*args)
+    overrides, search = in_child(_search, args, name="quantkit-search") if child else _search(*args)
     search["process"] = ("a child process (its memory returned before the build)" if child else
                          "this process (an in-memory model or dataset that does not pickle)")
     search["search_wall_s"] = time.perf_counter() - t
@@ -168,75 +169,6 @@ def run_layerwise_mix(model: Any, calibration_data: Any, rec: RecipeModel, *, ev
 def _source(model: Any, rec: RecipeModel) -> Any:
     """The model the run quantizes: the one passed, else the recipe's ``model.source``."""
     return model if model is not None else (rec.model.source if rec.model is not None else None)
-
-
-def _picklable(args: tuple[Any, ...]) -> bool:
-    """Whether the search's inputs can go to a child process (a model path or name, data the recipe names), and
-    this process may start one (a daemonic process - a multiprocessing pool's worker - may not)."""
-    import multiprocessing as mp
-    import pickle
-
-    if mp.current_process().daemon:
-        return False
-    try:
-        pickle.dumps(args)
-    except Exception:  # noqa: BLE001 - an in-memory model or dataset that does not pickle: searched in-process
-        return False
-    return True
-
-
-def _search_child(conn: Any, fn: Any, args: tuple[Any, ...], level: int) -> None:
-    """The child process's body: the search, its result (or its exception) sent back through ``conn``."""
-    from quantkit.frontends.tokenizer_worker import isolate
-
-    isolate()  # text is tokenized in a worker process that ends before the search's heavy work: no torch here
-    if level:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-        log.setLevel(level)
-    try:
-        msg: tuple[str, Any] = ("ok", fn(*args))
-    except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
-        import traceback
-
-        msg = ("error", (e, traceback.format_exc()))
-    try:
-        conn.send(msg)
-    except Exception as e:  # noqa: BLE001 - an exception that does not pickle: its text
-        conn.send(("error", (RuntimeError(str(msg[1][0]) if msg[0] == "error" else f"unpicklable result: {e}"),
-                             "")))
-    conn.close()
-
-
-def _in_child(fn: Any, args: tuple[Any, ...]) -> Any:
-    """``fn(*args)`` in a fresh (spawned) process: the whole FP32 graph, the probe session and the candidates' codes
-    the search holds are returned to the system when it ends, so the streamed build's peak does not add to the
-    search's (a process's freed memory mostly stays in its heap)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)
-    level = log.getEffectiveLevel() if log.handlers else 0
-    proc = ctx.Process(target=_search_child, args=(send, fn, args, level), name="quantkit-search")
-    proc.start()
-    send.close()
-    try:
-        try:
-            kind, payload = recv.recv()
-        except EOFError:
-            proc.join()
-            raise RecipeError(f"the search process ended without a result (exit code {proc.exitcode})") from None
-        proc.join()
-    finally:
-        if proc.is_alive():  # interrupted: the child goes too
-            proc.terminate()
-            proc.join()
-    if kind == "error":
-        exc, tb = payload
-        log.debug("search process failed:\n%s", tb)
-        raise exc
-    return payload
 
 
 def _search(model: Any, calibration_data: Any, rec: RecipeModel, evaluation_data: Any, progress: bool,

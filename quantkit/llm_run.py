@@ -236,7 +236,16 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
     # config.json's sizes and the safetensors headers are checked against each other before any tokenization,
     # allocation or calibration
     cfg = check_decoder_folder(folder)
-    tokenizer = _optional_tokenizer(folder)
+    from quantkit.frontends.tokenizer_worker import isolate, isolated
+
+    # a build in a child process lets this one stay free of torch (transformers imports it with the tokenizer):
+    # the tokenizer is then served by a worker process, ended before the build
+    before = isolated()
+    isolate(before or build_process(None) == "child")
+    try:
+        tokenizer = _optional_tokenizer(folder)
+    finally:
+        isolate(before)
     windows = _windows(rec, calibration_data, tokenizer)
     if windows is not None and windows.shape[1] > cfg.context_length:
         raise DataError(f"the calibration data: sequences of {windows.shape[1]} tokens do not fit the model's "
@@ -290,13 +299,24 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
     clean_stale(root, "quantkit-layerwise-")
     clean_stale(root, "quantkit-fp32-baseline-")
     build_dir = owned_tempdir(root, "quantkit-layerwise-")
+    # the evaluation's other texts cut into windows now, while the tokenizer is at hand (a worker's is ended here)
+    extras = extra_datasets(rec, tokenizer, inputs) if ev is not None and rec.evaluation.extra else None
+    release = getattr(tokenizer, "release", None)
+    if callable(release):
+        release()
     t = time.perf_counter()
     try:
-        res = quantize_llm_layerwise(folder, build_dir / "model.onnx", plan, windows, work_dir=work,
-                                     accuracy_level=build_level(rec.export.accuracy_level),
-                                     max_rows=rec.calibration.max_rows,
-                                     w4a8_max_error_ratio=rec.export.w4a8_max_error_ratio,
-                                     progress=progress)  # fmt: skip
+        build_args = (folder, build_dir / "model.onnx", plan, windows)
+        build_kwargs: dict[str, Any] = {"work_dir": work, "accuracy_level": build_level(rec.export.accuracy_level),
+                        "max_rows": rec.calibration.max_rows,
+                        "w4a8_max_error_ratio": rec.export.w4a8_max_error_ratio, "progress": progress}
+        where = build_process(build_args)
+        if where == "child":
+            from quantkit.child import in_child
+
+            res = in_child(quantize_llm_layerwise, build_args, build_kwargs, name="quantkit-build")
+        else:
+            res = quantize_llm_layerwise(*build_args, **build_kwargs)
     except BaseException:
         shutil.rmtree(build_dir, ignore_errors=True)
         raise
@@ -359,7 +379,8 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
 
                 quality[key] = perplexity(str(p), ev, progress=tick)
         models = {k: str(p) for k, p in (("fp32", fp32_path), ("quantized", q_path)) if p is not None}
-        extra = merge_extra(extra_perplexities(rec, tokenizer, inputs, models, progress), fp32_streamed)
+        extra = merge_extra(extra_perplexities(rec, tokenizer, inputs, models, progress, datasets=extras),
+                            fp32_streamed)
         if extra:
             quality["perplexity_extra"] = extra
         if "perplexity_fp32" in quality:
@@ -413,7 +434,8 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
                                                               " (the checkpoint, converted once and cached)"),
         "settings": rec.model_dump(mode="json"),
         "samples": {"calibration": 0 if windows is None else int(windows.shape[0]), "evaluation": ev_count},
-        "calibration": {"mode": "layerwise", "tokens": res.calibration_tokens, "resumed_blocks": res.resumed_blocks},
+        "calibration": {"mode": "layerwise", "tokens": res.calibration_tokens, "resumed_blocks": res.resumed_blocks,
+                        "build_process": where},
         "formats": formats,
         "size": {"fp32_bytes": fp32_bytes, "quantized_bytes": q_bytes, "ratio": q_bytes / max(fp32_bytes, 1)},
         "latency": latency, "fidelity": {}, "quality": quality, "timings": timings, "census": _census(q_path),
@@ -430,6 +452,29 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
     complete_report(report, load=load, latency_note="" if latency else
                     f"not measured: no FP32 baseline to compare with (FP32 baseline {baseline.text()})")
     return LayerwiseQuantizeResult(q_path, report, rec, timings)
+
+
+BUILD_PROCESS_ENV = "QUANTKIT_BUILD_PROCESS"
+
+
+def build_process(args: tuple[Any, ...] | None) -> str:
+    """Where the layer-wise build runs: ``child`` (a spawned process, :mod:`quantkit.child`: the build's memory -
+    torch's ~220 MB once SignRound / GPTQ import it, the blocks' arrays the heap keeps - goes back to the system
+    before the evaluation's sessions, the run's peak; SmolLM2's recipe: ~1.5 -> see docs/llm-layerwise.md) or
+    ``this`` process.  ``$QUANTKIT_BUILD_PROCESS``: ``child``, ``this`` or ``auto`` (default: a child, unless
+    torch is loaded here already - then it is paid for - or the arguments do not pickle)."""
+    import sys
+
+    how = os.environ.get(BUILD_PROCESS_ENV, "auto").strip().lower() or "auto"
+    if how not in ("auto", "child", "this"):
+        raise QuantkitError(f"{BUILD_PROCESS_ENV}={how!r}: allowed values: auto, child, this")
+    if how == "this":
+        return "this"
+    from quantkit.child import picklable
+
+    if args is not None and not picklable(args):  # None: asked before the build's arguments exist
+        return "this"
+    return "child" if how == "child" or "torch" not in sys.modules else "this"
 
 
 def _int8_kv_cache(path: Path, windows: np.ndarray, cfg: Any, progress: bool) -> dict[str, Any]:

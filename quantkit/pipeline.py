@@ -138,20 +138,24 @@ def check_not_empty(ds: Dataset, what: str) -> None:
 
 
 def extra_perplexities(recipe: RecipeModel, tokenizer: Any, inputs: list[Any], models: dict[str, Any],
-                       progress: bool = True) -> dict[str, dict[str, Any]]:
+                       progress: bool = True, datasets: Mapping[str, Any] | None = None
+                       ) -> dict[str, dict[str, Any]]:
     """Perplexity of each model (``name -> ONNX bytes or path``) on every ``evaluation.extra`` text.
 
     Returns ``{label: {name: {"ppl", "nll", "tokens", ...}, "increase": quantized / fp32 - 1}}`` with ``label`` the
     text's source (``austen:sensesensibility``, ``pydoc``, a file path): held-out text of other domains than the
-    main evaluation, to see whether the calibration overfit its own domain."""
+    main evaluation, to see whether the calibration overfit its own domain.  ``datasets``: the texts made into
+    datasets already, by label (:func:`quantkit.evaluate.streamed.extra_datasets`)."""
     from quantkit.evaluate.perplexity import perplexity
     from quantkit.progress import tqdm
 
     out: dict[str, dict[str, Any]] = {}
     for spec in recipe.evaluation.extra:
         d = spec.model_dump()
-        ds = make_dataset(d, inputs=inputs, tokenizer=tokenizer, split="evaluation")
         label = str(d.get("source") or d.get("path") or d.get("kind"))
+        ds = (datasets or {}).get(label)
+        if ds is None:
+            ds = make_dataset(d, inputs=inputs, tokenizer=tokenizer, split="evaluation")
         row: dict[str, Any] = {}
         for name, m in models.items():
             with tqdm(total=len(ds), desc=f"perplexity {name} ({label})", unit="window", disable=not progress) as bar:

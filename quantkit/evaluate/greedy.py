@@ -55,13 +55,27 @@ def prompts_from(windows: Iterable[np.ndarray], count: int, length: int) -> np.n
     return np.stack([rows[i][s : s + length] for i, s in pick])
 
 
+LOGITS_BYTES = 32 * 2**20
+"""Teacher forcing keeps the logits of every forced position: its runs take as many prompts as keep them under
+this (SmolLM2's 49152-token vocabulary, 32 positions: 5 prompts per run, not 16 - the FP32 decoder's teacher-forced
+pass had peaked ~220 MB above its greedy pass)."""
+
+
+def _vocab(sess: Any) -> int:
+    """The logits' last dimension when the graph states it (0 when symbolic)."""
+    for o in sess.session.get_outputs():
+        if o.name == "logits" and o.shape and isinstance(o.shape[-1], int):
+            return int(o.shape[-1])
+    return 0
+
+
 def greedy_decode(model: str | Path, prompts: np.ndarray, tokens: int, *, batch: int = BATCH,
                   threads: int | None = None) -> np.ndarray:
     """``[P, tokens]``: the greedy continuation of each prompt (``[P, L]``) by the KV-cache decoder ``model``."""
     from quantkit.frontends.llm_builder import LLMSession
 
     P, L = prompts.shape
-    sess = LLMSession(model, threads=threads, max_length=L + tokens)
+    sess = LLMSession(model, threads=threads, max_length=L + tokens, arena=False)  # not timed: no arena kept
     out = np.zeros((P, tokens), np.int64)
     for b in range(0, P, batch):
         ids = prompts[b : b + batch]
@@ -83,7 +97,10 @@ def teacher_forced(model: str | Path, prompts: np.ndarray, reference: np.ndarray
 
     P, T = reference.shape
     seq = np.concatenate([prompts, reference[:, :-1]], axis=1)
-    sess = LLMSession(model, threads=threads)
+    sess = LLMSession(model, threads=threads, arena=False)
+    vocab = _vocab(sess)
+    if vocab:  # the logits of T positions per prompt: at most LOGITS_BYTES of them per run
+        batch = max(1, min(batch, LOGITS_BYTES // (4 * T * vocab)))
     out = np.zeros((P, T), np.int64)
     for b in range(0, P, batch):
         ids = seq[b : b + batch]

@@ -1307,11 +1307,14 @@ class LLMSession:
     """
 
     def __init__(self, model_path: str | Path, *, threads: int | None = None, max_length: int | None = None,
-                 session: Any = None) -> None:
+                 session: Any = None, arena: bool = True) -> None:
         import onnxruntime as ort
 
         if session is None:
             so = ort.SessionOptions()
+            # arena=False: every tensor is freed when its run ends (the evaluation's sessions: the arena kept the
+            # largest batch's activations for the session's life, the peak of a run that times nothing)
+            so.enable_cpu_mem_arena = arena
             so.log_severity_level = 3  # not the "initializer logits_to_keep appears in graph inputs" notice
             # threads stop spinning when a run returns: decode timings interleave two models' sessions
             # (quantkit.evaluate.latency.make_session)

@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from quantkit.recipe.patterns import pattern_search
 from quantkit.recipe.schema import (
@@ -154,6 +155,13 @@ class PrecisionPlan:
     def choose(self, layers: Mapping[str, LayerPlan]) -> PrecisionPlan:
         """A new plan with ``layers`` decided (on top of this plan's decisions)."""
         return PrecisionPlan(self.recipe, MappingProxyType({**self.decided, **layers}))
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # a mappingproxy does not pickle: a plan goes to a child
+        return (_plan, (self.recipe, dict(self.decided)))
+
+
+def _plan(recipe: RecipeModel, decided: dict[str, LayerPlan]) -> PrecisionPlan:
+    return PrecisionPlan(recipe, MappingProxyType(decided))
 
 
 def as_plan(plan_or_recipe: PrecisionPlan | RecipeModel) -> PrecisionPlan:

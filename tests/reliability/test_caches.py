@@ -284,6 +284,7 @@ def _plan(work: Path, algorithm: str) -> PrecisionPlan:
 
 def _interrupted(work: Path, plan: PrecisionPlan, wdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run stopped before block 1: the work folder holds block 0 and the hidden states after it."""
+    monkeypatch.setenv("QUANTKIT_BUILD_PROCESS", "this")  # the patched code runs in this process
     real = _Hook.block
 
     def stop_at_1(self: _Hook, index: int, weights: dict[str, Any]) -> Any:
@@ -395,6 +396,7 @@ def _rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def test_a_block_changed_during_the_run_is_a_typed_error_then_recomputed(work: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QUANTKIT_BUILD_PROCESS", "this")  # the patched code runs in this process
     plan, win = _plan(work, "gptq"), _ids(3, 16, 1)
     clean = quantize_llm_layerwise(work / "hf", work / "a" / "model.onnx", plan, win, work_dir=work / "w1",
                                    progress=False)  # fmt: skip
@@ -444,6 +446,7 @@ def test_resume_state_of_another_configuration_is_not_used(work: Path, monkeypat
 
 def test_cli_damaged_resume_state_never_gives_an_internal_error(work: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("QUANTKIT_BUILD_PROCESS", "this")  # the patched code runs in this process
     rec = _layerwise_recipe(work)
     before = tree_digest(work, skip=["cache", "o1", "o2"])
     assert main(["calibrate", "-q", "--recipe", str(rec), "--output", str(work / "o1")]) == 0
@@ -578,6 +581,7 @@ def test_sigkill_during_a_layerwise_build_is_cleaned_and_resumed(work: Path, cap
     clean.save(work / "o1")
     proc = _child(f"""
         import os, signal
+        os.environ["QUANTKIT_BUILD_PROCESS"] = "this"  # the patched block runs in this process
         from quantkit.layerwise import _Hook
         real = _Hook.block
         def block(self, index, weights):

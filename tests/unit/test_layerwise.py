@@ -133,6 +133,7 @@ def test_tap_only_block_graph_keeps_only_what_the_tap_needs(folders: dict[bool, 
 
 def test_gptq_layerwise_resumes_after_an_interrupt(folders: dict[bool, tuple[Path, Any]], tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QUANTKIT_BUILD_PROCESS", "this")  # the patched code runs in this process
     folder, model = folders[True]
     plan = PrecisionPlan.from_recipe(load_recipe(_recipe(folder, algorithm="gptq")))
     win = _windows(3, 16, 1)
@@ -212,6 +213,7 @@ def test_tied_head_from_statistics_is_stored_apart(folders: dict[bool, tuple[Pat
 
 def test_awq_scales_fold_into_the_norms_and_the_model_runs(folders: dict[bool, tuple[Path, Any]],
                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QUANTKIT_BUILD_PROCESS", "this")  # the patched code runs in this process
     folder, model = folders[False]
     plan = PrecisionPlan.from_recipe(load_recipe(_recipe(folder, algorithm="awq")))
     res = quantize_llm_layerwise(folder, tmp_path / "m" / "model.onnx", plan, _windows(3, 16, 2),
@@ -344,7 +346,56 @@ def test_a_weight_only_search_built_layer_wise_takes_a_size_target_only(
 
 
 def test_the_mix_searches_in_a_child_only_when_its_inputs_pickle() -> None:
-    from quantkit.llm_mix import _picklable
+    from quantkit.child import picklable as _picklable
 
     assert _picklable(("smollm2-135m", None, {"version": 1}, None, False, True))
     assert not _picklable((lambda: None, None, None, None, False, True))  # an in-memory object: in-process
+
+
+def test_the_build_in_a_child_process_emits_the_same_model(folders: dict[bool, tuple[Path, Any]],
+                                                           monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The layer-wise build runs in a spawned process by default (its memory returns to the system before the
+    evaluation's sessions): the same model as in this process, the choice in the report, a bad setting refused."""
+    import onnx
+
+    from quantkit.errors import QuantkitError
+
+    folder, _ = folders[True]
+    rec = _recipe(folder, algorithm="gptq")
+    cal = {"input_ids": _windows(2, 8, 0), "attention_mask": np.ones((2, 8), np.int64)}
+    built = {}
+    for how in ("child", "this"):
+        monkeypatch.setenv("QUANTKIT_BUILD_PROCESS", how)
+        res = quantkit.quantize(recipe=rec, calibration_data=cal, progress=False, evaluate=False)
+        assert res.report["calibration"]["build_process"] == how
+        res.save(tmp_path / how)
+        m = onnx.load(str(tmp_path / how / "model.onnx"))
+        built[how] = {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in m.graph.initializer}
+    assert built["child"] == built["this"]
+    monkeypatch.setenv("QUANTKIT_BUILD_PROCESS", "elsewhere")
+    with pytest.raises(QuantkitError, match="allowed values: auto, child, this"):
+        quantkit.quantize(recipe=rec, calibration_data=cal, progress=False, evaluate=False)
+
+
+def test_gptq_in_column_slices_gives_the_layer_quantized_whole(folders: dict[bool, tuple[Path, Any]],
+                                                              monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """GPTQ treats every output column on its own given the layer's Hessian: a wide layer (an lm_head) quantized in
+    column slices, for a bounded peak, is bit-identical to the layer quantized whole."""
+    import onnx
+
+    import quantkit.layerwise as lw
+
+    monkeypatch.setenv("QUANTKIT_BUILD_PROCESS", "this")
+    folder, _ = folders[False]
+    rec = _recipe(folder, algorithm="gptq")
+    cal = {"input_ids": _windows(2, 8, 0), "attention_mask": np.ones((2, 8), np.int64)}
+    built = {}
+    for how in ("whole", "slices"):
+        if how == "slices":  # slices of 64 of the 256 columns
+            monkeypatch.setattr(lw, "_COLUMN_WISE", {**lw._COLUMN_WISE, "gptq": 1})
+            monkeypatch.setattr(lw, "_MIN_COLUMNS", 64)
+        res = quantkit.quantize(recipe=rec, calibration_data=cal, progress=False, evaluate=False)
+        res.save(tmp_path / how)
+        m = onnx.load(str(tmp_path / how / "model.onnx"))
+        built[how] = {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in m.graph.initializer}
+    assert built["whole"] == built["slices"]
