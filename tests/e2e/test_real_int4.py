@@ -73,10 +73,14 @@ def test_int4_gptq_awq_rtn_on_real_smollm2_blocks(reduced_smollm2: Path, tmp_pat
 
 
 def test_layerwise_recipe_and_generate_on_real_smollm2_blocks(reduced_smollm2: Path, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """calibration.layerwise through the CLI: the checkpoint streams block by block (AWQ + GPTQ calibrated on
-    each block's cached inputs), then `quantkit generate` runs the output with its KV cache."""
+    each block's cached inputs) in a child process (the default where torch is not loaded yet: forced here, the
+    test process has torch), then `quantkit generate` runs the output with its KV cache."""
     import json
+
+    monkeypatch.setenv("QUANTKIT_BUILD_PROCESS", "child")
 
     import yaml
 
@@ -92,7 +96,8 @@ def test_layerwise_recipe_and_generate_on_real_smollm2_blocks(reduced_smollm2: P
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     k = rep["census"]["quantized_kernels"]
     assert k.get("MatMulNBits") == 2 * 5 + 1 and k.get("GatherBlockQuantized") == 1, k  # q/k/v fused
-    assert rep["calibration"] == {"mode": "layerwise", "tokens": 4 * 128, "resumed_blocks": 0}
+    assert rep["calibration"] == {"mode": "layerwise", "tokens": 4 * 128, "resumed_blocks": 0,
+                                  "build_process": "child"}
     assert {r["algorithm"] for r in rep["weight_only"] if r["layer"] != "lm_head"} == {"awq"}
     sq = [r["output_sqnr_db"] for r in rep["weight_only"] if "output_sqnr_db" in r]
     assert len(sq) == 14 and min(sq) > 15, sq
