@@ -97,6 +97,10 @@ DOCUMENTED: dict[str, dict[str, str]] = {
         "title": "README command 1 on a fresh clone, output to a file: wall time by stage, longest silence "
                  "between log lines, the run's figures",
     },
+    "int4_gap_x86-vnni.json": {
+        "title": "The llama-int4 recipe against FP32 and ONNX Runtime's RTN g128 on held-out Persuasion and Python "
+                 "docs, one process: the share of the perplexity gap it closes",
+    },
     "llama_int4_peak_x86-vnni.json": {
         "title": "The llama-int4 recipe's peak memory, cold, phase by phase: the steps that brought it under 1.5 GB "
                  "(same session, one run at a time)",
