@@ -6,8 +6,11 @@ sessions; a mixed-precision search, then the build - peaks at their sum when bot
 first in a child and the second starts from the parent's own floor.  Used by :mod:`quantkit.llm_run` (the build)
 and :mod:`quantkit.llm_mix` (the search).
 
-The child's log records go to stderr with the parent's level and format; its progress bars write to the stderr it
-inherits.  Ctrl-C reaches both (one process group): the parent stops the child and raises; a SIGKILL of the parent
+The child is a fresh interpreter started with ``python -c`` (never multiprocessing's spawn, which re-runs the
+caller's ``__main__`` script in the child: a user's script without an ``if __name__ == "__main__"`` guard would
+call quantkit again there); the work goes in pickled on its stdin, the result comes back pickled through a pipe
+of its own.  The child's log records go to stderr with the parent's level and format; its progress bars write to the
+stderr it inherits.  Ctrl-C reaches both (one process group): the parent stops the child and raises; a SIGKILL of the parent
 takes the child along (Linux ``PR_SET_PDEATHSIG``).  An exception in the child is raised again in the parent (its
 traceback at DEBUG).
 """
@@ -15,6 +18,9 @@ traceback at DEBUG).
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 from quantkit.errors import QuantkitError
@@ -29,12 +35,11 @@ keeps its finished blocks for a resume) before it terminates it."""
 
 
 def picklable(args: tuple[Any, ...]) -> bool:
-    """Whether ``args`` can go to a child process (a model path or name, data the recipe names), and this process
-    may start one (a daemonic process - a multiprocessing pool's worker - may not)."""
-    import multiprocessing as mp
+    """Whether ``args`` can go to a child process (a model path or name, data the recipe names) and this system
+    can start one the way :func:`in_child` does (POSIX: it passes the child a pipe)."""
     import pickle
 
-    if mp.current_process().daemon:
+    if os.name != "posix":
         return False
     try:
         pickle.dumps(args)
@@ -43,13 +48,14 @@ def picklable(args: tuple[Any, ...]) -> bool:
     return True
 
 
-def _child(conn: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], level: int, fmt: str | None) -> None:
-    """The child process's body: ``fn(*args, **kwargs)``, its result (or its exception) sent back through
-    ``conn``."""
-    from quantkit.frontends.llm import _die_with_parent
+def _main(fd: int) -> None:
+    """The child's body (``python -c``): the pickled work from stdin, its result (or its exception) pickled to the
+    pipe ``fd``."""
+    import pickle
+
     from quantkit.frontends.tokenizer_worker import isolate
 
-    _die_with_parent()
+    fn, args, kwargs, level, fmt = pickle.load(sys.stdin.buffer)
     isolate()  # text is tokenized in a worker process that ends before the heavy work: no torch for it here
     if level:
         handler = logging.StreamHandler()
@@ -64,39 +70,57 @@ def _child(conn: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], le
 
         msg = ("error", (e, traceback.format_exc()))
     try:
-        conn.send(msg)
-    except Exception as e:  # noqa: BLE001 - an exception that does not pickle: its text
-        conn.send(("error", (RuntimeError(str(msg[1][0]) if msg[0] == "error" else f"unpicklable result: {e}"),
-                             "")))
-    conn.close()
+        data = pickle.dumps(msg)
+    except Exception as e:  # noqa: BLE001 - an exception (or result) that does not pickle: its text
+        data = pickle.dumps(("error", (RuntimeError(str(msg[1][0]) if msg[0] == "error" else
+                                                    f"unpicklable result: {e}"), "")))
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
 
 
 def in_child(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *,
              name: str = "quantkit-child") -> Any:
-    """``fn(*args, **kwargs)`` in a fresh (spawned) process (module doc)."""
-    import multiprocessing as mp
+    """``fn(*args, **kwargs)`` in a fresh Python process (module doc); ``fn`` must be importable by name."""
+    import pickle
+    import subprocess
 
-    ctx = mp.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)
+    from quantkit.frontends.llm import _die_with_parent
+
     handler = next((h for h in log.handlers if h.formatter is not None), None)
     level = log.getEffectiveLevel() if log.handlers else 0
     fmt = handler.formatter._fmt if handler is not None and handler.formatter is not None else None
-    proc = ctx.Process(target=_child, args=(send, fn, args, dict(kwargs or {}), level, fmt), name=name)
-    proc.start()
-    send.close()
+    work = pickle.dumps((fn, args, dict(kwargs or {}), level, fmt))
+    pkg_root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
+    r, w = os.pipe()
     try:
-        try:
-            kind, payload = recv.recv()
-        except EOFError:
-            proc.join()
-            raise QuantkitError(f"the {name} process ended without a result (exit code {proc.exitcode})") from None
-        proc.join()
+        proc = subprocess.Popen([sys.executable, "-c", f"from quantkit.child import _main; _main({w})"],
+                                stdin=subprocess.PIPE, pass_fds=(w,), env=env,
+                                preexec_fn=_die_with_parent)  # noqa: PLW1509 - a prctl, no locks taken
     finally:
-        if proc.is_alive():  # interrupted (Ctrl-C reached the child too): a moment to end cleanly, then it goes
-            proc.join(timeout=CHILD_GRACE_S)
-            if proc.is_alive():
+        os.close(w)
+    data = b""
+    try:
+        with os.fdopen(r, "rb") as res:
+            assert proc.stdin is not None  # noqa: S101 - stdin=PIPE above
+            try:
+                proc.stdin.write(work)
+                proc.stdin.close()
+            except BrokenPipeError:  # the child ended before reading its work: its exit code says why
+                pass
+            data = res.read()
+        proc.wait()
+    finally:
+        if proc.poll() is None:  # interrupted (Ctrl-C reached the child too): a moment to end cleanly, then it goes
+            try:
+                proc.wait(timeout=CHILD_GRACE_S)
+            except subprocess.TimeoutExpired:
                 proc.terminate()
-                proc.join()
+                proc.wait()
+    if not data:
+        raise QuantkitError(f"the {name} process ended without a result (exit code {proc.returncode})")
+    kind, payload = pickle.loads(data)
     if kind == "error":
         exc, tb = payload
         log.debug("%s process failed:\n%s", name, tb)
