@@ -512,13 +512,12 @@ def _finish(result: Any, chosen: Any, chosen_blob: bytes | str, speedup: float |
         if "size" in target:
             record["fallback"] = {"skipped": f"the recipe's size target ({target['size']}) needs int8 layers"}
         else:
-            ab = ab_compare({"shipped": chosen_blob, "fp32": float_bytes}, feed, threads=rec.report.latency.threads)
-            faster, wins, ratio = ab_verdict(ab["shipped"], ab["fp32"])
-            if not faster and 2 * wins > len(ab["shipped"]) and ratio <= 1.0 - AB_MARGIN:
-                more = ab_compare({"shipped": chosen_blob, "fp32": float_bytes}, feed,
-                                  threads=rec.report.latency.threads, rounds=AB_EXTRA_ROUNDS)
+            pair = {"shipped": chosen_blob, "fp32": float_bytes}
+            ab = ab_compare(pair, feed, threads=rec.report.latency.threads)
+            if _short_by_a_majority(ab["shipped"], ab["fp32"]):
+                more = ab_compare(pair, feed, threads=rec.report.latency.threads, rounds=AB_EXTRA_ROUNDS)
                 ab = {k: v + more[k] for k, v in ab.items()}
-                faster, wins, ratio = ab_verdict(ab["shipped"], ab["fp32"])
+            faster, wins, ratio = ab_verdict(ab["shipped"], ab["fp32"])
             record["fallback"] = {"rounds_ms": {k: [round(x, 4) for x in v] for k, v in ab.items()},
                                   "fp32_wins": wins, "fp32_median_ratio": ratio, "fp32_faster": faster}
             if faster:
@@ -548,15 +547,18 @@ def _x(speedup: float | None) -> str:
     return "?x" if speedup is None else f"{speedup:.2f}x"
 
 
+def _short_by_a_majority(base_ms: list[float], other_ms: list[float]) -> bool:
+    """``other`` did not pass the A/B against ``base`` but won more than half the rounds with a median ratio past
+    the margin: the rounds are too few to tell (one more batch of rounds decides)."""
+    faster, wins, ratio = ab_verdict(base_ms, other_ms)
+    return not faster and 2 * wins > len(base_ms) and ratio <= 1.0 - AB_MARGIN
+
+
 def _inconclusive(ab: Mapping[str, list[float]], candidates: Mapping[str, Any]) -> bool:
-    """No candidate passed the A/B, but one won more than half the rounds with a median ratio past the margin:
-    the rounds are too few to tell (one more batch of rounds decides)."""
-    for key in candidates:
-        faster, wins, ratio = ab_verdict(ab["int8"], ab[key])
-        if faster:
-            return False
-    return any((lambda v: 2 * v[1] > len(ab["int8"]) and v[2] <= 1.0 - AB_MARGIN)(ab_verdict(ab["int8"], ab[k]))
-               for k in candidates)
+    """No candidate passed the A/B, but one is short of it by a majority (:func:`_short_by_a_majority`)."""
+    if any(ab_verdict(ab["int8"], ab[k])[0] for k in candidates):
+        return False
+    return any(_short_by_a_majority(ab["int8"], ab[k]) for k in candidates)
 
 
 def stranded_layers(float_model: Any, plan: Any, medians: Mapping[str, tuple[float, float]]) -> list[str]:

@@ -350,7 +350,7 @@ def time_split(q: dict[str, Any]) -> dict[str, float] | None:
 
 def _in_float(q: dict[str, Any]) -> bool:
     """quantkit's latency guard shipped every layer in float (FP32 beat its best int8 model in an A/B)."""
-    return bool(q.get("shipped_in_float")) or "latency guard: shipped in float" in q.get("log_tail", "")
+    return bool(q.get("shipped_in_float"))
 
 
 def _ci(ci: Any) -> str:
