@@ -55,9 +55,6 @@ DOCUMENTED: dict[str, dict[str, str]] = {
     },
     "decode_vs_genai.json": {
         "title": "INT4 SmolLM2-135M decode: recipes/llama-int4.yaml vs onnxruntime-genai's INT4 builder",
-        "command": "python eval/bench_decode.py --model out/llama-int4 --genai PEER_CACHE/b128/genai_rtn "
-                   "--genai-python eval/.venv-peers/bin/python --rounds 20",
-        "source": "eval/bench_decode.py and commit f438812 (a 20-round run)",
     },
     "llm_builder.json": {
         "title": "Streaming LLaMA builder: fidelity vs transformers, KV-cache decode, memory on synthetic folders",
@@ -98,8 +95,9 @@ DOCUMENTED: dict[str, dict[str, str]] = {
                  "between log lines, the run's figures",
     },
     "int4_gap_x86-vnni.json": {
-        "title": "The llama-int4 recipe against FP32 and ONNX Runtime's RTN g128 on held-out Persuasion and Python "
-                 "docs, one process: the share of the perplexity gap it closes",
+        "title": "The llama-int4 recipe against FP32 and ONNX Runtime's RTN g128 (symmetric, and asymmetric: its "
+                 "quantizer's default) on held-out Persuasion and Python docs, one process: the share of the "
+                 "perplexity gap it closes",
     },
     "llama_int4_peak_x86-vnni.json": {
         "title": "The llama-int4 recipe's peak memory, cold, phase by phase: the steps that brought it under 1.5 GB "
@@ -734,6 +732,13 @@ def _headline_rows(files: dict[str, Any]) -> list[tuple[str, str, str]]:
         return (f"decode {loop['fp32']['decode_ms'] / loop['recipe']['decode_ms']:.2f}x FP32 per token; "
                 f"onnxruntime-genai's INT4 / the recipe's time per token: median {ratio:.2f}")
 
+    def gap(d: Any) -> str:
+        r = d["austen:persuasion"]
+        return (f"held-out *Persuasion* perplexity {r['quantized']:.2f} vs FP32 {r['fp32']:.2f} at "
+                f"{d['size_ratio_to_fp32']['quantized']:.2f} of FP32's size: {r['gap_closed']:.0%} of the gap to ONNX "
+                f"Runtime's symmetric RTN g128 ({r['ort_rtn_g128']:.2f}) closed, {r['gap_closed_vs_best_rtn']:.0%} of "
+                f"the gap to its default asymmetric RTN ({r['ort_rtn_g128_asym']:.2f})")
+
     def layerwise(d: Any) -> str:
         r = next(x for x in d if x.get("shape") == "7b")
         return (f"{r['input_GB']:.1f} GB bf16 checkpoint quantized in {r['peak_rss_MB']:,.0f} MiB peak RSS"
@@ -743,6 +748,7 @@ def _headline_rows(files: dict[str, Any]) -> list[tuple[str, str, str]]:
     add("int8_minilm_avx2.json", "INT8 all-MiniLM-L6-v2", minilm)
     add("w8a8_smollm2_avx2.json", "W8A8 SmolLM2-135M (per-token + SmoothQuant)", w8a8)
     add("decode_vs_genai.json", "INT4 SmolLM2-135M, `recipes/llama-int4.yaml`", decode)
+    add("int4_gap_x86-vnni.json", "INT4 SmolLM2-135M, `recipes/llama-int4.yaml`: quality", gap)
     add("llm_layerwise.json", "layer-wise INT4 RTN, synthetic LLaMA-7B shape", layerwise)
     return rows
 
