@@ -110,8 +110,11 @@ def quantize(
                                         evaluate=evaluate, measure_latency=measure_latency, progress=progress,
                                         t_start=t_start)  # fmt: skip
         else:
-            result = _quantize_whole(model, calibration_data, rec, evaluation_data, evaluate, measure_latency,
-                                     progress, use_cache, example_inputs, t_start)  # fmt: skip
+            from quantkit.threads import blas_threads
+
+            with blas_threads():  # NumPy's BLAS beside ONNX Runtime's pools: one thread (quantkit.threads)
+                result = _quantize_whole(model, calibration_data, rec, evaluation_data, evaluate, measure_latency,
+                                         progress, use_cache, example_inputs, t_start)  # fmt: skip
             result.report.setdefault("memory", memory_section(route.estimate, route.available))
     finally:
         peak = meter.stop()

@@ -70,13 +70,16 @@ def _prepared(hessian: np.ndarray | BlockDiagonal, percdamp: float) -> Prepared:
 
 def pair_gptq(
     w: np.ndarray, scale: np.ndarray, hessian: np.ndarray | BlockDiagonal | None = None, *, qmin: int = -127,
-    qmax: int = 127, percdamp: float = 0.01, block_size: int = 128, prepared: Prepared | None = None,
+    qmax: int = 127, percdamp: float = 0.01, block_size: int = 32, prepared: Prepared | None = None,
 ) -> np.ndarray:
     """GPTQ-round ``w [K, N]`` (kernel K order) to symmetric int8 codes with per-column ``scale [N]``,
     every same-sign pair ``(2j, 2j+1)`` obeying ``|q0 + q1| <= 128``.  Returns int8 codes ``[K, N]``.
     ``hessian``: dense, or its diagonal blocks (GPTQ with ``H`` zero off the blocks: each block's rows are
     rounded with the error spread over the block's later rows only).  ``prepared``: :func:`_prepared` of the
-    Hessian, when several scales are tried on one layer."""
+    Hessian, when several scales are tried on one layer.  ``block_size``: rows per lazy update (the same result
+    for any size up to float rounding); the row loop updates the rest of its block row by row in NumPy and the
+    rows after it in one matrix product, so small blocks move the work into BLAS: 32 rows took 0.06 s where 128
+    took 0.11-0.14 s (768 x 4096 columns; 0.018 and 0.027 s at 512 columns; identical codes), 2 cores."""
     K, N = w.shape
     if prepared is None:
         if hessian is None:
