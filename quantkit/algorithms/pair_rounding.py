@@ -91,16 +91,27 @@ def pair_gptq(
     s = np.asarray(scale, np.float64).reshape(N)
     Q = np.zeros((K, N), np.int32)
 
+    # codes within [-PAIR_LIMIT, PAIR_LIMIT] break the rule exactly when |q0 + q1| > PAIR_LIMIT (both then have
+    # the sum's sign): one sum instead of the four sign splits (the row loop is NumPy call overhead per row)
+    narrow = qmin >= -PAIR_LIMIT and qmax <= PAIR_LIMIT
+
+    def rounded(u: np.ndarray) -> np.ndarray:
+        q = np.rint(u)
+        np.maximum(q, qmin, out=q)
+        np.minimum(q, qmax, out=q)
+        return q
+
     def round_row(r: int, W1: np.ndarray, i: int) -> np.ndarray:
         u = W1[i] / s
-        q = np.clip(np.rint(u), qmin, qmax)
+        q = rounded(u)
         if r % 2 == 0 and i + 1 < W1.shape[0]:
             # the first of a pair: the joint constrained rounding (= rint wherever the pair obeys the rule)
-            q = _first_of_pair(u, q, W1[i + 1] / s, qmin, qmax)
-        elif r % 2 == 1:  # the second: clipped to the bound its partner leaves
+            q = _first_of_pair(u, q, W1[i + 1] / s, qmin, qmax, narrow)
+        elif r % 2 == 1:  # the second: clipped to the bound its partner leaves (a no-op where the pair obeys it)
             qa = Q[r - 1]
-            q = np.clip(q, np.maximum(qmin, -PAIR_LIMIT - np.minimum(qa, 0)),
-                        np.minimum(qmax, PAIR_LIMIT - np.maximum(qa, 0)))
+            if not narrow or bool((np.abs(qa + q) > PAIR_LIMIT).any()):
+                q = np.clip(q, np.maximum(qmin, -PAIR_LIMIT - np.minimum(qa, 0)),
+                            np.minimum(qmax, PAIR_LIMIT - np.maximum(qa, 0)))
         Q[r] = q
         return q * s
 
@@ -115,12 +126,18 @@ def pair_gptq(
     return Q.astype(np.int8)
 
 
-def _first_of_pair(u0: np.ndarray, q0: np.ndarray, u1: np.ndarray, qmin: int, qmax: int) -> np.ndarray:
+def _first_of_pair(u0: np.ndarray, q0: np.ndarray, u1: np.ndarray, qmin: int, qmax: int,
+                   narrow: bool = False) -> np.ndarray:
     """The first code of each pair :func:`~quantkit.scheme.saturation.constrained_round` gives targets
-    ``(u0, u1)`` (``q0`` = their clipped ``rint``), for one row of a pair without its general reshaping."""
+    ``(u0, u1)`` (``q0`` = their clipped ``rint``), for one row of a pair without its general reshaping.
+    ``narrow``: every code within ``[-PAIR_LIMIT, PAIR_LIMIT]`` (the sum alone then tells a pair that breaks it)."""
     q1 = np.clip(np.rint(u1), qmin, qmax)
-    pos = np.maximum(q0, 0) + np.maximum(q1, 0) > PAIR_LIMIT
-    neg = np.minimum(q0, 0) + np.minimum(q1, 0) < -PAIR_LIMIT
+    if narrow:
+        total = q0 + q1
+        pos, neg = total > PAIR_LIMIT, total < -PAIR_LIMIT
+    else:
+        pos = np.maximum(q0, 0) + np.maximum(q1, 0) > PAIR_LIMIT
+        neg = np.minimum(q0, 0) + np.minimum(q1, 0) < -PAIR_LIMIT
     if not (pos.any() or neg.any()):
         return q0
     d = u0 - u1

@@ -273,3 +273,49 @@ def test_the_kernel_hessian_keeps_exact_diagonal_blocks_and_block_gptq_is_gptq_p
     q_c, s_c, _ = pair_safe_codes(w[None], s[None])
     assert changed > 0 and not pair_violations(kernel_view(q, "MatMul")).any()
     assert np.sum((x @ (q * s2) - x @ w) ** 2) < np.sum((x @ (q_c[0] * s_c[0]) - x @ w) ** 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), qmin=st.sampled_from([-127, -128]), scale=st.floats(0.3, 3.0))
+def test_the_first_of_a_pair_by_its_sum_equals_the_sign_split(seed: int, qmin: int, scale: float) -> None:
+    """pair_gptq's row loop tells a breaking pair by ``|q0 + q1|`` alone when every code is within the pair
+    limit: the same codes as the general test on the positive and negative parts."""
+    from quantkit.algorithms.pair_rounding import _first_of_pair
+
+    rng = np.random.default_rng(seed)
+    u0, u1 = rng.uniform(-140, 140, 257) * scale, rng.uniform(-140, 140, 257) * scale
+    q0 = np.clip(np.rint(u0), qmin, 127)
+    np.testing.assert_array_equal(_first_of_pair(u0, q0, u1, qmin, 127, narrow=True),
+                                  _first_of_pair(u0, q0, u1, qmin, 127, narrow=False))
+
+
+def test_pair_gptq_does_not_depend_on_its_lazy_block_size() -> None:
+    """The lazy-update block is a speed setting: the codes agree for any block (up to float rounding of the
+    block products, which may move a code that sits on a rounding tie)."""
+    rng = np.random.default_rng(11)
+    K, N = 512, 96
+    x = rng.standard_normal((4096, K))
+    x[:, 1::2] += 0.8 * x[:, 0::2]
+    H = x.T @ x / len(x)
+    w = rng.standard_normal((K, N)) * 0.05
+    s = np.abs(w).max(0) / 127 * 0.7
+    ref = pair_gptq(w, s, H, block_size=128)
+    for bs in (2, 32, 64, 512):
+        q = pair_gptq(w, s, H, block_size=bs)
+        assert not pair_violations(q).any()
+        assert np.mean(q != ref) < 1e-3, bs
+
+
+def test_the_scale_search_by_column_slices_equals_the_whole_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import quantkit.scheme.saturation as sat
+
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((2, 300, 70)) * 0.05
+    w[:, ::5] *= 4
+    s = np.abs(w).max(1) / 127
+    whole = pair_safe_codes(w, s, steps=8)
+    monkeypatch.setattr(sat, "_SEARCH_ELEMENTS", 300 * 9)  # 9 columns per slice
+    sliced = pair_safe_codes(w, s, steps=8)
+    assert whole[2].sum() > 20
+    for a, b in zip(whole, sliced, strict=True):
+        np.testing.assert_array_equal(a, b)
