@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from quantkit.algorithms.gptq import inverse_hessian_cholesky, obs_rounding
+from quantkit.algorithms.gptq import inverse_hessian_cholesky
 from quantkit.calibrate.kernel_hessian import BlockDiagonal
 from quantkit.scheme.saturation import (
     PAIR_LIMIT,
@@ -101,28 +101,45 @@ def pair_gptq(
         np.minimum(q, qmax, out=q)
         return q
 
-    def round_row(r: int, W1: np.ndarray, i: int) -> np.ndarray:
-        u = W1[i] / s
-        q = rounded(u)
-        if r % 2 == 0 and i + 1 < W1.shape[0]:
-            # the first of a pair: the joint constrained rounding (= rint wherever the pair obeys the rule)
-            q = _first_of_pair(u, q, W1[i + 1] / s, qmin, qmax, narrow)
-        elif r % 2 == 1:  # the second: clipped to the bound its partner leaves (a no-op where the pair obeys it)
-            qa = Q[r - 1]
-            if not narrow or bool((np.abs(qa + q) > PAIR_LIMIT).any()):
-                q = np.clip(q, np.maximum(qmin, -PAIR_LIMIT - np.minimum(qa, 0)),
-                            np.minimum(qmax, PAIR_LIMIT - np.maximum(qa, 0)))
-        Q[r] = q
-        return q * s
+    def second_of_pair(qa: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """The second code clipped to the bound its partner ``qa`` leaves (a no-op where the pair obeys it)."""
+        if narrow and not bool((np.abs(qa + q) > PAIR_LIMIT).any()):
+            return q
+        return np.clip(q, np.maximum(qmin, -PAIR_LIMIT - np.minimum(qa, 0)),
+                       np.minimum(qmax, PAIR_LIMIT - np.maximum(qa, 0)))
 
+    # GPTQ's row loop (quantkit.algorithms.gptq.obs_rounding) taken a pair of rows at a time: the first row is
+    # rounded jointly with its partner's current target, its error updates the partner, the partner is rounded
+    # and clipped, and the two errors update the block's later rows in one product (the same arithmetic as two
+    # rank-1 updates up to float rounding; half the NumPy calls of the row-by-row loop)
     bs = max(2, block_size - block_size % 2)  # pairs never straddle a block (and Hessian blocks are even)
     for o, U, _ in prepared:
-        part = Wm[o : o + U.shape[0]]  # a view: obs_rounding updates it in place
-
-        def rr(r: int, W1: np.ndarray, i: int, o: int = o) -> np.ndarray:
-            return round_row(o + r, W1, i)
-
-        obs_rounding(part, U, rr, bs)
+        part = Wm[o : o + U.shape[0]]  # updated in place
+        k1 = part.shape[0]
+        for i1 in range(0, k1, bs):
+            i2 = min(i1 + bs, k1)
+            W1 = part[i1:i2].copy()
+            E1 = np.zeros_like(W1)
+            U1 = U[i1:i2, i1:i2]
+            n = i2 - i1
+            for i in range(0, n, 2):
+                r = o + i1 + i
+                u0 = W1[i] / s
+                q0 = rounded(u0)
+                if i + 1 == n:  # the last row of an odd K: its partner is the kernel's zero padding
+                    Q[r] = q0
+                    E1[i] = (W1[i] - q0 * s) / U1[i, i]
+                    break
+                q0 = _first_of_pair(u0, q0, W1[i + 1] / s, qmin, qmax, narrow)
+                Q[r] = q0
+                E1[i] = (W1[i] - q0 * s) / U1[i, i]
+                W1[i + 1] -= U1[i, i + 1] * E1[i]
+                q1 = second_of_pair(q0, rounded(W1[i + 1] / s))
+                Q[r + 1] = q1
+                E1[i + 1] = (W1[i + 1] - q1 * s) / U1[i + 1, i + 1]
+                if i + 2 < n:
+                    W1[i + 2 :] -= U1[i : i + 2, i + 2 :].T @ E1[i : i + 2]
+            part[i2:] -= U[i1:i2, i2:].T @ E1
     return Q.astype(np.int8)
 
 
@@ -147,12 +164,15 @@ def _first_of_pair(u0: np.ndarray, q0: np.ndarray, u1: np.ndarray, qmin: int, qm
 
 
 def _objective(d: np.ndarray, hessian: np.ndarray | BlockDiagonal | None) -> np.ndarray:
-    """Per column: ``d^T H d`` (or ``||d||^2``) for weight errors ``d [K, N]``."""
+    """Per column: ``d^T H d`` (or ``||d||^2``) for weight errors ``d [K, N]``.  The products run in float32 (it
+    only ranks a column's candidate roundings; half the time of float64 products), the sums over blocks in
+    float64."""
     if hessian is None:
         return np.sum(d * d, axis=0)
     if isinstance(hessian, BlockDiagonal):
-        return hessian.quadratic(d)
-    return np.einsum("kn,kn->n", d, hessian @ d)
+        return hessian.quadratic(d, np.float32)
+    d32 = np.asarray(d, np.float32)
+    return np.einsum("kn,kn->n", d32, np.asarray(hessian, np.float32) @ d32).astype(np.float64)
 
 
 def pair_safe_weight(

@@ -61,20 +61,21 @@ class BlockDiagonal:
             out[o : o + b.shape[0], o : o + b.shape[0]] = b
         return out
 
-    def quadratic(self, d: np.ndarray) -> np.ndarray:
-        """Per column of ``d [K, N]``: ``d^T H d``."""
+    def quadratic(self, d: np.ndarray, dtype: type[np.floating] = np.float64) -> np.ndarray:
+        """Per column of ``d [K, N]``: ``d^T H d`` (float64), the products in ``dtype``."""
         out = np.zeros(d.shape[1], np.float64)
         for o, b in zip(self.offsets, self.blocks, strict=True):
-            db = d[o : o + b.shape[0]]
-            out += np.einsum("kn,kn->n", db, b @ db)
+            db = np.asarray(d[o : o + b.shape[0]], dtype)
+            out += np.einsum("kn,kn->n", db, np.asarray(b, dtype) @ db)
         return out
 
-ROWS_PER_K = 16
+ROWS_PER_K = 8
 """Rows (input vectors) sampled per input of a diagonal block over the whole calibration pass
-(``ROWS_PER_K * min(K, BLOCK)`` in all): a block's second moment estimated from 16 rows per dimension is well
-conditioned (GPTQ adds 1% damping on top; ResNet-18's output SQNR moved by < 0.1 dB from 8 to 32 rows per input of
-the full matrix); sampling more only costs time (the full im2col of a 112 x 112
-feature map is 12544 rows per image and dominated the run)."""
+(``ROWS_PER_K * min(K, BLOCK)`` in all, 2048 for a full block): GPTQ adds 1% damping on top, and the estimate only
+weighs where a constrained pair's error goes.  ResNet-18's output SQNR moved by < 0.1 dB from 8 to 32 rows per
+input of the full matrix; with the blocks, 16 -> 8 rows: ResNet-18 34.287 -> 34.287 dB, DistilBERT 36.25 -> 36.21 dB,
+its calibration pass 3.6 -> 3.0 s (2 cores).  Sampling more only costs time (the full im2col of a 112 x 112 feature
+map is 12544 rows per image and dominated the run)."""
 
 
 def sampled_rows(k: int, block: int | None = None) -> int:
