@@ -45,9 +45,11 @@ sit at the pair bound and the error feedback, pushed into neighbours that are th
 compound; a little headroom lets the compensation land.  The best per channel wins.  On ResNet-18 (random
 weights, 4175 offending channels) the searched scale won 81% of the channels, alpha 1.35 9%, 1.15 and 1.6 5%
 each, alpha 1 0.6%: the searched scale and 1.35 alone cost 0.1-0.2 dB of output SQNR and 40% of the time."""
-SCALE_STEPS = 8
+SCALE_STEPS = 4
 """Points of the data-free scale search (:func:`~quantkit.scheme.saturation.pair_safe_codes`) when the layer's
-Hessian is known (its result is then only GPTQ's starting scale); 24 without it."""
+Hessian is known (its result is then only GPTQ's starting scale and one of its candidates); 24 without it.  From
+8 to 4 points (2 cores, random-weight models built for ``x86-avx2``): output SQNR ResNet-18 34.29 -> 34.26 dB,
+DistilBERT 36.25 -> 36.17 dB, the calibrator choice (which lowers the model) 9.1 -> 8.3 s on DistilBERT."""
 
 
 Prepared = list[tuple[int, np.ndarray, np.ndarray]]

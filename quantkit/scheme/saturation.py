@@ -230,7 +230,8 @@ def constrained_round(u: np.ndarray, qmin: int, qmax: int) -> np.ndarray:
     ``[-PAIR_LIMIT, PAIR_LIMIT]`` a pair breaks it exactly when ``|q0 + q1| > PAIR_LIMIT`` (both codes then
     have the sum's sign)."""
     k = u.shape[-2]
-    q = np.clip(np.rint(u), qmin, qmax)
+    q = np.rint(u)
+    np.clip(q, qmin, qmax, out=q)
     qp = _pairs(q)
     q0, q1 = qp[..., 0, :], qp[..., 1, :]
     if qmax <= PAIR_LIMIT and qmin >= -PAIR_LIMIT:
