@@ -79,9 +79,10 @@ def pair_gptq(
     ``hessian``: dense, or its diagonal blocks (GPTQ with ``H`` zero off the blocks: each block's rows are
     rounded with the error spread over the block's later rows only).  ``prepared``: :func:`_prepared` of the
     Hessian, when several scales are tried on one layer.  ``block_size``: rows per lazy update (the same result
-    for any size up to float rounding); the row loop updates the rest of its block row by row in NumPy and the
-    rows after it in one matrix product, so small blocks move the work into BLAS: 32 rows took 0.06 s where 128
-    took 0.11-0.14 s (768 x 4096 columns; 0.018 and 0.027 s at 512 columns; identical codes), 2 cores."""
+    for any size up to float rounding); the loop updates the rest of its block a pair of rows at a time and the
+    rows after the block in one matrix product, so small blocks move the work into BLAS: 32 rows took 0.06 s where
+    128 took 0.11-0.14 s (768 x 4096 columns, measured with the row-by-row loop; 0.018 and 0.027 s at 512 columns;
+    identical codes), 2 cores."""
     K, N = w.shape
     if prepared is None:
         if hessian is None:
