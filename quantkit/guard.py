@@ -622,7 +622,7 @@ def _attach(result: Any, record: dict[str, Any], t0: float) -> None:
 
 def _int8_nodes(plan: Any) -> set[str]:
     """Every node the static-INT8 plan runs in int8 (layers, glue, rescales dropped, gates folded)."""
-    return set(plan.layers) | set(plan.rescales) | set(plan.folded_gates)
+    return set(plan.layers) | set(plan.rescales) | set(plan.folded_gates) | set(plan.layer_biases)
 
 
 def _float_plan(result: Any, layers: list[str]) -> Any:

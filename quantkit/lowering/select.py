@@ -44,6 +44,12 @@ Rules (see :mod:`quantkit.ops` for the op roles):
    QuantizeLinear on the Concat output's grid (inherited: no range of its own), so ``QLinearConcat`` computes
    exactly what quantizing the float concatenation would (one rounding on the output grid), without a
    DequantizeLinear per int8 input, a float Concat and a QuantizeLinear of the whole output.
+8. A ``MatMul``'s bias - ``Add(MatMul(x, W), b)``, ``b`` a constant vector over ``W``'s columns, the Add the
+   product's only reader (:func:`bias_matmul`) - is part of the layer, never glue (:attr:`QuantPlan.layer_biases`):
+   the layer's output is the Add's, quantized when an int8 op reads it (a chain goes on through it) and the
+   lowering emits one ``MatMulIntegerToFloat`` with the bias inside, then that QuantizeLinear - one rounding,
+   where a quantized product and a ``QLinearAdd`` of the bias would round twice (a LeViT-style block, whose
+   BatchNorm folded into the MatMul leaves ``MatMul -> Add -> Reshape -> HardSwish``).
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ class QuantPlan:
     skipped: dict[str, str] = field(default_factory=dict)  # node name -> reason it stays float
     rescales: dict[str, float] = field(default_factory=dict)  # rescale node -> factor (no node emitted)
     folded_gates: dict[str, str] = field(default_factory=dict)  # HardSigmoid -> the Conv/Gemm it is folded into
+    layer_biases: dict[str, str] = field(default_factory=dict)  # bias Add -> the MatMul whose bias it is (rule 8)
 
     def calibrated_tensors(self) -> dict[str, TensorQuant]:
         """Tensors whose range comes from calibration (not inherited)."""
@@ -293,8 +300,33 @@ def _int8_candidates(model: ir.Model, precision: PrecisionPlan, plan: QuantPlan)
         if gate_of is not None:  # folded if its producer ends up int8 (rule 4), else it stays float
             plan.folded_gates[name] = gate_of.name or ""
             continue
+        bias_of = bias_matmul(node)
+        if bias_of is not None:  # the MatMul's bias (rule 8), when the MatMul ends up int8; else float
+            plan.layer_biases[name] = bias_of.name or ""
+            continue
         plan.layers[name] = lp
     return nodes
+
+
+def bias_matmul(node: ir.Node) -> ir.Node | None:
+    """The ``MatMul`` whose bias ``node`` is (rule 8): ``node`` is ``Add(MatMul(x, W), b)`` (either order) with ``b``
+    a constant float32 vector of one value per output column of the constant 2-D ``W``, and the Add is the
+    product's only reader (the product is not a graph output); else None."""
+    if node.op_type != "Add" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return None
+    for i in (0, 1):
+        v, b_v = node.inputs[i], node.inputs[1 - i]
+        p = v.producer() if v is not None else None
+        if p is None or p.op_type != "MatMul" or p.domain not in ("", "ai.onnx") or _weighted_ok(p) is not None:
+            continue
+        w, b = constant_array(p.inputs[1]), constant_array(b_v)
+        if w is None or b is None or b.dtype != np.float32 or b.ndim != 1 or b.shape[0] != w.shape[1]:
+            continue
+        assert v is not None  # p is its producer
+        if len(_consumers(v)) != 1 or v.is_graph_output():
+            continue
+        return p
+    return None
 
 
 def _gate_producer(node: ir.Node, model: ir.Model) -> ir.Node | None:
@@ -341,16 +373,31 @@ def _consumers(v: ir.Value) -> list[ir.Node]:
     return [u.node for u in v.uses()]
 
 
+def _biased_layer(plan: QuantPlan, node: ir.Node | None) -> ir.Node | None:
+    """``node`` when it is a quantized layer; the quantized MatMul when ``node`` is its bias Add (rule 8)."""
+    if node is None:
+        return None
+    if node.name in plan.layers:
+        return node
+    if plan.layer_biases.get(node.name or "") in plan.layers and node.inputs[0] is not None:
+        for v in node.inputs:
+            p = v.producer() if v is not None else None
+            if p is not None and p.name == plan.layer_biases[node.name or ""]:
+                return p
+    return None
+
+
 def _q_producer(plan: QuantPlan, v: ir.Value) -> ir.Node | None:
-    """The quantized node whose (possibly activation-folded) output is ``v``."""
+    """The quantized node whose (possibly activation-folded, possibly biased: rule 8) output is ``v``."""
     p = v.producer()
     if p is None:
         return None
-    if p.name in plan.layers:
-        return p
+    layer = _biased_layer(plan, p)
+    if layer is not None:
+        return layer
     if p.op_type in ABSORBABLE and clip_bounds(p) is not None and p.inputs[0] is not None:
-        pp = p.inputs[0].producer()
-        if pp is not None and pp.name in plan.layers and len(_consumers(p.inputs[0])) == 1:
+        pp = _biased_layer(plan, p.inputs[0].producer())
+        if pp is not None and len(_consumers(p.inputs[0])) == 1:
             return pp
     if (p.name or "") in plan.folded_gates and plan.folded_gates[p.name or ""] in plan.layers:
         return p.inputs[0].producer() if p.inputs[0] is not None else None
@@ -369,6 +416,10 @@ def select(model: ir.Model, recipe: RecipeModel | PrecisionPlan) -> QuantPlan:
         if prod not in plan.layers or (nodes[gate].outputs[0].name or "") not in plan.tensors:
             del plan.folded_gates[gate]
             plan.skipped[gate] = "HardSigmoid after a layer that stays float (or keeps a float output)"
+    for add, mm in list(plan.layer_biases.items()):  # rule 8: only the biases of int8 MatMuls
+        if mm not in plan.layers:
+            del plan.layer_biases[add]
+            plan.skipped[add] = f"the bias of MatMul {mm!r}, which stays float"
     for name in list(plan.layers):  # rule 6: a rescale is not a layer - the lowering drops it
         f = rescale_factor(nodes[name])
         if f is not None:
@@ -452,13 +503,17 @@ def _add_tensor(plan: QuantPlan, v: ir.Value, lp: LayerPlan, consumer: str | Non
 
 
 def _output_target(node: ir.Node, q: Any, graph_outputs: set[int], plan_gates: Mapping[str, str] | None = None,
-                   ) -> tuple[ir.Value, tuple[float, float] | None]:
-    """The tensor that carries this quantized node's output Q (after a folded activation)."""
+                   biases: Mapping[str, str] | None = None) -> tuple[ir.Value, tuple[float, float] | None]:
+    """The tensor that carries this quantized node's output Q (after its bias Add, rule 8, and a folded
+    activation)."""
     out = node.outputs[0]
     if node.op_type == "HardSigmoid":
         return out, (0.0, 1.0)
     plan_gates = plan_gates or {}
     users = _consumers(out)
+    if node.op_type == "MatMul" and len(users) == 1 and (users[0].name or "") in (biases or {}):
+        out = users[0].outputs[0]
+        users = _consumers(out)
     if q.fold_clip_ranges and len(users) == 1 and id(out) not in graph_outputs and _folds_after(node):
         act = users[0]
         if (act.name or "") in plan_gates and node.op_type in WEIGHTED:
@@ -475,7 +530,7 @@ def _place_tensors(model: ir.Model, plan: QuantPlan, q: Any) -> None:
     for node in [n for n in model.graph if n.name in plan.layers]:
         lp = plan.layers[node.name or ""]
         factor = rescale_factor(node)
-        target, bounds = _output_target(node, q, graph_outputs, plan.folded_gates)
+        target, bounds = _output_target(node, q, graph_outputs, plan.folded_gates, plan.layer_biases)
         for i in _activation_inputs(node):
             v = node.inputs[i]
             if v is None or node.op_type in PASSTHROUGH or factor is not None:

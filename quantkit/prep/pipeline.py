@@ -12,9 +12,10 @@ Rule
    (subgraphs whose inputs are all constant are evaluated once; Q/DQ are never
    folded), then every ``Constant`` node is lifted to an initializer.
 4. ``fold_batchnorm`` — ``BatchNormalization`` folded into the preceding
-   Conv / Gemm / MatMul(+Add) (see :mod:`quantkit.prep.fold_batchnorm` for the math),
-   then ``fold_pad`` — a zero ``Pad`` folded into the ``Conv`` it feeds
-   (:mod:`quantkit.prep.fold_pad`), so no Pad sits between a DQ and its Conv; then ``global_pool`` — a
+   Conv / Gemm / MatMul(+Add) (see :mod:`quantkit.prep.fold_batchnorm` for the math), and into a
+   MatMul(+Add) read through a Reshape / Transpose that keeps its features whole (a ``BatchNorm1d`` after a
+   ``Linear`` on a sequence: :mod:`quantkit.prep.fold_batchnorm_layout`), then ``fold_pad`` — a zero ``Pad``
+   folded into the ``Conv`` it feeds (:mod:`quantkit.prep.fold_pad`), so no Pad sits between a DQ and its Conv; then ``global_pool`` — a
    spatial ``ReduceMean`` becomes ``GlobalAveragePool`` (:mod:`quantkit.prep.global_pool`), which
    ONNX Runtime fuses in int8 (it leaves a QDQ ReduceMean in float); then ``hard_swish`` — ``HardSwish(x)``
    becomes ``x * HardSigmoid(x)``, its definition (:mod:`quantkit.prep.hard_swish`), two nodes that lower to
@@ -51,6 +52,7 @@ from onnxscript.optimizer import _constant_folding
 
 from quantkit.errors import ModelError
 from quantkit.prep.fold_batchnorm import fold_batchnorm_rules
+from quantkit.prep.fold_batchnorm_layout import fold_batchnorm_through_layout
 from quantkit.prep.fold_pad import fold_pad_rules
 from quantkit.prep.global_pool import global_pool_rules
 from quantkit.prep.hard_swish import hard_swish_rules
@@ -228,6 +230,10 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
         applied["fold_batchnorm"] = fold_batchnorm_rules().apply_to_model(model)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ModelError(f"graph preparation step 'fold_batchnorm' failed: {exc}") from exc
+    try:
+        applied["fold_batchnorm_layout"] = fold_batchnorm_through_layout(model)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ModelError(f"graph preparation step 'fold_batchnorm_layout' failed: {exc}") from exc
     try:
         applied["fold_pad"] = fold_pad_rules().apply_to_model(model)
     except (ValueError, TypeError, RuntimeError) as exc:
