@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -172,9 +173,61 @@ def execute(float_model: ir.Model, plan: PrecisionPlan, cal: Dataset | None, *, 
 
 
 def _is_lm(rec: RecipeModel, proto: onnx.ModelProto) -> bool:
-    """A causal LM: perplexity and prefill / decode latency instead of output fidelity and one-call latency."""
-    return (bool(rec.evaluation.perplexity) and any(o.name == "logits" for o in proto.graph.output)
-            and any(i.name == "input_ids" for i in proto.graph.input))
+    """A causal LM: perplexity and prefill / decode latency instead of output fidelity and one-call latency.
+
+    Names alone (``input_ids`` in, ``logits`` out) also fit a text classifier, a token tagger, a masked LM or an
+    RNN, so the model must also be causal: a KV cache in its I/O (``past*`` / ``present*``), or - measured once
+    per model (:func:`_causal_logits`) - logits ``[batch, seq, vocab]`` whose earlier positions do not change
+    when the last token does."""
+    if not (rec.evaluation.perplexity and any(o.name == "logits" for o in proto.graph.output)
+            and any(i.name == "input_ids" for i in proto.graph.input)):
+        return False
+    names = [v.name for v in (*proto.graph.input, *proto.graph.output)]
+    if any(n.startswith(("past", "present")) for n in names):
+        return True
+    key = id(proto)
+    if key not in _CAUSAL_MEMO or _CAUSAL_MEMO[key][0] is not proto:
+        if len(_CAUSAL_MEMO) >= 4:  # the memo holds the protos it keys (ids are reused): a few at most
+            _CAUSAL_MEMO.clear()
+        _CAUSAL_MEMO[key] = (proto, _causal_logits(proto))
+    return _CAUSAL_MEMO[key][1]
+
+
+_CAUSAL_MEMO: dict[int, tuple[onnx.ModelProto, bool]] = {}
+_PROBE_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "token_type_ids"})
+
+
+def _causal_logits(proto: onnx.ModelProto) -> bool:
+    """Run the float model on 16 token ids twice, the last one changed: causal when the logits are rank 3 over the
+    16 positions, the vocabulary wider than the ids used, and the first 15 positions identical.  A model with
+    other inputs, or one that fails to run on them, is not treated as a causal LM."""
+    import onnxruntime as ort
+
+    if any(i.name not in _PROBE_INPUTS for i in proto.graph.input):
+        return False
+    seq = 16
+    ids = (np.arange(seq, dtype=np.int64) * 7 + 3).reshape(1, seq) % 97
+    feeds: dict[str, np.ndarray] = {}
+    for i in proto.graph.input:
+        elem = i.type.tensor_type.elem_type
+        dtype = np.int32 if elem == onnx.TensorProto.INT32 else np.int64
+        base = {"input_ids": ids, "attention_mask": np.ones((1, seq)), "position_ids": np.arange(seq)[None],
+                "token_type_ids": np.zeros((1, seq))}[i.name]
+        feeds[i.name] = np.asarray(base, dtype=dtype)
+    changed = {**feeds, "input_ids": feeds["input_ids"].copy()}
+    changed["input_ids"][0, -1] = 98
+    try:
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        out = [o.name for o in sess.get_outputs()].index("logits")
+        a = np.asarray(sess.run(None, feeds)[out])
+        b = np.asarray(sess.run(None, changed)[out])
+    except Exception:  # noqa: BLE001 - any failure means: not a model the causal path can evaluate
+        return False
+    if a.ndim != 3 or a.shape[1] != seq or a.shape[2] <= 98:
+        return False
+    return bool(np.allclose(a[:, :-1], b[:, :-1], rtol=1e-4, atol=1e-4) and not np.allclose(a[:, -1], b[:, -1]))
 
 
 def _other_layers(lowered: Lowered) -> list[str]:
