@@ -537,6 +537,13 @@ def build_report(
         quality["perplexity_increase"] = pq["ppl"] / pf["ppl"] - 1.0
     leftovers = classify_leftovers(census)
     warnings = _warnings(static_rows, unfused, woq, leftovers, latency, kernels or {}, zero_range)
+    if not formats:
+        reasons: dict[str, int] = {}
+        for why in lowered.static.skipped.values():
+            reasons[why] = reasons.get(why, 0) + 1
+        top = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
+        warnings.insert(0, "no layer was quantized: the output is the float model" + (
+            " (most common reasons: " + "; ".join(f"{why} ({n} nodes)" for why, n in top) + ")" if top else ""))
     growth = _growth(float_proto, per_layer_sqnr, kernels or {})
     warnings += verdict_warnings(quality.get("fidelity", {}), growth["sqnr"], kernels or {}, growth["drift"])
     counts: dict[str, int] = {}

@@ -42,3 +42,20 @@ def test_only_causal_models_are_language_models() -> None:
     assert _is_lm(rec, _encoder("causal"))
     off = load_recipe({"version": 1, "name": "unit", "evaluation": {"perplexity": False}})
     assert not _is_lm(off, _encoder("causal"))
+
+
+def test_a_plan_that_quantizes_nothing_says_so_in_the_report() -> None:
+    """An FP16 model (or a plan that keeps every layer float) is emitted unquantized: the report warns, naming why."""
+    from quantkit.api import quantize
+    from tests.conftest import image_batches
+    from tests.tiny_graphs import TinyGraph
+
+    g = TinyGraph(0)
+    y = g.node("Conv", ["input", g.w("w", 4, 3, 3, 3)], "y", pads=[1, 1, 1, 1])
+    model = g.model("float_only", y, ["N", 4, 16, 16])
+    recipe = {"version": 1, "name": "unit", "report": {"latency": {"enabled": False}},
+              "quantization": {"default": {"format": "fp32"}}}
+    res = quantize(model, image_batches(2), recipe, evaluation_data=image_batches(1), progress=False)
+    first = res.report["warnings"][0]
+    assert first.startswith("no layer was quantized"), res.report["warnings"]
+    assert "the plan keeps it fp32" in first
