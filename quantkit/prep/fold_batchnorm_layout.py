@@ -33,6 +33,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from quantkit.prep.new_values import NewValues
+
 __all__ = ["fold_batchnorm_through_layout"]
 
 _DEFAULT_EPSILON = 1e-5
@@ -125,21 +127,8 @@ def fold_batchnorm_through_layout(model: ir.Model) -> int:
     """Apply the rule of the module doc to every eligible ``BatchNormalization`` of ``model``'s main graph (in
     place); returns how many were folded."""
     graph = model.graph
-    used = {n.name for n in graph if n.name} | set(graph.initializers)
-
-    def unique(base: str) -> str:
-        name, i = base, 1
-        while name in used:
-            i += 1
-            name = f"{base}_{i}"
-        used.add(name)
-        return name
-
-    def initializer(base: str, array: np.ndarray) -> ir.Value:
-        value = ir.Value(name=unique(base), const_value=ir.tensor(np.ascontiguousarray(array)))
-        value.const_value.name = value.name  # type: ignore[union-attr]
-        graph.register_initializer(value)
-        return value
+    new = NewValues(graph)
+    unique, initializer = new.unique, new.initializer
 
     done = 0
     for bn in list(graph):

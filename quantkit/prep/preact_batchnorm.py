@@ -38,6 +38,7 @@ import numpy as np
 import onnx_ir as ir
 
 from quantkit.ops import batchnorm_shift
+from quantkit.prep.new_values import NewValues
 
 __all__ = ["preact_batchnorm"]
 
@@ -147,21 +148,7 @@ def preact_batchnorm(model: ir.Model) -> int:
     """Apply the rule of the module doc to every eligible ``BatchNormalization`` of ``model``'s main graph (in
     place); returns how many were rewritten."""
     graph = model.graph
-    used = {n.name for n in graph if n.name} | set(graph.initializers)
-
-    def unique(base: str) -> str:
-        name, i = base, 1
-        while name in used:
-            i += 1
-            name = f"{base}_{i}"
-        used.add(name)
-        return name
-
-    def initializer(base: str, array: np.ndarray) -> ir.Value:
-        value = ir.Value(name=unique(base), const_value=ir.tensor(array))
-        value.const_value.name = value.name  # type: ignore[union-attr]
-        graph.register_initializer(value)
-        return value
+    initializer = NewValues(graph).initializer
 
     done = 0
     for bn in list(graph):
