@@ -1,28 +1,21 @@
-"""Fresh names and initializers for prep passes that add constants to a graph."""
+"""Fresh initializers for prep passes that add constants to a graph (names from the lowering's ``_Namer``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
 
+from quantkit.lowering.qdq import _Namer
+
 __all__ = ["NewValues"]
 
 
 class NewValues:
-    """Names unused by ``graph``'s nodes and initializers (``unique``), and float initializers registered under
-    such a name (``initializer``)."""
+    """Float initializers registered in ``graph`` under names no node, value or initializer of it uses."""
 
     def __init__(self, graph: ir.Graph) -> None:
         self.graph = graph
-        self.used = {n.name for n in graph if n.name} | set(graph.initializers)
-
-    def unique(self, base: str) -> str:
-        name, i = base, 1
-        while name in self.used:
-            i += 1
-            name = f"{base}_{i}"
-        self.used.add(name)
-        return name
+        self.unique = _Namer(graph)
 
     def initializer(self, base: str, array: np.ndarray) -> ir.Value:
         value = ir.Value(name=self.unique(base), const_value=ir.tensor(np.ascontiguousarray(array)))
