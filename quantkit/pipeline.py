@@ -544,6 +544,26 @@ def _layer_tensors(float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, p
     return names
 
 
+def _layer_input_tensors(float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto,
+                         layers: Collection[str]) -> dict[str, list[str]]:
+    """``layer -> the activation tensors it reads`` (computed by the graph, not its inputs or initializers, and
+    present in the quantized model as a float value: the tensor before the layer's input quantizer).  Their SQNR
+    against FP32 separates the error a layer makes from the error the float ops before it amplify
+    (:mod:`quantkit.report.verdict`)."""
+    wanted = set(layers)
+    q_values = {o for n in quant_proto.graph.node for o in n.output}
+    made = {o for n in float_proto.graph.node if n.op_type != "Constant" for o in n.output}
+    out: dict[str, list[str]] = {}
+    for n in float_proto.graph.node:
+        if n.name not in wanted:
+            continue
+        data = n.input[:2] if n.op_type == "MatMul" else n.input[:1]
+        ts = [t for t in data if t and t in made and t in q_values]
+        if ts:
+            out[n.name] = ts
+    return out
+
+
 class Fp32Outputs:
     """The FP32 model's graph outputs per evaluation sample, kept for the run: the kernel check's FP32 run of a
     sample (it exposes the probe's layer tensors) hands its outputs to the fidelity pass, and a latency guard's
@@ -617,9 +637,11 @@ class _LayerProbe:
     by path)."""
 
     def __init__(self, quant_proto: onnx.ModelProto, names: Mapping[str, str], limit: int,
-                 graph_outputs: Sequence[str], float_exposed: bytes | str, staged: StagedModel | None = None) -> None:
+                 graph_outputs: Sequence[str], float_exposed: bytes | str, staged: StagedModel | None = None,
+                 inputs: Mapping[str, Sequence[str]] | None = None) -> None:
         self.names = dict(names)
-        self.tensors = list(dict.fromkeys(names.values()))
+        self.inputs = {k: list(v) for k, v in (inputs or {}).items()}  # layer -> the tensors it reads
+        self.tensors = list(dict.fromkeys([*names.values(), *(t for v in self.inputs.values() for t in v)]))
         self.extra = {t for t in self.tensors if t not in set(graph_outputs)}  # exposed only for the probe
         self.limit = limit
         self.seen = 0
@@ -670,10 +692,17 @@ class _LayerProbe:
             self.noise[t] += noise
         self.seen += int(next(iter(feed.values())).shape[0]) if feed else 1
 
+    def _db(self, t: str) -> float:
+        n, s = self.noise[t], self.sig[t]
+        return float("inf") if n == 0 else float(10 * np.log10(max(s, 1e-300) / n))
+
     def result(self) -> dict[str, float]:
-        n, s = self.noise, self.sig
-        return {layer: float("inf") if n[t] == 0 else float(10 * np.log10(max(s[t], 1e-300) / n[t]))
-                for layer, t in self.names.items()}
+        """``layer -> output SQNR (dB)`` against FP32."""
+        return {layer: self._db(t) for layer, t in self.names.items()}
+
+    def input_result(self) -> dict[str, float]:
+        """``layer -> SQNR (dB) of the worst tensor it reads``, before its input quantizer (``inf``: exact)."""
+        return {layer: min(self._db(t) for t in ts) for layer, ts in self.inputs.items() if self.seen}
 
 
 def layer_probe(float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, plan: QuantPlan, *, limit: int = 16,
@@ -685,10 +714,11 @@ def layer_probe(float_proto: onnx.ModelProto, quant_proto: onnx.ModelProto, plan
     names = _layer_tensors(float_proto, quant_proto, plan, extra_layers)
     if not names or limit <= 0:
         return None
-    tensors = list(dict.fromkeys(names.values()))
+    inputs = _layer_input_tensors(float_proto, quant_proto, names)
+    tensors = list(dict.fromkeys([*names.values(), *(t for v in inputs.values() for t in v)]))
     exposed = (float_staged.variant(tensors) if float_staged is not None else _exposed(float_proto, tensors))
     return _LayerProbe(quant_proto, names, limit, [o.name for o in float_proto.graph.output], exposed,
-                       staged=quant_staged)
+                       staged=quant_staged, inputs=inputs)
 
 
 def layer_sqnr(

@@ -360,6 +360,6 @@ def _run_plan(loaded: LoadedModel, float_model: ir.Model, plan: PrecisionPlan, c
         census=cen, quality=quality, per_layer_sqnr=per_layer, latency=latency, timings=timings,
         calibration_samples=len(cal), evaluation_samples=len(ev) if ev is not None else 0, kernels=kernels,
         zero_range=lowered.zero_range, search=search, calibration=job.artifacts.calibration_info, load=load,
-        int4_kernel=int4)
+        int4_kernel=int4, layer_input_sqnr=probe.input_result() if probe is not None else None)
     return QuantizeResult(lowered.model, float_model, lowered.static, lowered.lowering, cen, report, rec, timings,
                           precision=plan, lowered=lowered)

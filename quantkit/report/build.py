@@ -19,7 +19,14 @@ from quantkit.evaluate.latency import load_average
 from quantkit.lowering.verify import Census
 from quantkit.ops import FUSED_KERNELS, PASSTHROUGH
 from quantkit.recipe import RecipeModel
-from quantkit.report.verdict import error_growth, layer_predecessors, verdict_warnings
+from quantkit.report.verdict import (
+    UPSTREAM,
+    error_growth,
+    layer_predecessors,
+    layers_between,
+    upstream_layers,
+    verdict_warnings,
+)
 
 
 def environment() -> dict[str, Any]:
@@ -516,6 +523,7 @@ def build_report(
     model_given: str | None = None,
     load: Mapping[str, Any] | None = None,
     int4_kernel: Mapping[str, Any] | None = None,
+    layer_input_sqnr: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The one report of a quantized model, whatever its mix of formats (JSON-serialisable).
 
@@ -524,7 +532,8 @@ def build_report(
     dynamic / 16-bit rows); ``quality`` holds ``fidelity`` (per output) and / or perplexities; ``search`` the
     solver's target, status and prediction when a search chose the plan.  ``source`` says where the model was
     read from, ``model_given`` how the user named it (default: the recipe's ``model.source``); ``load`` the load
-    average around the latency runs (:func:`load_average`, ``{"start": [...], "end": [...]}``).
+    average around the latency runs (:func:`load_average`, ``{"start": [...], "end": [...]}``);
+    ``layer_input_sqnr`` the SQNR of the tensors each layer reads (:mod:`quantkit.report.verdict`).
     """
     static_rows, unfused = _static_rows(lowered, census, per_layer_sqnr)
     woq = _section_rows(lowered.sections.get("weight_only", []), "weight_only", census, per_layer_sqnr)
@@ -544,7 +553,7 @@ def build_report(
         top = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
         warnings.insert(0, "no layer was quantized: the output is the float model" + (
             " (most common reasons: " + "; ".join(f"{why} ({n} nodes)" for why, n in top) + ")" if top else ""))
-    growth = _growth(float_proto, per_layer_sqnr, kernels or {})
+    growth = _growth(float_proto, per_layer_sqnr, kernels or {}, layer_input_sqnr or {})
     warnings += verdict_warnings(quality.get("fidelity", {}), growth["sqnr"], kernels or {}, growth["drift"])
     counts: dict[str, int] = {}
     for f in formats.values():
@@ -592,17 +601,24 @@ def build_report(
     return complete_report(rep, load=load)
 
 
-def _growth(float_proto: onnx.ModelProto, per_layer_sqnr: Mapping[str, float], kernels: Mapping[str, Any]
-            ) -> dict[str, list[dict[str, Any]]]:
-    """Where the error grows along the chain (:mod:`quantkit.report.verdict`): against FP32, and between
-    the fused kernels and the QDQ math."""
+def _growth(float_proto: onnx.ModelProto, per_layer_sqnr: Mapping[str, float], kernels: Mapping[str, Any],
+            input_sqnr: Mapping[str, float]) -> dict[str, list[dict[str, Any]]]:
+    """Where the error grows along the chain (:mod:`quantkit.report.verdict`): against FP32 (split into the
+    layers' own growth and the float ops' between them, where ``input_sqnr`` measured what the layers read),
+    and between the fused kernels and the QDQ math.  Each is walked over its own set of layers: a tensor
+    measured by one and not the other is not a predecessor without a figure."""
     drift: dict[str, float] = {}
     for r in (kernels.get("check") or {}).get("layers") or []:
         d = r.get("drift_db")
         if isinstance(d, (int, float)):
             drift[str(r["layer"])] = min(float(d), drift.get(str(r["layer"]), float("inf")))
-    preds = layer_predecessors(float_proto, set(per_layer_sqnr) | set(drift))
-    return {"sqnr": error_growth(per_layer_sqnr, preds), "drift": error_growth(drift, preds)}
+    layers = set(per_layer_sqnr)
+    sqnr = error_growth(per_layer_sqnr, layer_predecessors(float_proto, layers), input_sqnr,
+                        layers_between(float_proto, layers) if input_sqnr else None)
+    for r in sqnr[:2 * UPSTREAM]:
+        if r.get("kind") == "between" and r["growth_db"] > 0:
+            r["upstream"], r["upstream_more"] = upstream_layers(float_proto, layers, r["layer"])
+    return {"sqnr": sqnr, "drift": error_growth(drift, layer_predecessors(float_proto, set(drift)))}
 
 
 def _warnings(static_rows: list[dict[str, Any]], unfused: list[dict[str, Any]], woq: list[dict[str, Any]],

@@ -14,6 +14,13 @@ its *growth* is ``min_{p in P} SQNR(p) - SQNR(L)`` in dB: how much worse its out
 its inputs.  A layer fed only by graph inputs (exact) is compared with :data:`IDEAL_INT8_DB`.  The layers
 with the largest growth are where the error is made or amplified; keeping them in float is the first
 thing to try, and the verdict prints the recipe snippet.
+
+Where the report also measured the tensors a layer *reads* (before its input quantizer), the growth is split
+in two: the layer's own (``SQNR(input) - SQNR(L)``: its weights and input quantizer) and the growth *between*
+``P`` and ``L`` (``min SQNR(p) - SQNR(input)``), made by the float ops on the way.  A LayerNorm over a
+tensor whose power is mostly a common offset, or frames of near-zero variance, turns a 24 dB input into 8 dB
+without quantizing anything (wav2vec2's feature encoder into its projection): keeping ``L`` in float cannot
+help there, keeping the layers *before* the ops in float does, and the verdict names those instead.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any
 
 import onnx
 
-__all__ = ["error_growth", "layer_predecessors", "verdict_warnings"]
+__all__ = ["error_growth", "layer_predecessors", "layers_between", "upstream_layers", "verdict_warnings"]
 
 IDEAL_INT8_DB = 6.02 * 8
 """SQNR of an ideal 8-bit uniform quantizer on a full-scale uniform signal: the reference for a layer fed
@@ -39,17 +46,23 @@ DRIFT_SQNR_DB = 30.0
 alone agrees (one rounding step on ~1% of the codes of one layer gives ~40 dB)."""
 DRIFT_TOP1 = 0.95
 TOP = 3
+GROWTH_MIN_DB = 1.0
+"""Growth below this is not named: a layer that loses less than 1 dB of what it reads is not where the error is
+made (and 16 evaluation samples do not resolve it much better)."""
+UPSTREAM = 8
+"""At most this many layers (nearest first) are named to keep in float before ops that amplify the error."""
 
 
-def layer_predecessors(proto: onnx.ModelProto, layers: set[str]) -> dict[str, list[str]]:
-    """``layer -> the nearest layers of `layers` upstream of it`` (through nodes that are not layers)."""
+def _walk(proto: onnx.ModelProto, layers: set[str]) -> dict[str, tuple[list[str], list[str]]]:
+    """``layer -> (the nearest layers of `layers` upstream of it, the op types of the nodes walked through)``."""
     producer = {o: n for n in proto.graph.node for o in n.output}
     inits = {t.name for t in proto.graph.initializer}
-    out: dict[str, list[str]] = {}
+    out: dict[str, tuple[list[str], list[str]]] = {}
     for node in proto.graph.node:
         if node.name not in layers:
             continue
         preds: list[str] = []
+        via: list[str] = []
         stack = [i for i in node.input if i and i not in inits]
         seen: set[str] = set()
         while stack:
@@ -64,22 +77,74 @@ def layer_predecessors(proto: onnx.ModelProto, layers: set[str]) -> dict[str, li
                 if p.name not in preds:
                     preds.append(p.name)
                 continue
+            if p.op_type not in via and p.op_type != "Constant":
+                via.append(p.op_type)
             stack.extend(i for i in p.input if i and i not in inits)
-        out[node.name] = preds
+        out[node.name] = (preds, via[::-1])  # in graph order
     return out
 
 
-def error_growth(values: Mapping[str, float], preds: Mapping[str, list[str]]) -> list[dict[str, Any]]:
-    """Rows ``{layer, in_db, out_db, growth_db}`` sorted by growth (largest first), for the layers of
-    ``values`` (SQNR in dB per layer) whose value is finite (module doc)."""
+def layer_predecessors(proto: onnx.ModelProto, layers: set[str]) -> dict[str, list[str]]:
+    """``layer -> the nearest layers of `layers` upstream of it`` (through nodes that are not layers)."""
+    return {k: v[0] for k, v in _walk(proto, layers).items()}
+
+
+def layers_between(proto: onnx.ModelProto, layers: set[str]) -> dict[str, list[str]]:
+    """``layer -> the op types between it and its nearest upstream layers`` (graph order reversed)."""
+    return {k: v[1] for k, v in _walk(proto, layers).items()}
+
+
+def upstream_layers(proto: onnx.ModelProto, layers: set[str], layer: str, limit: int = UPSTREAM
+                    ) -> tuple[list[str], int]:
+    """The layers of ``layers`` upstream of ``layer`` (all of them, not only the nearest), nearest first: at most
+    ``limit``, and how many more there are."""
+    producer = {o: n for n in proto.graph.node for o in n.output}
+    node = next((n for n in proto.graph.node if n.name == layer), None)
+    if node is None:
+        return [], 0
+    found: list[str] = []
+    frontier = [i for i in node.input if i]
+    seen: set[str] = set(frontier)
+    while frontier:  # breadth first: by distance in nodes
+        nxt: list[str] = []
+        for t in frontier:
+            p = producer.get(t)
+            if p is None:
+                continue
+            if p.name in layers and p.name != layer and p.name not in found:
+                found.append(p.name)
+            for i in p.input:
+                if i and i not in seen:
+                    seen.add(i)
+                    nxt.append(i)
+        frontier = nxt
+    return found[:limit], max(0, len(found) - limit)
+
+
+def error_growth(values: Mapping[str, float], preds: Mapping[str, list[str]],
+                 inputs: Mapping[str, float] | None = None, via: Mapping[str, list[str]] | None = None
+                 ) -> list[dict[str, Any]]:
+    """Rows sorted by growth (largest first), for the layers of ``values`` (SQNR in dB per layer) whose value is
+    finite (module doc): ``{kind: "layer", layer, in_db, out_db, growth_db}``, and where ``inputs`` (``layer ->
+    SQNR of the tensors it reads``) has the layer and it has predecessors, also ``{kind: "between", layer, after,
+    via, in_db, out_db, growth_db}``: the growth made by the nodes (op types ``via``) between its predecessors
+    ``after`` and its input."""
+    inputs = inputs or {}
     rows: list[dict[str, Any]] = []
     for layer, v in values.items():
         if v is None or not math.isfinite(float(v)):
             continue
-        ins = [float(values[p]) for p in preds.get(layer, []) if p in values and values[p] is not None]
-        ins = [x for x in ins if math.isfinite(x)]
-        ref = min(ins) if ins else IDEAL_INT8_DB
-        rows.append({"layer": layer, "in_db": ref, "out_db": float(v), "growth_db": ref - float(v)})
+        after = [p for p in preds.get(layer, []) if p in values and values[p] is not None
+                 and math.isfinite(float(values[p]))]
+        ref = min(float(values[p]) for p in after) if after else IDEAL_INT8_DB
+        own = inputs.get(layer)
+        if own is not None and not math.isnan(float(own)):
+            if after and math.isfinite(float(own)):
+                rows.append({"kind": "between", "layer": layer, "after": after,
+                             "via": list((via or {}).get(layer, [])), "in_db": ref, "out_db": float(own),
+                             "growth_db": ref - float(own)})
+            ref = min(float(own), IDEAL_INT8_DB)
+        rows.append({"kind": "layer", "layer": layer, "in_db": ref, "out_db": float(v), "growth_db": ref - float(v)})
     rows.sort(key=lambda r: -float(r["growth_db"]))
     return rows
 
@@ -90,7 +155,26 @@ def _snippet(layers: list[str]) -> str:
 
 
 def _where(rows: list[dict[str, Any]]) -> str:
-    return ", ".join(f"{r['layer']} ({r['in_db']:.1f} -> {r['out_db']:.1f} dB)" for r in rows)
+    parts = []
+    for r in rows:
+        if r.get("kind") == "between":
+            ops = "/".join(r.get("via") or []) or "the nodes"
+            parts.append(f"the {ops} between {', '.join(r['after'])} and {r['layer']} ({r['in_db']:.1f} -> "
+                         f"{r['out_db']:.1f} dB, in float: they amplify the error of the layers before them, so "
+                         f"keeping {r['layer']} in float would not help)")
+        else:
+            parts.append(f"{r['layer']} ({r['in_db']:.1f} -> {r['out_db']:.1f} dB)")
+    return ", ".join(parts)
+
+
+def _keep_float(rows: list[dict[str, Any]]) -> list[str]:
+    """The layers the verdict suggests keeping in float: a layer where it grows, the layers before the float ops
+    where it grows between layers (``upstream``, set by the report from the graph; else the nearest ones)."""
+    out: list[str] = []
+    for r in rows:
+        names = (r.get("upstream") or r.get("after") or []) if r.get("kind") == "between" else [r["layer"]]
+        out += [n for n in names if n not in out]
+    return out
 
 
 def verdict_warnings(fidelity: Mapping[str, Mapping[str, float]], sqnr_growth: list[dict[str, Any]],
@@ -100,18 +184,22 @@ def verdict_warnings(fidelity: Mapping[str, Mapping[str, float]], sqnr_growth: l
     out = []
     worst = [(name, d) for name, d in fidelity.items()
              if float(d.get("sqnr_db", math.inf)) < FIDELITY_SQNR_DB or d.get("top1_agreement", 1.0) < FIDELITY_TOP1]
-    top = [r for r in sqnr_growth if r["growth_db"] > 0][:TOP]
+    top = [r for r in sqnr_growth if r["growth_db"] >= GROWTH_MIN_DB][:TOP]
     if worst and top:
         what = "; ".join(f"'{n}' SQNR {float(d.get('sqnr_db', math.nan)):.1f} dB"
                          + (f", top-1 {d['top1_agreement']:.2f}" if "top1_agreement" in d else "") for n, d in worst)
+        keep = _keep_float(top)
+        more = sum(int(r.get("upstream_more", 0)) for r in top if r.get("kind") == "between")
         out.append(f"accuracy: the quantized model is far from FP32 ({what}); the error grows most at "
-                   f"{_where(top)} (layer output SQNR vs FP32, from its worst input to its output). Try keeping "
-                   f"them in float: {_snippet([r['layer'] for r in top])}")
+                   f"{_where(top)} (SQNR vs FP32, from the worst input to the output). Try keeping "
+                   + ("these layers" if keep != [r["layer"] for r in top] else "them")
+                   + f" in float: {_snippet(keep)}"
+                   + (f" ({more} more layers upstream feed the same ops)" if more else ""))
     chk = kernels.get("check") or {}
     if chk and chk.get("agree", False):
         drifting = [(n, d) for n, d in (chk.get("outputs") or {}).items()
                     if float(d.get("sqnr_db", math.inf)) < DRIFT_SQNR_DB or d.get("top1_agreement", 1.0) < DRIFT_TOP1]
-        dtop = [r for r in drift_growth if r["growth_db"] > 0][:TOP]
+        dtop = [r for r in drift_growth if r["growth_db"] >= GROWTH_MIN_DB][:TOP]
         if drifting and dtop:
             what = "; ".join(f"'{n}' SQNR {float(d.get('sqnr_db', math.nan)):.1f} dB"
                              + (f", top-1 {d['top1_agreement']:.2f}" if "top1_agreement" in d else "")

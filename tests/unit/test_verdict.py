@@ -7,7 +7,14 @@ import math
 import onnx
 import pytest
 
-from quantkit.report.verdict import IDEAL_INT8_DB, error_growth, layer_predecessors, verdict_warnings
+from quantkit.report.verdict import (
+    IDEAL_INT8_DB,
+    error_growth,
+    layer_predecessors,
+    layers_between,
+    upstream_layers,
+    verdict_warnings,
+)
 
 GRAPH = """
 <ir_version: 8, opset_import: ["" : 17]>
@@ -59,3 +66,60 @@ def test_verdicts_name_the_layers_and_print_a_recipe_snippet() -> None:
     assert len(ws) == 1 and ws[0].startswith("kernels:") and "l3 (90.0 -> 45.0 dB)" in ws[0]
     kernels["check"]["agree"] = False  # a layer that parts is reported by the kernel check itself
     assert verdict_warnings(good, growth, kernels, drift) == []
+
+
+def test_growth_between_layers_is_split_from_the_layers_own() -> None:
+    """With the SQNR of what a layer reads, the error that float ops between layers amplify is its own row,
+    and the verdict names the layers before those ops, not the layer after them."""
+    preds = layer_predecessors(_model(), {"l1", "l2", "l3", "add"})
+    values = {"l1": 40.0, "l2": 15.0, "l3": 38.0, "add": 14.0}
+    inputs = {"l2": 16.0, "l3": 39.5}  # the Relu between l1 and l2 made l2's input 24 dB worse than l1's output
+    rows = error_growth(values, preds, inputs, {"l2": ["Relu"], "l3": ["Relu"]})
+    first = rows[0]
+    assert first["kind"] == "between" and first["layer"] == "l2" and first["after"] == ["l1"]
+    assert first["growth_db"] == pytest.approx(24.0) and first["via"] == ["Relu"]
+    own = {(r["kind"], r["layer"]): r for r in rows}
+    assert own[("layer", "l2")]["in_db"] == pytest.approx(16.0) and own[("layer", "l2")]["growth_db"] == pytest.approx(1)
+    assert own[("layer", "l1")]["in_db"] == pytest.approx(IDEAL_INT8_DB)  # no input figure: as before
+    bad = {"y": {"sqnr_db": 12.0}}
+    (w,) = verdict_warnings(bad, rows, {}, [])
+    assert "the Relu between l1 and l2 (40.0 -> 16.0 dB" in w and "keeping l2 in float would not help" in w
+    snippet = w.split("Try keeping")[1]
+    assert "{layer: l1, format: fp32}" in snippet and "{layer: l2," not in snippet
+
+
+def test_upstream_layers_are_nearest_first() -> None:
+    m = _model()
+    assert upstream_layers(m, {"l1", "l2", "l3", "add"}, "add") == (["l2", "l3", "l1"], 0) or \
+        upstream_layers(m, {"l1", "l2", "l3", "add"}, "add") == (["l3", "l2", "l1"], 0)
+    assert upstream_layers(m, {"l1", "l2", "l3", "add"}, "add", limit=1)[1] == 2
+    assert layers_between(m, {"l1", "l2"})["l2"] == ["Relu"]
+
+
+def test_report_names_the_layers_before_an_amplifying_layernorm() -> None:
+    """End to end on a tiny graph: a Conv whose output is mostly a common offset (bias 10 on every channel), then a
+    LayerNorm over the channels (it removes the offset: the int8 error of the Conv's output, small against 10, is
+    large against what remains), then a MatMul.  The report must name the Conv (keeping it float fixes the model),
+    not the MatMul (keeping that float changes nothing)."""
+    import numpy as np
+
+    from quantkit.api import quantize
+    from tests.conftest import image_batches
+    from tests.tiny_graphs import TinyGraph
+
+    g = TinyGraph(0)
+    c = g.node("Conv", ["input", g.w("w", 8, 3, 3, 3, s=0.02), g.c("b", np.full(8, 10.0))], "conv", pads=[1, 1, 1, 1])
+    t = g.node("Transpose", [c], "nhwc", perm=[0, 2, 3, 1])
+    ln = g.node("LayerNormalization", [t, g.c("gamma", np.ones(8)), g.c("beta", np.zeros(8))], "ln", axis=-1)
+    y = g.node("MatMul", [ln, g.w("wm", 8, 8)], "y")
+    model = g.model("offset_ln", y, ["N", 16, 16, 8])
+    recipe = {"version": 1, "name": "unit", "report": {"latency": {"enabled": False}}}
+    res = quantize(model, image_batches(4), recipe, evaluation_data=image_batches(2, seed=2), progress=False)
+    before = res.report["quality"]["fidelity"]["y"]["sqnr_db"]
+    (w,) = [w for w in res.report["warnings"] if w.startswith("accuracy:")]
+    assert "between conv_node and y_node" in w and "LayerNormalization" in w, w
+    snippet = w.split("Try keeping")[1]
+    assert "{layer: conv_node, format: fp32}" in snippet and "y_node" not in snippet, w
+    recipe["quantization"] = {"overrides": [{"layer": "conv_node", "format": "fp32"}]}
+    fixed = quantize(model, image_batches(4), recipe, evaluation_data=image_batches(2, seed=2), progress=False)
+    assert fixed.report["quality"]["fidelity"]["y"]["sqnr_db"] > before + 10
