@@ -514,7 +514,32 @@ class _Hook(BuildHook):
     def untie_head(self) -> bool:
         lp = self.plans["lm_head"]
         return self.rotated or (self.needs_stats and LAYERWISE_FORMATS[lp.format] is not None
-                                and lp.algorithm in STATS_ALGORITHMS)  # fmt: skip
+                                and lp.algorithm in STATS_ALGORITHMS) or self._wants_hot()  # fmt: skip
+
+    def _wants_hot(self) -> bool:
+        lp = self.plans["lm_head"]
+        return lp.hot_rows > 0 and LAYERWISE_FORMATS[lp.format] == 4 and self.windows is not None
+
+    def _hot_ids(self, vocab: int) -> np.ndarray | None:
+        """The lm_head's hot rows (recipe ``hot_rows``): the vocabulary ids most frequent in the calibration
+        windows, ties to the lower id, only ids that occur, at most ``vocab - 1``; ascending.  ``None``: none."""
+        lp = self.plans["lm_head"]
+        if lp.hot_rows <= 0 or LAYERWISE_FORMATS[lp.format] != 4:
+            return None
+        if self.windows is None:
+            self.notes["lm_head"] = "hot_rows: no calibration tokens to count, every row at 4 bits"
+            return None
+        ids = np.asarray(self.windows).ravel()
+        freq = np.bincount(ids[(ids >= 0) & (ids < vocab)], minlength=vocab)
+        n = min(lp.hot_rows, int(np.count_nonzero(freq)), vocab - 1)
+        if n <= 0:
+            return None
+        order = np.argsort(-freq, kind="stable")  # by count, then by id
+        hot = np.sort(order[:n]).astype(np.int64)
+        self.notes["lm_head"] = (f"hot rows: the {n} vocabulary rows most frequent in the calibration tokens "
+                                 f"({float(freq[hot].sum()) / max(int(freq.sum()), 1):.1%} of them) at 8 bits, "
+                                 f"the other {vocab - n} at 4 bits")  # fmt: skip
+        return hot
 
     def embedding(self, table: Any, tied: bool, positions: Any = None) -> PackedLinear | None:
         q = None
@@ -623,10 +648,28 @@ class _Hook(BuildHook):
             stats, sample = self._gather(self._final_rows(norm_weight, norm_bias), self.cfg.hidden_size, want, check,
                                          seed=self.cfg.num_hidden_layers + 1)  # fmt: skip
         w = _f32_transposed(weight)
-        q = self._quantize("lm_head", w, stats, self.cfg.num_hidden_layers)
+        hot = self._hot_ids(w.shape[1])
+        if hot is None:
+            q = self._quantize("lm_head", w, stats, self.cfg.num_hidden_layers)
+            if q is None:
+                return None
+            return self._w4a8({"lm_head": q}, {"lm_head": w}, sample)["lm_head"]
+        # hot rows: the other columns as planned (GPTQ treats columns apart: the same codes as in the whole
+        # layer), the hot ones at 8 bits to the nearest level (their rounding error is 1/16 of 4 bits')
+        cold = np.setdiff1d(np.arange(w.shape[1]), hot)
+        wc = np.ascontiguousarray(w[:, cold])
+        q = self._quantize("lm_head", wc, stats, self.cfg.num_hidden_layers)
         if q is None:
             return None
-        return self._w4a8({"lm_head": q}, {"lm_head": w}, sample)["lm_head"]
+        wh = np.ascontiguousarray(w[:, hot])
+        if q.input_scale is not None:  # the layer reads x / s (AWQ): the hot columns see the same input
+            wh = wh * np.asarray(q.input_scale, np.float32)[:, None]
+        self.plans["lm_head.hot"] = dataclasses.replace(lp, layer="lm_head.hot", format="int8_weight", algorithm="rtn",
+                                                        algorithm_options=(), hot_rows=0)  # fmt: skip
+        qh = self._quantize("lm_head.hot", wh, None, self.cfg.num_hidden_layers)
+        assert qh is not None  # noqa: S101 - an int8_weight plan is always quantized
+        q = self._w4a8({"lm_head": q}, {"lm_head": wc}, sample)["lm_head"]
+        return dataclasses.replace(q, hot=dataclasses.replace(qh, input_scale=None), hot_ids=hot)
 
     def tied_head(self, q: PackedLinear, read_table: Callable[[], Any], norm_weight: Any,
                   norm_bias: Any = None) -> PackedLinear:

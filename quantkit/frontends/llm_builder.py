@@ -340,10 +340,15 @@ class PackedLinear:
     N: int
     input_scale: np.ndarray | None = None
     accuracy_level: int = 4
+    # an lm_head with hot rows (recipe ``hot_rows``): this layer holds the other columns of ``W`` (``N`` of them,
+    # ascending vocabulary order) and ``hot`` the columns ``hot_ids`` (ascending) at 8 bits
+    hot: PackedLinear | None = None
+    hot_ids: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
-        return int(self.B.nbytes + self.scales.nbytes + (0 if self.zero_points is None else self.zero_points.nbytes))
+        own = self.B.nbytes + self.scales.nbytes + (0 if self.zero_points is None else self.zero_points.nbytes)
+        return int(own + (self.hot.nbytes if self.hot is not None else 0))
 
 
 class BuildHook:
@@ -455,6 +460,23 @@ def _matmul_nbits(g: _GraphBuilder, x: str, prefix: str, q: PackedLinear, weight
         ins.append(zero_points_name or g.external(f"{prefix}.weight_zero_points", q.zero_points))
     return g.node("MatMulNBits", ins, [out or f"{prefix}/output_0"], prefix, _MS, K=q.K, N=q.N, bits=q.bits,
                   block_size=q.block_size, accuracy_level=q.accuracy_level)[0]  # fmt: skip
+
+
+def _split_head(g: _GraphBuilder, x: str, prefix: str, q: PackedLinear, out: str) -> str:
+    """An lm_head with hot rows: ``MatMulNBits`` of the hot columns (8 bits) and of the rest (``q``), concatenated
+    and put back in vocabulary order by one ``Gather`` along the last axis (``out``)."""
+    assert q.hot is not None and q.hot_ids is not None  # noqa: S101 - the caller checked
+    vocab = q.N + q.hot.N
+    hot = np.asarray(q.hot_ids, np.int64)
+    cold = np.setdiff1d(np.arange(vocab, dtype=np.int64), hot)
+    pos = np.empty(vocab, np.int64)  # vocabulary id -> its column in Concat(hot, cold)
+    pos[hot] = np.arange(len(hot))
+    pos[cold] = len(hot) + np.arange(len(cold))
+    h = _matmul_nbits(g, x, f"{prefix}.hot", q.hot)
+    c = _matmul_nbits(g, x, prefix, dataclasses.replace(q, hot=None, hot_ids=None))
+    cat = g.node("Concat", [h, c], [f"{prefix}/concat/output_0"], f"{prefix}/concat", axis=-1)[0]
+    return g.node("Gather", [cat, g.external(f"{prefix}.vocab_order", pos)], [out], f"{prefix}/vocab_order",
+                  axis=-1)[0]  # fmt: skip
 
 
 def _scaled_input(g: _GraphBuilder, x: str, prefix: str, q: PackedLinear | None) -> str:
@@ -1125,6 +1147,8 @@ def _build(
         q_lm = hook.lm_head(lm, gamma) if beta is None else hook.lm_head(lm, gamma, norm_bias=beta)
         if q_lm is None:
             g.node("MatMul", [hidden, g.external("lm_head.weight", lm.T)], [logits], "lm_head")
+        elif q_lm.hot is not None:
+            _split_head(g, _scaled_input(g, hidden, "lm_head", q_lm), "lm_head", q_lm, logits)
         else:
             _matmul_nbits(g, _scaled_input(g, hidden, "lm_head", q_lm), "lm_head", q_lm, out=logits)
         del lm

@@ -54,6 +54,7 @@ class LayerPlan:
     smoothquant: float | str = "auto"  # int8_dynamic: alpha, "auto" or "off"
     granularity: str = "per_token"  # int8_dynamic: "per_token" | "per_tensor"
     compute: str = "storage"  # fp16 / bf16: "storage" | "native"
+    hot_rows: int = 0  # an int4 lm_head: its most frequent vocabulary rows stored at 8 bits (layer-wise build)
     # ``rule``: which recipe rule decided: "default", "layer:<name>", "pattern:<re>", "op_type:<op>", or
     # "search:<candidate>" when the search chose it
 
@@ -100,6 +101,7 @@ def resolve_layer(recipe: RecipeModel, layer: str, op_type: str, module: str | N
         smoothquant=ov.smoothquant if ov is not None and ov.smoothquant is not None else d.smoothquant,
         granularity=(ov.granularity if ov is not None and ov.granularity else None) or d.granularity,
         compute=(ov.compute if ov is not None and ov.compute else None) or d.compute,
+        hot_rows=int(ov.hot_rows or 0) if ov is not None else 0,
     )
 
 

@@ -206,6 +206,12 @@ class Override(_Strict):
     smoothquant: float | Literal["auto", "off"] | None = None
     granularity: Literal["per_token", "per_tensor"] | None = None
     compute: Literal["storage", "native"] | None = None
+    hot_rows: int | None = Field(
+        None, ge=0,
+        description="lm_head at int4, layer-wise build: the N vocabulary rows most frequent in the calibration "
+                    "tokens are stored at 8 bits (a second MatMulNBits; the logits keep their order), the rest at "
+                    "4 bits. 0 or null: none",
+    )
 
     _alpha_range = field_validator("smoothquant")(classmethod(lambda cls, v: _smoothquant_alpha(v)))
     _alpha_bool = field_validator("smoothquant", mode="before")(classmethod(lambda cls, v: _smoothquant_bool(v, "off")))
@@ -219,6 +225,9 @@ class Override(_Strict):
             )
         if self.pattern is not None:
             _check_pattern(self.pattern)
+        if self.hot_rows and self.layer != "lm_head":
+            raise ValueError(f"hot_rows splits the vocabulary rows of the lm_head: it needs 'layer: lm_head'; got "
+                             f"{ {k: getattr(self, k) for k in given} }")
         return self
 
 

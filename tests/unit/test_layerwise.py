@@ -399,3 +399,54 @@ def test_gptq_in_column_slices_gives_the_layer_quantized_whole(folders: dict[boo
         m = onnx.load(str(tmp_path / how / "model.onnx"))
         built[how] = {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in m.graph.initializer}
     assert built["whole"] == built["slices"]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_hot_rows_of_the_lm_head_are_8_bit_and_the_logits_keep_their_order(
+        folders: dict[bool, tuple[Path, Any]], tmp_path: Path, tied: bool) -> None:
+    """``hot_rows``: the lm_head's vocabulary rows most frequent in the calibration windows at 8 bits (a second
+    MatMulNBits), the rest as planned; Concat + Gather put the logits back in vocabulary order.  Checked against the
+    same build without hot rows: the cold columns' logits are the same numbers, the hot columns' are closer to the
+    float model's, and the hot ids are exactly the most frequent calibration tokens."""
+    folder, model = folders[tied]
+    rng = np.random.default_rng(9)
+    favourite = np.array([5, 17, 200, 41])  # calibration text that uses these tokens most
+    win = np.where(rng.random((3, 16)) < 0.6, rng.choice(favourite, (3, 16)), rng.integers(0, VOCAB, (3, 16)))
+    rec = _recipe(folder, format="fp32")  # the blocks float: the logits' error is the head's
+    head = {"layer": "lm_head", "format": "int4", "group_size": 32, "algorithm": "gptq"}
+    rec["quantization"]["overrides"] = [{**head, "hot_rows": 4}]
+    hot = quantize_llm_layerwise(folder, tmp_path / "h" / "model.onnx", PrecisionPlan.from_recipe(load_recipe(rec)),
+                                 win, work_dir=tmp_path / "w1", progress=False)  # fmt: skip
+    rec["quantization"]["overrides"] = [head]
+    plain = quantize_llm_layerwise(folder, tmp_path / "p" / "model.onnx", PrecisionPlan.from_recipe(load_recipe(rec)),
+                                   win, work_dir=tmp_path / "w2", progress=False)  # fmt: skip
+    m = onnx.load(str(hot.path), load_external_data=False)
+    nodes = {n.name: n for n in m.graph.node}
+    bits = {k: {a.name: a.i for a in nodes[k].attribute}["bits"] for k in ("lm_head", "lm_head.hot")}
+    assert bits == {"lm_head": 4, "lm_head.hot": 8}
+    assert nodes["lm_head/vocab_order"].op_type == "Gather" and nodes["lm_head/vocab_order"].output[0] == "logits"
+    rows = {r["layer"]: r for r in hot.rows}
+    assert rows["lm_head.hot"]["N"] == 4 and rows["lm_head"]["N"] == VOCAB - 4
+    assert rows["lm_head"]["algorithm"] == "gptq" and rows["lm_head.hot"]["bits"] == 8
+    ids = _windows(2, 12, 3)
+    got, base = _logits(hot.path, ids), _logits(plain.path, ids)
+    ref = reference(model, ids)
+    cold = np.setdiff1d(np.arange(VOCAB), favourite)
+    np.testing.assert_allclose(got[..., cold], base[..., cold], atol=1e-4, rtol=0)  # GPTQ: columns apart
+    err_hot, err_plain = (float(np.mean((x[..., favourite] - ref[..., favourite]) ** 2)) for x in (got, base))
+    assert err_hot < 0.5 * err_plain, (err_hot, err_plain)
+    with pytest.raises(Exception, match="hot_rows"):
+        load_recipe({**rec, "quantization": {"overrides": [{**head, "hot_rows": -1}]}})
+
+
+def test_hot_rows_are_refused_off_the_lm_head_and_on_the_whole_graph_path(tmp_path: Path) -> None:
+    with pytest.raises(RecipeError, match=r"hot_rows .*needs 'layer: lm_head'"):
+        load_recipe({"version": 1, "quantization": {"overrides": [{"pattern": "head", "hot_rows": 8}]}})
+    from tests.conftest import image_batches
+    from tests.tiny_graphs import TinyGraph
+
+    g = TinyGraph(0)
+    model = g.model("conv", g.node("Conv", ["input", g.w("w", 4, 3, 3, 3)], "y", pads=[1, 1, 1, 1]), ["N", 4, 16, 16])
+    rec = {"version": 1, "quantization": {"overrides": [{"layer": "lm_head", "format": "int4", "hot_rows": 8}]}}
+    with pytest.raises(RecipeError, match=r"overrides\[0\]\.hot_rows .*whole-graph path"):
+        quantkit.quantize(model, image_batches(1), rec, progress=False)
