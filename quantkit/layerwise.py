@@ -192,6 +192,10 @@ class _Hook(BuildHook):
         # so rounded to the nearest level (its own plan entry, format / group as the recipe says)
         emb = self._layer_plan(self.embed)
         self.plans[self.embed] = dataclasses.replace(emb, algorithm="rtn", algorithm_options=())
+        odd = [n for n, lp in self.plans.items() if lp.hot_rows and n not in ("lm_head", self.embed)]
+        if odd:
+            raise RecipeError(f"layer {odd[0]!r}: hot_rows applies to the vocabulary rows of the lm_head and of the "
+                              f"input embedding only; allowed layers: lm_head, {self.embed}")  # fmt: skip
         # the W4A8 check (quantkit.lowering.w4a8): 4-bit layers built at accuracy_level 4, on their calibration inputs
         self.checks = (windows is not None and accuracy_level == 4 and w4a8_max_error_ratio is not None
                        and any(LAYERWISE_FORMATS[lp.format] == 4 for lp in self.plans.values()))  # fmt: skip
@@ -520,14 +524,15 @@ class _Hook(BuildHook):
         lp = self.plans["lm_head"]
         return lp.hot_rows > 0 and LAYERWISE_FORMATS[lp.format] == 4 and self.windows is not None
 
-    def _hot_ids(self, vocab: int) -> np.ndarray | None:
-        """The lm_head's hot rows (recipe ``hot_rows``): the vocabulary ids most frequent in the calibration
-        windows, ties to the lower id, only ids that occur, at most ``vocab - 1``; ascending.  ``None``: none."""
-        lp = self.plans["lm_head"]
+    def _hot_ids(self, vocab: int, name: str = "lm_head") -> np.ndarray | None:
+        """The hot rows of ``name`` (the lm_head or the embedding; recipe ``hot_rows``): the vocabulary ids most
+        frequent in the calibration windows, ties to the lower id, only ids that occur, at most ``vocab - 1``;
+        ascending.  ``None``: none."""
+        lp = self.plans[name]
         if lp.hot_rows <= 0 or LAYERWISE_FORMATS[lp.format] != 4:
             return None
         if self.windows is None:
-            self.notes["lm_head"] = "hot_rows: no calibration tokens to count, every row at 4 bits"
+            self.notes[name] = "hot_rows: no calibration tokens to count, every row at 4 bits"
             return None
         ids = np.asarray(self.windows).ravel()
         freq = np.bincount(ids[(ids >= 0) & (ids < vocab)], minlength=vocab)
@@ -536,16 +541,28 @@ class _Hook(BuildHook):
             return None
         order = np.argsort(-freq, kind="stable")  # by count, then by id
         hot = np.sort(order[:n]).astype(np.int64)
-        self.notes["lm_head"] = (f"hot rows: the {n} vocabulary rows most frequent in the calibration tokens "
-                                 f"({float(freq[hot].sum()) / max(int(freq.sum()), 1):.1%} of them) at 8 bits, "
-                                 f"the other {vocab - n} at 4 bits")  # fmt: skip
+        self.notes[name] = (f"hot rows: the {n} vocabulary rows most frequent in the calibration tokens "
+                            f"({float(freq[hot].sum()) / max(int(freq.sum()), 1):.1%} of them) at 8 bits, "
+                            f"the other {vocab - n} at 4 bits")  # fmt: skip
         return hot
+
+    def _hot_part(self, name: str, w: np.ndarray, hot: np.ndarray) -> PackedLinear:
+        """The hot columns ``hot`` of ``w`` (``[K, V]``) at 8 bits to the nearest level (their rounding error is
+        1/16 of 4 bits'), reported as the row ``<name>.hot``."""
+        self.plans[f"{name}.hot"] = dataclasses.replace(self.plans[name], layer=f"{name}.hot", format="int8_weight",
+                                                        algorithm="rtn", algorithm_options=(), hot_rows=0)  # fmt: skip
+        q = self._quantize(f"{name}.hot", np.ascontiguousarray(w[:, hot]), None, -1)
+        assert q is not None  # noqa: S101 - an int8_weight plan is always quantized
+        return q
 
     def embedding(self, table: Any, tied: bool, positions: Any = None) -> PackedLinear | None:
         q = None
         if tied:
             E = _f32_transposed(table)  # [H, V] float32: the only float32 copy of the table
             q = self._quantize(self.embed if self.untie_head() else "lm_head", E, None, -1)
+            hot = self._hot_ids(E.shape[1], self.embed) if q is not None and q.bits == 4 else None
+            if q is not None and hot is not None:  # a GatherBlockQuantized of the 8-bit rows beside the 4-bit table
+                q = dataclasses.replace(q, hot=self._hot_part(self.embed, E, hot), hot_ids=hot)
             if q is not None and self.plans["lm_head"].algorithm in STATS_ALGORITHMS and not self.untie_head():
                 self.notes["lm_head"] = (f"{self.plans['lm_head'].algorithm} -> rtn: a tied embedding / lm_head is "
                                          "quantized before any block runs")  # fmt: skip
@@ -575,6 +592,13 @@ class _Hook(BuildHook):
     def _dequantized_rows(q: PackedLinear, ids: np.ndarray) -> np.ndarray:
         from quantkit.scheme.packing import unpack_int4
 
+        if q.hot is not None and q.hot_ids is not None:  # hot rows: the 8-bit table's, where the id is hot
+            rows = _Hook._dequantized_rows(dataclasses.replace(q, hot=None, hot_ids=None), ids)
+            pos = np.minimum(np.searchsorted(q.hot_ids, ids), len(q.hot_ids) - 1)
+            is_hot = q.hot_ids[pos] == ids
+            if is_hot.any():
+                rows[is_hot] = _Hook._dequantized_rows(q.hot, pos[is_hot])
+            return rows
         uniq, inv = np.unique(ids, return_inverse=True)
         V, kb, _ = q.B.shape
         u = len(uniq)
@@ -661,13 +685,9 @@ class _Hook(BuildHook):
         q = self._quantize("lm_head", wc, stats, self.cfg.num_hidden_layers)
         if q is None:
             return None
-        wh = np.ascontiguousarray(w[:, hot])
         if q.input_scale is not None:  # the layer reads x / s (AWQ): the hot columns see the same input
-            wh = wh * np.asarray(q.input_scale, np.float32)[:, None]
-        self.plans["lm_head.hot"] = dataclasses.replace(lp, layer="lm_head.hot", format="int8_weight", algorithm="rtn",
-                                                        algorithm_options=(), hot_rows=0)  # fmt: skip
-        qh = self._quantize("lm_head.hot", wh, None, self.cfg.num_hidden_layers)
-        assert qh is not None  # noqa: S101 - an int8_weight plan is always quantized
+            w = w * np.asarray(q.input_scale, np.float32)[:, None]
+        qh = self._hot_part("lm_head", w, hot)
         q = self._w4a8({"lm_head": q}, {"lm_head": wc}, sample)["lm_head"]
         return dataclasses.replace(q, hot=dataclasses.replace(qh, input_scale=None), hot_ids=hot)
 

@@ -1019,7 +1019,10 @@ def _keep_last(g: _GraphBuilder, hidden: str) -> str:
 def _gather_quantized(g: _GraphBuilder, q: PackedLinear, ids: str, out: str, name: str
                       ) -> tuple[str, tuple[str, str, str | None]]:
     """``GatherBlockQuantized`` over a tied table stored once; returns ``(output, (packed bytes, scales, zero
-    points))`` - the names the tied lm_head reads too."""
+    points))`` - the names the tied lm_head reads too.  With hot rows (``q.hot``): a second one over the 8-bit
+    rows, read where the id is hot (``Where``); the 4-bit table keeps every row."""
+    if q.hot is not None and q.hot_ids is not None:
+        return _gather_hot(g, q, ids, out, name)
     V, H, bs, bits = q.N, q.K, q.block_size, q.bits
     kb = q.B.shape[1]
     Hp = kb * bs
@@ -1033,6 +1036,25 @@ def _gather_quantized(g: _GraphBuilder, q: PackedLinear, ids: str, out: str, nam
     if Hp != H:
         g.node("Slice", [raw, g.const([0]), g.const([H]), g.const([-1])], [out], f"{name}/unpad")
     return out, (data, scales, zp)
+
+
+def _gather_hot(g: _GraphBuilder, q: PackedLinear, ids: str, out: str, name: str
+                ) -> tuple[str, tuple[str, str, str | None]]:
+    """:func:`_gather_quantized` with hot rows: ``slot = Gather(slots, ids)`` (the row in the 8-bit table, -1 for a
+    cold id), both tables gathered, ``Where(slot >= 0, hot, cold)``."""
+    assert q.hot is not None and q.hot_ids is not None  # noqa: S101 - the caller checked
+    slots = np.full(q.N, -1, np.int64)
+    slots[np.asarray(q.hot_ids, np.int64)] = np.arange(len(q.hot_ids))
+    slot = g.node("Gather", [g.external(f"{name}.hot_slots", slots), ids], [f"{name}/hot_slot/output_0"],
+                  f"{name}/hot_slot", axis=0)[0]  # fmt: skip
+    safe = g.node("Max", [slot, g.const(0)], [f"{name}/hot_slot_safe/output_0"], f"{name}/hot_slot_safe")[0]
+    is_hot = g.node("GreaterOrEqual", [slot, g.const(0)], [f"{name}/is_hot/output_0"], f"{name}/is_hot")[0]
+    is_hot = g.node("Unsqueeze", [is_hot, g.const([-1])], [f"{name}/is_hot_h/output_0"], f"{name}/is_hot_h")[0]
+    cold, shared = _gather_quantized(g, dataclasses.replace(q, hot=None, hot_ids=None), ids,
+                                     f"{name}/cold/output_0", name)  # fmt: skip
+    hot, _ = _gather_quantized(g, q.hot, safe, f"{name}.hot/output_0", f"{name}.hot")
+    g.node("Where", [is_hot, hot, cold], [out], f"{name}/hot_or_cold")
+    return out, shared
 
 
 def _learned_positions(g: _GraphBuilder, table: Any) -> str:

@@ -208,9 +208,9 @@ class Override(_Strict):
     compute: Literal["storage", "native"] | None = None
     hot_rows: int | None = Field(
         None, ge=0,
-        description="lm_head at int4, layer-wise build: the N vocabulary rows most frequent in the calibration "
-                    "tokens are stored at 8 bits (a second MatMulNBits; the logits keep their order), the rest at "
-                    "4 bits. 0 or null: none",
+        description="the lm_head or the input embedding at int4, layer-wise build: the N vocabulary rows most "
+                    "frequent in the calibration tokens are stored at 8 bits (a second MatMulNBits / "
+                    "GatherBlockQuantized; the order is kept), the rest at 4 bits. 0 or null: none",
     )
 
     _alpha_range = field_validator("smoothquant")(classmethod(lambda cls, v: _smoothquant_alpha(v)))
@@ -225,9 +225,9 @@ class Override(_Strict):
             )
         if self.pattern is not None:
             _check_pattern(self.pattern)
-        if self.hot_rows and self.layer != "lm_head":
-            raise ValueError(f"hot_rows splits the vocabulary rows of the lm_head: it needs 'layer: lm_head'; got "
-                             f"{ {k: getattr(self, k) for k in given} }")
+        if self.hot_rows and self.layer is None:
+            raise ValueError(f"hot_rows splits the vocabulary rows of one layer (the lm_head or the input embedding): "
+                             f"it needs 'layer:'; got { {k: getattr(self, k) for k in given} }")
         return self
 
 

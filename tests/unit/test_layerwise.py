@@ -440,7 +440,7 @@ def test_hot_rows_of_the_lm_head_are_8_bit_and_the_logits_keep_their_order(
 
 
 def test_hot_rows_are_refused_off_the_lm_head_and_on_the_whole_graph_path(tmp_path: Path) -> None:
-    with pytest.raises(RecipeError, match=r"hot_rows .*needs 'layer: lm_head'"):
+    with pytest.raises(RecipeError, match=r"hot_rows splits .*it needs 'layer:'"):
         load_recipe({"version": 1, "quantization": {"overrides": [{"pattern": "head", "hot_rows": 8}]}})
     from tests.conftest import image_batches
     from tests.tiny_graphs import TinyGraph
@@ -450,3 +450,57 @@ def test_hot_rows_are_refused_off_the_lm_head_and_on_the_whole_graph_path(tmp_pa
     rec = {"version": 1, "quantization": {"overrides": [{"layer": "lm_head", "format": "int4", "hot_rows": 8}]}}
     with pytest.raises(RecipeError, match=r"overrides\[0\]\.hot_rows .*whole-graph path"):
         quantkit.quantize(model, image_batches(1), rec, progress=False)
+
+
+def _subgraph(m: onnx.ModelProto, given: str, wanted: str) -> onnx.ModelProto:
+    """The nodes of ``m`` that compute ``wanted`` from ``given`` (an int64 input) and initializers."""
+    producer = {o: n for n in m.graph.node for o in n.output}
+    inits = {t.name: t for t in m.graph.initializer}
+    keep, stack, seen = [], [wanted], set()
+    while stack:
+        t = stack.pop()
+        if t in seen or t == given or t in inits or t not in producer:
+            continue
+        seen.add(t)
+        keep.append(producer[t])
+        stack.extend(i for i in producer[t].input if i)
+    order = [n for n in m.graph.node if any(n is k for k in keep)]
+    used = {i for n in order for i in n.input}
+    g = onnx.helper.make_graph(order, "sub", [onnx.helper.make_tensor_value_info(given, onnx.TensorProto.INT64, [1, None])],
+                               [onnx.helper.make_tensor_value_info(wanted, onnx.TensorProto.FLOAT, None)],
+                               [t for n, t in inits.items() if n in used])
+    return onnx.helper.make_model(g, opset_imports=list(m.opset_import), ir_version=m.ir_version)
+
+
+def test_hot_rows_of_the_embedding_are_read_from_the_8_bit_table(folders: dict[bool, tuple[Path, Any]],
+                                                                  tmp_path: Path) -> None:
+    """``hot_rows`` on the input embedding of a tied model: a GatherBlockQuantized over the 8-bit hot rows beside
+    the 4-bit table, ``Where`` picks per token.  The shipped graph's embedding output: hot ids closer to the float
+    table than the 4-bit rows, cold ids exactly the build without hot rows; the head still shares the 4-bit table."""
+    folder, model = folders[True]
+    rng = np.random.default_rng(9)
+    favourite = np.array([5, 17, 200, 41])
+    win = np.where(rng.random((3, 16)) < 0.6, rng.choice(favourite, (3, 16)), rng.integers(0, VOCAB, (3, 16)))
+    rec = _recipe(folder, algorithm="rtn", algorithm_options={"clip": False})
+    outs = {}
+    for tag, extra in (("hot", {"hot_rows": 4}), ("plain", {})):
+        rec["quantization"]["overrides"] = [{"layer": "model.embed_tokens", "format": "int4", **extra}]
+        res = quantize_llm_layerwise(folder, tmp_path / tag / "model.onnx",
+                                     PrecisionPlan.from_recipe(load_recipe(rec)), win, work_dir=tmp_path / f"w{tag}",
+                                     progress=False)  # fmt: skip
+        m = onnx.load(str(res.path))
+        emb = "/model/embed_tokens/output_0"
+        sub = _subgraph(m, "input_ids", emb)
+        ids = np.arange(VOCAB, dtype=np.int64)[None]
+        outs[tag] = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"input_ids": ids})[0][0]
+        nodes = {n.name: n for n in m.graph.node}
+        if tag == "hot":
+            assert {a.name: a.i for a in nodes["model.embed_tokens.hot"].attribute}["bits"] == 8
+            assert nodes["model.embed_tokens/hot_or_cold"].op_type == "Where"
+            assert nodes["lm_head"].input[2] == nodes["model.embed_tokens"].input[2]  # the head: the 4-bit table
+    table = model.get_input_embeddings().weight.detach().float().numpy()
+    cold = np.setdiff1d(np.arange(VOCAB), favourite)
+    np.testing.assert_array_equal(outs["hot"][cold], outs["plain"][cold])
+    err = {k: float(np.mean((outs[k][favourite] - table[favourite]) ** 2)) for k in outs}
+    assert err["hot"] < 0.05 * err["plain"], err
