@@ -672,24 +672,17 @@ class _Hook(BuildHook):
             stats, sample = self._gather(self._final_rows(norm_weight, norm_bias), self.cfg.hidden_size, want, check,
                                          seed=self.cfg.num_hidden_layers + 1)  # fmt: skip
         w = _f32_transposed(weight)
-        hot = self._hot_ids(w.shape[1])
-        if hot is None:
-            q = self._quantize("lm_head", w, stats, self.cfg.num_hidden_layers)
-            if q is None:
-                return None
-            return self._w4a8({"lm_head": q}, {"lm_head": w}, sample)["lm_head"]
-        # hot rows: the other columns as planned (GPTQ treats columns apart: the same codes as in the whole
-        # layer), the hot ones at 8 bits to the nearest level (their rounding error is 1/16 of 4 bits')
-        cold = np.setdiff1d(np.arange(w.shape[1]), hot)
-        wc = np.ascontiguousarray(w[:, cold])
-        q = self._quantize("lm_head", wc, stats, self.cfg.num_hidden_layers)
+        q = self._quantize("lm_head", w, stats, self.cfg.num_hidden_layers)
         if q is None:
             return None
+        q = self._w4a8({"lm_head": q}, {"lm_head": w}, sample)["lm_head"]
+        hot = self._hot_ids(w.shape[1])
+        if hot is None:
+            return q
+        # hot rows: the hot columns again at 8 bits (the graph writes their logits over the 4-bit ones)
         if q.input_scale is not None:  # the layer reads x / s (AWQ): the hot columns see the same input
             w = w * np.asarray(q.input_scale, np.float32)[:, None]
-        qh = self._hot_part("lm_head", w, hot)
-        q = self._w4a8({"lm_head": q}, {"lm_head": wc}, sample)["lm_head"]
-        return dataclasses.replace(q, hot=dataclasses.replace(qh, input_scale=None), hot_ids=hot)
+        return dataclasses.replace(q, hot=self._hot_part("lm_head", w, hot), hot_ids=hot)
 
     def tied_head(self, q: PackedLinear, read_table: Callable[[], Any], norm_weight: Any,
                   norm_bias: Any = None) -> PackedLinear:

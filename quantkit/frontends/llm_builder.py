@@ -340,8 +340,8 @@ class PackedLinear:
     N: int
     input_scale: np.ndarray | None = None
     accuracy_level: int = 4
-    # an lm_head with hot rows (recipe ``hot_rows``): this layer holds the other columns of ``W`` (``N`` of them,
-    # ascending vocabulary order) and ``hot`` the columns ``hot_ids`` (ascending) at 8 bits
+    # hot rows (recipe ``hot_rows``; an lm_head or an embedding table): ``hot`` holds the columns ``hot_ids``
+    # (ascending) of ``W`` again at 8 bits, read instead of this layer's 4-bit ones
     hot: PackedLinear | None = None
     hot_ids: np.ndarray | None = None
 
@@ -462,21 +462,19 @@ def _matmul_nbits(g: _GraphBuilder, x: str, prefix: str, q: PackedLinear, weight
                   block_size=q.block_size, accuracy_level=q.accuracy_level)[0]  # fmt: skip
 
 
-def _split_head(g: _GraphBuilder, x: str, prefix: str, q: PackedLinear, out: str) -> str:
-    """An lm_head with hot rows: ``MatMulNBits`` of the hot columns (8 bits) and of the rest (``q``), concatenated
-    and put back in vocabulary order by one ``Gather`` along the last axis (``out``)."""
+def _hot_head(g: _GraphBuilder, x: str, prefix: str, q: PackedLinear, out: str) -> str:
+    """An lm_head with hot rows: the 4-bit ``MatMulNBits`` of every column (``q``), the 8-bit one of the hot
+    columns, and ``ScatterElements`` writing the hot logits over their 4-bit values along the vocabulary (``out``).
+    (A split into hot and cold columns would need a ``Gather`` along the last axis to restore the order, which ONNX
+    Runtime runs element by element: 0.3 ms per decoded token for 49152 logits, ~10% of a 135M model's step, against
+    10 us for the scatter of 1830.)"""
     assert q.hot is not None and q.hot_ids is not None  # noqa: S101 - the caller checked
-    vocab = q.N + q.hot.N
-    hot = np.asarray(q.hot_ids, np.int64)
-    cold = np.setdiff1d(np.arange(vocab, dtype=np.int64), hot)
-    pos = np.empty(vocab, np.int64)  # vocabulary id -> its column in Concat(hot, cold)
-    pos[hot] = np.arange(len(hot))
-    pos[cold] = len(hot) + np.arange(len(cold))
-    h = _matmul_nbits(g, x, f"{prefix}.hot", q.hot)
-    c = _matmul_nbits(g, x, prefix, dataclasses.replace(q, hot=None, hot_ids=None))
-    cat = g.node("Concat", [h, c], [f"{prefix}/concat/output_0"], f"{prefix}/concat", axis=-1)[0]
-    return g.node("Gather", [cat, g.external(f"{prefix}.vocab_order", pos)], [out], f"{prefix}/vocab_order",
-                  axis=-1)[0]  # fmt: skip
+    full = _matmul_nbits(g, x, prefix, dataclasses.replace(q, hot=None, hot_ids=None))
+    hot = _matmul_nbits(g, x, f"{prefix}.hot", q.hot)
+    where = g.node("Expand", [g.external(f"{prefix}.hot_ids", np.asarray(q.hot_ids, np.int64)),
+                              g.node("Shape", [hot], [f"{prefix}.hot/shape/output_0"], f"{prefix}.hot/shape")[0]],
+                   [f"{prefix}.hot/ids/output_0"], f"{prefix}.hot/ids")[0]  # fmt: skip
+    return g.node("ScatterElements", [full, where, hot], [out], f"{prefix}/hot_rows", axis=-1)[0]
 
 
 def _scaled_input(g: _GraphBuilder, x: str, prefix: str, q: PackedLinear | None) -> str:
@@ -1170,7 +1168,7 @@ def _build(
         if q_lm is None:
             g.node("MatMul", [hidden, g.external("lm_head.weight", lm.T)], [logits], "lm_head")
         elif q_lm.hot is not None:
-            _split_head(g, _scaled_input(g, hidden, "lm_head", q_lm), "lm_head", q_lm, logits)
+            _hot_head(g, _scaled_input(g, hidden, "lm_head", q_lm), "lm_head", q_lm, logits)
         else:
             _matmul_nbits(g, _scaled_input(g, hidden, "lm_head", q_lm), "lm_head", q_lm, out=logits)
         del lm

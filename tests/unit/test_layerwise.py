@@ -405,7 +405,7 @@ def test_gptq_in_column_slices_gives_the_layer_quantized_whole(folders: dict[boo
 def test_hot_rows_of_the_lm_head_are_8_bit_and_the_logits_keep_their_order(
         folders: dict[bool, tuple[Path, Any]], tmp_path: Path, tied: bool) -> None:
     """``hot_rows``: the lm_head's vocabulary rows most frequent in the calibration windows at 8 bits (a second
-    MatMulNBits), the rest as planned; Concat + Gather put the logits back in vocabulary order.  Checked against the
+    MatMulNBits) written over the 4-bit logits by ScatterElements, the rest as planned.  Checked against the
     same build without hot rows: the cold columns' logits are the same numbers, the hot columns' are closer to the
     float model's, and the hot ids are exactly the most frequent calibration tokens."""
     folder, model = folders[tied]
@@ -424,15 +424,15 @@ def test_hot_rows_of_the_lm_head_are_8_bit_and_the_logits_keep_their_order(
     nodes = {n.name: n for n in m.graph.node}
     bits = {k: {a.name: a.i for a in nodes[k].attribute}["bits"] for k in ("lm_head", "lm_head.hot")}
     assert bits == {"lm_head": 4, "lm_head.hot": 8}
-    assert nodes["lm_head/vocab_order"].op_type == "Gather" and nodes["lm_head/vocab_order"].output[0] == "logits"
+    assert nodes["lm_head/hot_rows"].op_type == "ScatterElements" and nodes["lm_head/hot_rows"].output[0] == "logits"
     rows = {r["layer"]: r for r in hot.rows}
-    assert rows["lm_head.hot"]["N"] == 4 and rows["lm_head"]["N"] == VOCAB - 4
+    assert rows["lm_head.hot"]["N"] == 4 and rows["lm_head"]["N"] == VOCAB
     assert rows["lm_head"]["algorithm"] == "gptq" and rows["lm_head.hot"]["bits"] == 8
     ids = _windows(2, 12, 3)
     got, base = _logits(hot.path, ids), _logits(plain.path, ids)
     ref = reference(model, ids)
     cold = np.setdiff1d(np.arange(VOCAB), favourite)
-    np.testing.assert_allclose(got[..., cold], base[..., cold], atol=1e-4, rtol=0)  # GPTQ: columns apart
+    np.testing.assert_allclose(got[..., cold], base[..., cold], atol=1e-4, rtol=0)  # the same 4-bit head
     err_hot, err_plain = (float(np.mean((x[..., favourite] - ref[..., favourite]) ** 2)) for x in (got, base))
     assert err_hot < 0.5 * err_plain, (err_hot, err_plain)
     with pytest.raises(Exception, match="hot_rows"):
