@@ -542,8 +542,8 @@ class _Hook(BuildHook):
         order = np.argsort(-freq, kind="stable")  # by count, then by id
         hot = np.sort(order[:n]).astype(np.int64)
         self.notes[name] = (f"hot rows: the {n} vocabulary rows most frequent in the calibration tokens "
-                            f"({float(freq[hot].sum()) / max(int(freq.sum()), 1):.1%} of them) at 8 bits, "
-                            f"the other {vocab - n} at 4 bits")  # fmt: skip
+                            f"({float(freq[hot].sum()) / max(int(freq.sum()), 1):.1%} of them) read from an 8-bit "
+                            f"copy, the other {vocab - n} at 4 bits")  # fmt: skip
         return hot
 
     def _hot_part(self, name: str, w: np.ndarray, hot: np.ndarray) -> PackedLinear:
