@@ -423,6 +423,8 @@ def _layer_nodes(model: onnx.ModelProto, target: str, codes: set[str], ref: dict
         stack.extend(n.input)
     if not any(n.op_type not in ("QuantizeLinear", "DequantizeLinear") for n in keep):
         return None
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in keep for a in n.attribute):
+        return None  # an If / Loop / Scan: its body reads outer values that are no inputs of the node
     if any(i not in ref for i in inputs):
         return None
     order = {id(n): i for i, n in enumerate(model.graph.node)}
@@ -456,7 +458,7 @@ def _isolation_model(model: onnx.ModelProto, targets: list[str], codes: set[str]
     Copy ``k`` renames each of its tensors ``x`` (not the initializers, which the copies share) to
     ``x::k`` and its nodes alike, so the copies share nothing computed and ONNX Runtime fuses each exactly
     as it fuses that layer alone.  Returns the model and ``target -> (output name, {input name: tensor})``;
-    None when there is nothing to check or a node carries a subgraph (then layers run one by one)."""
+    None when there is nothing to check (a layer whose nodes carry a subgraph is not checked alone)."""
     inits = {t.name for t in model.graph.initializer}
     nodes: list[onnx.NodeProto] = []
     ins: list[onnx.ValueInfoProto] = []
@@ -468,8 +470,6 @@ def _isolation_model(model: onnx.ModelProto, targets: list[str], codes: set[str]
         if part is None:
             continue
         keep, inputs = part
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in keep for a in n.attribute):
-            return None
         if max_nodes is not None and len(keep) > max_nodes:
             continue
 

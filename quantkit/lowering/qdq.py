@@ -428,7 +428,9 @@ def _insert_activation_qdq(graph: ir.Graph, plan: QuantPlan, result: LoweringRes
         rescale = producer is not None and (producer.name or "") in plan.rescales
         producer_quantized = producer is not None and (
             producer.name in plan.layers or rescale or _folded(producer, plan))
-        uses = list(v.uses())
+        # readers inside a subgraph (an If / Loop / Scan body reading an outer value) keep the float value: the
+        # DequantizeLinear would have to live in that subgraph, and its layers are not planned
+        uses = [u for u in v.uses() if u.node.graph is graph]
         readers = [u for u in uses if (producer_quantized or u.node.name in plan.layers)
                    and (u.node.name or "") not in plan.rescales]
         if rescale:

@@ -293,6 +293,9 @@ def _int8_candidates(model: ir.Model, precision: PrecisionPlan, plan: QuantPlan)
             plan.skipped[name] = f"the plan keeps it {lp.format} ({lp.rule})"
             continue
         why = _weighted_ok(node) if node.op_type in WEIGHTED else _glue_ok(node)
+        if why is None and _read_in_subgraph(node, model.graph):
+            why = ("its output is read inside a subgraph (an If / Loop / Scan body), which keeps float values: "
+                   "the DequantizeLinear would have to live in that body")  # fmt: skip
         if why:
             plan.skipped[name] = why
             continue
@@ -306,6 +309,19 @@ def _int8_candidates(model: ir.Model, precision: PrecisionPlan, plan: QuantPlan)
             continue
         plan.layers[name] = lp
     return nodes
+
+
+def _read_in_subgraph(node: ir.Node, graph: ir.Graph) -> bool:
+    """Whether a subgraph of another node reads ``node``'s output (or, through one Relu / Clip that alone reads
+    it, that activation's output: what the layer's output quantizer would cover)."""
+    for out in node.outputs:
+        uses = list(out.uses())
+        if any(u.node.graph is not graph for u in uses):
+            return True
+        if len(uses) == 1 and uses[0].node.op_type in ABSORBABLE:
+            if any(u.node.graph is not graph for o in uses[0].node.outputs for u in o.uses()):
+                return True
+    return False
 
 
 def bias_matmul(node: ir.Node) -> ir.Node | None:
