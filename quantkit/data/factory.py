@@ -19,6 +19,7 @@ from quantkit.data.base import (
     check_array,
     check_batch,
 )
+from quantkit.data.fixed_batch import bind_fixed_batch
 from quantkit.data.images import ImageFolderDataset, get_preprocess
 from quantkit.data.iterable import IterableDataset
 from quantkit.data.kv import bind_kv_cache, split_past
@@ -112,7 +113,9 @@ def make_dataset(
     The first batch is checked against ``inputs`` so that a mismatch fails here.
 
     A KV-cache decoder's ``past_key_values.*`` inputs are not asked of the data: every batch gets
-    empty past tensors (:func:`quantkit.data.kv.bind_kv_cache`).
+    empty past tensors (:func:`quantkit.data.kv.bind_kv_cache`).  A model whose inputs fix the batch at 1 gets
+    one sample per batch whatever the size asked (:func:`quantkit.data.fixed_batch.bind_fixed_batch`; a larger
+    fixed batch is refused).
 
     Raises:
         DataError: unknown kind, unknown or missing key, a bad value, or data that does
@@ -120,7 +123,7 @@ def make_dataset(
     """
     data_inputs, past = split_past(inputs)
     ds = _make_dataset(spec, inputs=data_inputs, tokenizer=tokenizer, split=split)
-    return bind_kv_cache(ds, past)
+    return bind_kv_cache(ds, past) if past else bind_fixed_batch(ds, data_inputs)
 
 
 def _make_dataset(spec: Mapping[str, Any], *, inputs: list[InputInfo], tokenizer: Any, split: str) -> Dataset:
@@ -223,7 +226,8 @@ def as_dataset(
         DataError: the object is of none of these kinds or does not match the inputs.
     """
     data_inputs, past = split_past(inputs)
-    return bind_kv_cache(_as_dataset(obj, data_inputs, tokenizer, split=split), past)
+    ds = _as_dataset(obj, data_inputs, tokenizer, split=split)
+    return bind_kv_cache(ds, past) if past else bind_fixed_batch(ds, data_inputs)
 
 
 def _as_dataset(obj: Any, inputs: list[InputInfo], tokenizer: Any = None, *, split: str = "calibration") -> Dataset:
