@@ -551,6 +551,8 @@ def build_report(
         for why in lowered.static.skipped.values():
             reasons[why] = reasons.get(why, 0) + 1
         top = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
+        # the "quantized" model is the float model: a speed ratio below 1 is one model timed against itself
+        warnings = [w for w in warnings if not w.startswith("the quantized model is slower than FP32")]
         warnings.insert(0, "no layer was quantized: the output is the float model" + (
             " (most common reasons: " + "; ".join(f"{why} ({n} nodes)" for why, n in top) + ")" if top else ""))
     growth = _growth(float_proto, per_layer_sqnr, kernels or {}, layer_input_sqnr or {})

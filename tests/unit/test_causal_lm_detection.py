@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from quantkit.recipe import load_recipe
@@ -44,8 +45,13 @@ def test_only_causal_models_are_language_models() -> None:
     assert not _is_lm(off, _encoder("causal"))
 
 
-def test_a_plan_that_quantizes_nothing_says_so_in_the_report() -> None:
-    """An FP16 model (or a plan that keeps every layer float) is emitted unquantized: the report warns, naming why."""
+def test_a_plan_that_quantizes_nothing_says_so_in_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An FP16 model (or a plan that keeps every layer float) is emitted unquantized: the report warns, naming why,
+    and does not call the float model slower than itself (here timed at 0.9x FP32)."""
+    import quantkit.run as run
+
+    real = run._latency
+    monkeypatch.setattr(run, "_latency", lambda *a, **k: {**real(*a, **k), "speedup": 0.9})
     from quantkit.api import quantize
     from tests.conftest import image_batches
     from tests.tiny_graphs import TinyGraph
@@ -53,9 +59,10 @@ def test_a_plan_that_quantizes_nothing_says_so_in_the_report() -> None:
     g = TinyGraph(0)
     y = g.node("Conv", ["input", g.w("w", 4, 3, 3, 3)], "y", pads=[1, 1, 1, 1])
     model = g.model("float_only", y, ["N", 4, 16, 16])
-    recipe = {"version": 1, "name": "unit", "report": {"latency": {"enabled": False}},
+    recipe = {"version": 1, "name": "unit", "report": {"latency": {"enabled": True, "warmup": 1, "repeat": 3}},
               "quantization": {"default": {"format": "fp32"}}}
     res = quantize(model, image_batches(2), recipe, evaluation_data=image_batches(1), progress=False)
     first = res.report["warnings"][0]
     assert first.startswith("no layer was quantized"), res.report["warnings"]
+    assert not any("slower than FP32" in w for w in res.report["warnings"])  # one model timed against itself
     assert "the plan keeps it fp32" in first
