@@ -10,7 +10,9 @@ Rule
    non-strict: a node it cannot infer keeps its old type/shape).
 3. ``constant_folding`` (optional) — ``onnxscript.optimizer`` constant folding
    (subgraphs whose inputs are all constant are evaluated once; Q/DQ are never
-   folded), then every ``Constant`` node is lifted to an initializer.
+   folded; weight math - standardization, normalization, transposes, casts - also beyond onnxscript's
+   size limits, so a computed weight becomes a constant and its layer quantizable), then every
+   ``Constant`` node is lifted to an initializer.
 4. ``fold_batchnorm`` — ``BatchNormalization`` folded into the preceding
    Conv / Gemm / MatMul(+Add) (see :mod:`quantkit.prep.fold_batchnorm` for the math), and into a
    MatMul(+Add) read through a Reshape / Transpose that keeps its features whole (a ``BatchNorm1d`` after a
@@ -104,12 +106,34 @@ def _run_counting_nodes(step: str, pass_: Callable[[ir.Model], ir.passes.PassRes
 _SMALL_CONSTANT_OF_SHAPE = 4096
 
 
+# Weights computed from weights (weight standardization - BiT / NFNet "StdConv" -, weight normalization, a
+# transposed or cast weight): onnxscript's size limits (8192 input elements) leave a 64 x 32 x 3 x 3 kernel unfolded,
+# and a layer whose weight is not a constant stays float.  ONNX Runtime folds them at session creation anyway; these
+# ops never make an output larger than their largest input (no Expand / Tile / ConstantOfShape here).
+_WEIGHT_MATH = frozenset({
+    "Add", "Sub", "Mul", "Div", "Sqrt", "Pow", "Reciprocal", "Neg", "Abs", "Exp", "Log", "Max", "Min", "Clip",
+    "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "ReduceMax", "ReduceMin",
+    "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Cast",
+})
+_WEIGHT_FOLD_ELEMENTS = 1 << 24
+"""Largest constant input (elements) of a :data:`_WEIGHT_MATH` node folded beyond onnxscript's limits."""
+
+
 def _should_fold(node: ir.Node) -> bool | None:
-    """Also fold small ``ConstantOfShape`` nodes; defer to onnxscript's rules for everything else."""
-    if node.op_type == "ConstantOfShape" and node.domain in ("", "ai.onnx"):
+    """Also fold small ``ConstantOfShape`` nodes and the weight math of :data:`_WEIGHT_MATH` on constants up to
+    :data:`_WEIGHT_FOLD_ELEMENTS`; defer to onnxscript's rules for everything else."""
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type == "ConstantOfShape":
         shape = node.inputs[0].const_value if node.inputs and node.inputs[0] is not None else None
         if shape is not None and int(np.prod(shape.numpy(), dtype=np.int64)) <= _SMALL_CONSTANT_OF_SHAPE:
             return True
+    elif node.op_type in _WEIGHT_MATH:
+        consts = [v.const_value if v is not None else None for v in node.inputs]
+        if consts and all(c is not None for c in consts):
+            sizes = [int(c.size) for c in consts if c is not None]
+            if max(sizes, default=0) <= _WEIGHT_FOLD_ELEMENTS and sum(sizes) <= 2 * _WEIGHT_FOLD_ELEMENTS:
+                return True
     return None
 
 
