@@ -23,6 +23,7 @@ Reading is bounded and checked before any array data is inflated:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import zipfile
@@ -36,6 +37,8 @@ import numpy as np
 
 from quantkit.data.base import InputInfo, check_array, check_batch_size, hash_file, new_hasher
 from quantkit.errors import DataError
+
+log = logging.getLogger("quantkit")
 
 __all__ = ["DEFAULT_MAX_ARRAY_BYTES", "MAX_BYTES_ENV", "NpzDataset", "max_array_bytes"]
 
@@ -254,6 +257,10 @@ class NpzDataset:
                             else ""
                         )
                     )
+            unused = sorted(set(headers) - set(keys.values()))
+            if unused and f == files[0]:  # labels are expected; a misspelt input name is not
+                log.info("npz file %s: arrays %s are not model inputs (%s) and are not read", f, unused,
+                         ", ".join(self.input_names))  # fmt: skip
             entries = {n: headers[k] for n, k in keys.items()}
             shapes = [e.shape for e in entries.values()]
             if any(len(s) == 0 for s in shapes) or len({s[0] for s in shapes}) != 1:

@@ -329,3 +329,11 @@ def test_text_windows_from_a_mix_of_sources_alternate(tokenizer: Any, tmp_path: 
     np.testing.assert_array_equal(got[0::2], a)  # pydoc windows at even places
     np.testing.assert_array_equal(got[1::2], b)  # the other text's at odd places
     assert mixed.fingerprint() != one.fingerprint()
+
+
+def test_npz_arrays_that_are_no_inputs_are_named_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    np.savez(tmp_path / "a.npz", input=np.zeros((2, 3), np.float32), token_type_ids=np.zeros((2, 3), np.int64))
+    with caplog.at_level("INFO", logger="quantkit"):
+        ds = NpzDataset(tmp_path / "a.npz", ["input"])
+    assert len(ds) == 2
+    assert "['token_type_ids'] are not model inputs (input) and are not read" in caplog.text
