@@ -101,8 +101,9 @@ def quantize(
                               "calibration.layerwise: auto or true)")  # fmt: skip
         hot = [i for i, o in enumerate(rec.quantization.overrides) if o.hot_rows]
         if not route.layerwise and hot:
-            raise RecipeError(f"quantization.overrides[{hot[0]}].hot_rows splits the lm_head of the KV-cache decoder "
-                              f"the layer-wise builder emits, and this run takes the whole-graph path ({route.reason}); "
+            raise RecipeError(f"quantization.overrides[{hot[0]}].hot_rows splits the vocabulary rows of the lm_head / "
+                              f"embedding the layer-wise builder emits, and this run takes the whole-graph path "
+                              f"({route.reason}); "
                               "allowed here: hot_rows: 0 (or a decoder the layer-wise builder supports, "
                               "calibration.layerwise: auto or true)")  # fmt: skip
         if route.layerwise and rec.search is not None:  # weight-only candidates: searched, then streamed

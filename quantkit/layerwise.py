@@ -358,7 +358,7 @@ class _Hook(BuildHook):
             res = WOQResult(codes, scales, zps, first.bits, first.group_size, first.symmetric, None)
             del first, codes, scales, zps
         self.result_rows.append(_layer_row(name, lp, algo, w, res, stats, block, time.perf_counter() - t0))
-        if name != self.embed:  # a MatMulNBits (the embedding stored apart is a GatherBlockQuantized)
+        if name not in (self.embed, f"{self.embed}.hot"):  # a MatMulNBits (the embedding: GatherBlockQuantized)
             self.result_rows[-1]["accuracy_level"] = self.accuracy_level
         return _pack(res, self.accuracy_level)
 

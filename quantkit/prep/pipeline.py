@@ -108,8 +108,8 @@ _SMALL_CONSTANT_OF_SHAPE = 4096
 
 # Weights computed from weights (weight standardization - BiT / NFNet "StdConv" -, weight normalization, a
 # transposed or cast weight): onnxscript's size limits (8192 input elements) leave a 64 x 32 x 3 x 3 kernel unfolded,
-# and a layer whose weight is not a constant stays float.  ONNX Runtime folds them at session creation anyway; these
-# ops never make an output larger than their largest input (no Expand / Tile / ConstantOfShape here).
+# and a layer whose weight is not a constant stays float.  ONNX Runtime folds them at session creation anyway.  Only
+# ops whose output is no larger than their (broadcast) inputs (no Expand / Tile / ConstantOfShape here).
 _WEIGHT_MATH = frozenset({
     "Add", "Sub", "Mul", "Div", "Sqrt", "Pow", "Reciprocal", "Neg", "Abs", "Exp", "Log", "Max", "Min", "Clip",
     "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "ReduceMax", "ReduceMin",
@@ -132,7 +132,11 @@ def _should_fold(node: ir.Node) -> bool | None:
         consts = [v.const_value if v is not None else None for v in node.inputs]
         if consts and all(c is not None for c in consts):
             sizes = [int(c.size) for c in consts if c is not None]
-            if max(sizes, default=0) <= _WEIGHT_FOLD_ELEMENTS and sum(sizes) <= 2 * _WEIGHT_FOLD_ELEMENTS:
+            try:  # an elementwise op's output is the broadcast of its inputs
+                out = int(np.prod(np.broadcast_shapes(*(c.shape.numpy() for c in consts if c is not None))))
+            except ValueError:  # not broadcastable (a Reshape's shape input): the output is its data input's size
+                out = max(sizes, default=0)
+            if max(sizes + [out]) <= _WEIGHT_FOLD_ELEMENTS and sum(sizes) <= 2 * _WEIGHT_FOLD_ELEMENTS:
                 return True
     return None
 

@@ -54,7 +54,7 @@ class LayerPlan:
     smoothquant: float | str = "auto"  # int8_dynamic: alpha, "auto" or "off"
     granularity: str = "per_token"  # int8_dynamic: "per_token" | "per_tensor"
     compute: str = "storage"  # fp16 / bf16: "storage" | "native"
-    hot_rows: int = 0  # an int4 lm_head: its most frequent vocabulary rows stored at 8 bits (layer-wise build)
+    hot_rows: int = 0  # an int4 lm_head / embedding: its most frequent vocabulary rows also at 8 bits (layer-wise)
     # ``rule``: which recipe rule decided: "default", "layer:<name>", "pattern:<re>", "op_type:<op>", or
     # "search:<candidate>" when the search chose it
 
