@@ -10,7 +10,7 @@ Rule
    non-strict: a node it cannot infer keeps its old type/shape).
 3. ``constant_folding`` (optional) — ``onnxscript.optimizer`` constant folding
    (subgraphs whose inputs are all constant are evaluated once; Q/DQ are never
-   folded; weight math - standardization, normalization, transposes, casts - also beyond onnxscript's
+   folded; weight arithmetic - standardization, normalization - also beyond onnxscript's
    size limits, so a computed weight becomes a constant and its layer quantizable), then every
    ``Constant`` node is lifted to an initializer.
 4. ``fold_batchnorm`` — ``BatchNormalization`` folded into the preceding
@@ -106,15 +106,16 @@ def _run_counting_nodes(step: str, pass_: Callable[[ir.Model], ir.passes.PassRes
 _SMALL_CONSTANT_OF_SHAPE = 4096
 
 
-# Weights computed from weights (weight standardization - BiT / NFNet "StdConv" -, weight normalization, a
-# transposed or cast weight): onnxscript's size limits (8192 input elements) leave a 64 x 32 x 3 x 3 kernel unfolded,
+# Weights computed from weights (weight standardization - BiT / NFNet "StdConv" -, weight normalization):
+# onnxscript's size limits (8192 input elements) leave a 64 x 32 x 3 x 3 kernel unfolded,
 # and a layer whose weight is not a constant stays float.  ONNX Runtime folds them at session creation anyway.  Only
 # ops whose output is no larger than their (broadcast) inputs (no Expand / Tile / ConstantOfShape here).
 _WEIGHT_MATH = frozenset({
     "Add", "Sub", "Mul", "Div", "Sqrt", "Pow", "Reciprocal", "Neg", "Abs", "Exp", "Log", "Max", "Min", "Clip",
     "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "ReduceMax", "ReduceMin",
-    "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Cast",
 })
+# Not layout ops (Transpose, Reshape, Cast ...): folded, a weight read twice - a tied embedding and its lm_head's
+# Transpose - becomes two copies, and the patterns that keep one table (quantkit.weight_only) no longer match.
 _WEIGHT_FOLD_ELEMENTS = 1 << 24
 """Largest constant input (elements) of a :data:`_WEIGHT_MATH` node folded beyond onnxscript's limits."""
 
