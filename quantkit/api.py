@@ -146,6 +146,13 @@ def _quantize_whole(model: Any, calibration_data: Any, rec: RecipeModel, evaluat
     timings: dict[str, float] = {}
     loaded, float_model, cal = load_inputs(model, calibration_data, rec, example_inputs=example_inputs,
                                            progress=progress, timings=timings)
+    if evaluate and evaluation_data is not None:
+        # bound once: a latency guard's re-run reads the same samples (a generator passed in is spooled by the
+        # first read, never read again)
+        from quantkit.data import model_inputs
+        from quantkit.pipeline import eval_dataset
+
+        evaluation_data = eval_dataset(rec, loaded, evaluation_data, model_inputs(float_model))
 
     decided: dict[str, Any] = {}  # the MatMulNBits accuracy_level of the first run: a guard's re-run keeps it
     from quantkit.formats.base import Artifacts

@@ -274,7 +274,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                 f"{r['quantized_ms']:.2f} ms ({r['speedup']:.2f}x)"
             )
     for name, d in rep.get("fidelity", {}).items():
-        shown = ", ".join(f"{k}={v:.4f}" for k, v in d.items() if k != "samples")
+        shown = ", ".join(f"{k}={v:.4f}" for k, v in d.items() if k not in ("samples", "labelled_samples"))
         print(f"fidelity[{name}]: {shown}")
     q = rep.get("quality", {})
     if "perplexity_fp32" in q:

@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from quantkit.calibrate import get_calibrator
 from quantkit.calibrate.collect import collect_statistics
-from quantkit.data import Dataset, as_dataset, make_dataset, model_inputs
+from quantkit.data import Dataset, as_dataset, dataset_labels, make_dataset, model_inputs
 from quantkit.errors import DataError, ModelError, QuantkitError
 from quantkit.evaluate.latency import compare_latency, make_session
 from quantkit.evaluate.metrics import FidelityAccumulator
@@ -468,6 +468,7 @@ def _fidelity_pass(float_model: bytes | str, quant_model: bytes | str, ds: Datas
     names = compared_outputs(list(output_names))
     cls = {"classification": True, "embedding": False, "sqnr": False}.get(metric)
     acc = FidelityAccumulator(classification=cls)
+    tops: dict[str, tuple[list[np.ndarray], list[np.ndarray], int]] = {}  # output -> argmax rows FP32, quantized
     with tqdm(total=len(ds), desc="evaluate", unit="sample", disable=not progress) as bar:
         for feed in ds.batches(batch_size):
             kept = None
@@ -498,8 +499,32 @@ def _fidelity_pass(float_model: bytes | str, quant_model: bytes | str, ds: Datas
             for n, r, g in zip(names, ref, got, strict=True):
                 if np.issubdtype(r.dtype, np.floating):
                     acc.update(n, r, g)
+                    if r.ndim == 2 and r.shape[-1] >= 2:
+                        pred = tops.setdefault(n, ([], [], r.shape[-1]))
+                        pred[0].append(np.argmax(r, axis=-1))
+                        pred[1].append(np.argmax(g, axis=-1))
             bar.update(next(iter(feed.values())).shape[0])
-    return acc.summary()
+    out = acc.summary()
+    _label_accuracy(out, tops, dataset_labels(ds))
+    return out
+
+
+def _label_accuracy(out: dict[str, Any], tops: Mapping[str, tuple[list[np.ndarray], list[np.ndarray], int]],
+                    labels: np.ndarray | None) -> None:
+    """Add accuracy against the data's class ``labels`` (FP32's and the quantized model's) to the first output
+    whose rows are the labelled samples and whose classes cover the labels (logits ``[N, classes]``)."""
+    if labels is None:
+        return
+    for name, (ref, got, classes) in tops.items():
+        r, g = np.concatenate(ref), np.concatenate(got)
+        if r.shape[0] != labels.shape[0] or int(labels.max()) >= classes:
+            continue
+        out[name]["accuracy_fp32"] = float(np.mean(r == labels))
+        out[name]["accuracy"] = float(np.mean(g == labels))
+        out[name]["labelled_samples"] = float(labels.shape[0])
+        return
+    log.info("the evaluation data carries %d class labels, but no output holds one row of class scores per "
+             "sample with at least %d classes: no accuracy against labels", labels.shape[0], int(labels.max()) + 1)
 
 
 def _single_samples(feed: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:

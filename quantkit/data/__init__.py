@@ -14,11 +14,24 @@ kind (recipe)       class
 (Python only)       :class:`IterableDataset`, :class:`ArrayDataset`
 ==================  ===========================================================
 
+Data may carry class labels beside the inputs (an ``.npz`` array or a dict key named ``labels``, ``label``,
+``targets``, ``target`` or ``y``; PyTorch's ``(inputs, target)`` items): ``labels()`` returns them, and the
+evaluation reports accuracy against them (:func:`dataset_labels`).
+
 A KV-cache decoder's ``past_key_values.*`` inputs are filled with empty past tensors
 (:class:`KVCacheFeeds`) wherever a dataset is bound to a model's inputs.
 """
 
-from quantkit.data.base import ArrayDataset, Dataset, InputInfo, check_batch, model_inputs
+from quantkit.data.base import (
+    LABEL_KEYS,
+    ArrayDataset,
+    Dataset,
+    InputInfo,
+    check_batch,
+    class_labels,
+    dataset_labels,
+    model_inputs,
+)
 from quantkit.data.factory import DATASET_KINDS, as_dataset, make_dataset
 from quantkit.data.images import PRESETS, ImageFolderDataset, Preprocess, get_preprocess, preprocess_image
 from quantkit.data.iterable import IterableDataset
@@ -34,6 +47,9 @@ from quantkit.data.photos import (
 from quantkit.data.text import TextDataset, load_text, split_sentences
 
 __all__ = [
+    "LABEL_KEYS",
+    "class_labels",
+    "dataset_labels",
     "DATASET_KINDS",
     "PHOTO_NAMES",
     "PRESETS",

@@ -24,7 +24,10 @@ __all__ = [
     "ArrayDataset",
     "Dataset",
     "InputInfo",
+    "LABEL_KEYS",
     "check_batch",
+    "class_labels",
+    "dataset_labels",
     "hash_array",
     "hash_file",
     "model_inputs",
@@ -39,6 +42,48 @@ instead of running for hours."""
 MAX_SEQ_LEN = 131_072
 """The longest token window a text dataset (``seq_len``) may ask for (128k tokens, the longest LLM context
 in common use); a larger value would allocate ``batch x seq_len`` token arrays for nothing."""
+
+
+LABEL_KEYS = ("labels", "label", "targets", "target", "y")
+"""Names under which data that is not a model input carries class labels (an ``.npz`` array, a dict key); a
+tuple item with one element more than the model has inputs carries them last (PyTorch's ``(inputs, target)``).
+Labels turn the evaluation's agreement with FP32 into accuracy, FP32's and the quantized model's."""
+
+
+def class_labels(value: Any, rows: int | None = None) -> np.ndarray | None:
+    """``value`` as a 1-D int64 array of class ids (shape ``[N]`` or ``[N, 1]``, integers or integral floats,
+    none negative; ``rows``: the expected N), else None: anything else (one-hot rows, regression targets, masks)
+    is not a class label."""
+    try:
+        a = np.asarray(value)
+    except (TypeError, ValueError):
+        return None
+    if a.ndim == 2 and a.shape[1] == 1:
+        a = a[:, 0]
+    if a.ndim == 0 and rows in (None, 1):
+        a = a.reshape(1)
+    if a.ndim != 1 or (rows is not None and a.shape[0] != rows) or a.size == 0:
+        return None
+    if np.issubdtype(a.dtype, np.floating):
+        if not np.all(np.isfinite(a)) or np.any(a != np.round(a)):
+            return None
+    elif not np.issubdtype(a.dtype, np.integer):
+        return None
+    a = a.astype(np.int64)
+    return None if int(a.min()) < 0 else a
+
+
+def dataset_labels(ds: Any) -> np.ndarray | None:
+    """The class labels ``ds`` carries for its samples, in order (``ds.labels()``), None when it has none or
+    they do not cover every sample."""
+    fn = getattr(ds, "labels", None)
+    if not callable(fn):
+        return None
+    got = fn()
+    if got is None:
+        return None
+    lab = class_labels(got)
+    return lab if lab is not None and lab.shape[0] == len(ds) else None
 
 
 @runtime_checkable
@@ -180,8 +225,8 @@ def check_array(info: InputInfo, array: np.ndarray, where: str, *, batched: bool
 class ArrayDataset:
     """In-memory arrays ``{name: array}`` with a common leading sample dim."""
 
-    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Wrap ``arrays``; all must share the leading dim.
+    def __init__(self, arrays: Mapping[str, np.ndarray], *, labels: np.ndarray | None = None) -> None:
+        """Wrap ``arrays``; all must share the leading dim.  ``labels``: class ids of the samples (not fed).
 
         Raises:
             DataError: empty mapping, scalar arrays or different leading dims.
@@ -193,7 +238,12 @@ class ArrayDataset:
         if any(len(s) == 0 for s in shapes.values()) or len({s[0] for s in shapes.values()}) != 1:
             raise DataError(f"ArrayDataset arrays must share a leading (sample) dim; got shapes {shapes}")
         self._n = int(next(iter(shapes.values()))[0])
+        self._labels = None if labels is None else class_labels(labels, self._n)
         self._fp: str | None = None
+
+    def labels(self) -> np.ndarray | None:
+        """The samples' class labels, when given (:func:`class_labels`)."""
+        return self._labels
 
     def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
         """Consecutive slices of ``batch_size`` samples (views, no copies)."""

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from quantkit.data.base import (
+    LABEL_KEYS,
     MAX_SAMPLES,
     MAX_SEQ_LEN,
     ArrayDataset,
@@ -274,7 +275,9 @@ def _arrays(arrays: dict[str, np.ndarray], inputs: list[InputInfo]) -> ArrayData
         if a is not None and info.rank is not None and a.ndim == info.rank - 1:
             arrays[info.name] = a[None]
     check_batch(arrays, inputs, where="data")
-    return ArrayDataset({i.name: arrays[i.name] for i in inputs})
+    names = {i.name for i in inputs}
+    key = next((k for k in LABEL_KEYS if k in arrays and k not in names), None)
+    return ArrayDataset({i.name: arrays[i.name] for i in inputs}, labels=None if key is None else arrays[key])
 
 
 def _iterable(obj: Iterable[Any] | Callable[[], Iterable[Any]], inputs: list[InputInfo]) -> IterableDataset:

@@ -19,11 +19,20 @@ from typing import Any
 
 import numpy as np
 
-from quantkit.data.base import check_batch_size, hash_array, new_hasher
+from quantkit.data.base import LABEL_KEYS, check_batch_size, class_labels, hash_array, new_hasher
 from quantkit.errors import DataError
 
 __all__ = ["IterableDataset"]
 
+_SPOOLED_TARGET = "__quantkit_labels__"
+"""The key under which a spooled item keeps its labels (replayed as ``(feed, labels)``)."""
+
+
+
+def _arrays_tuple(obj: Any, n: int) -> bool:
+    """``obj`` is a tuple / list of ``n`` >= 2 arrays or tensors (the inputs part of ``(inputs, target)``)."""
+    return (isinstance(obj, (tuple, list)) and n > 1 and len(obj) == n
+            and all(hasattr(a, "shape") and not isinstance(a, (tuple, list)) for a in obj))
 
 
 class IterableDataset:
@@ -84,30 +93,54 @@ class IterableDataset:
         if self._factory is not None and isinstance(iterable_or_callable, Sequence | np.ndarray):
             self._len = None if batched else len(iterable_or_callable)
         self._fp: str | None = None
+        self._labels: np.ndarray | None = None
+        self._labels_read = False  # a complete pass recorded the labels (None: some item had none)
 
     # ------------------------------------------------------------------ items -> samples
     def _as_dict(self, item: Any, index: int) -> dict[str, np.ndarray]:
+        return self._split(item, index)[0]
+
+    def _split(self, item: Any, index: int) -> tuple[dict[str, np.ndarray], Any]:
+        """``(feed, target)``: the item's model inputs, and the labels it carries (None when it has none): a
+        dict's label key (:data:`~quantkit.data.base.LABEL_KEYS`), the last element of a tuple one longer than
+        the inputs (PyTorch's ``(x, y)``), or the second of ``(inputs, target)`` whose first is a dict or a tuple
+        of the inputs."""
+        n = len(self.input_names)
         if isinstance(item, Mapping):
-            missing = [n for n in self.input_names if n not in item]
+            missing = [k for k in self.input_names if k not in item]
             if missing:
                 raise DataError(
                     f"item {index}: missing input(s) {missing}; the item has keys {sorted(map(str, item))}"
                 )
-            return {n: np.asarray(item[n]) for n in self.input_names}
+            key = next((k for k in LABEL_KEYS if k in item and k not in self.input_names), None)
+            return {k: np.asarray(item[k]) for k in self.input_names}, None if key is None else item[key]
         if isinstance(item, (tuple, list)):
-            if len(item) != len(self.input_names):
-                raise DataError(
-                    f"item {index}: a tuple of {len(item)} arrays for {len(self.input_names)} inputs {self.input_names}"
-                )
-            return {n: np.asarray(a) for n, a in zip(self.input_names, item, strict=True)}
-        if len(self.input_names) != 1:
+            if len(item) == 2 and (isinstance(item[0], Mapping) or _arrays_tuple(item[0], n)):
+                return self._split(item[0], index)[0], item[1]
+            if len(item) == n:
+                return {k: np.asarray(a) for k, a in zip(self.input_names, item, strict=True)}, None
+            if len(item) == n + 1:
+                return {k: np.asarray(a) for k, a in zip(self.input_names, item[:n], strict=True)}, item[n]
+            raise DataError(
+                f"item {index}: a tuple of {len(item)} arrays for {n} inputs {self.input_names}; allowed: one array "
+                f"per input in that order, optionally followed by the labels ({n + 1} elements), or (inputs, labels)"
+            )
+        if n != 1:
             raise DataError(
                 f"item {index}: a bare {type(item).__name__} can only feed a single-input model; "
                 f"this one has inputs {self.input_names} (yield dicts or tuples)"
             )
-        return {self.input_names[0]: np.asarray(item)}
+        return {self.input_names[0]: np.asarray(item)}, None
 
-    def _spooled(self) -> Iterator[dict[str, np.ndarray]]:
+    def labels(self) -> np.ndarray | None:
+        """The class labels the items carried (:func:`~quantkit.data.base.class_labels`), in sample order, as read
+        by the last complete pass over the data (a pass is made when none was); None when any item had none."""
+        if not self._labels_read:
+            for _ in self.samples():
+                pass
+        return self._labels
+
+    def _spooled(self) -> Iterator[Any]:
         """Yield the one-shot iterator's samples: those already read from the spool, the rest from the
         iterator (spooling each as it comes), so partial passes and later passes see the same data."""
         import shutil
@@ -121,17 +154,21 @@ class IterableDataset:
         while True:
             if i < self._spool_n:
                 with np.load(f"{self._spool_dir}/{i}.npz", allow_pickle=False) as z:
-                    yield {k: z[k] for k in z.files}
+                    got = {k: z[k] for k in z.files}
+                target = got.pop(_SPOOLED_TARGET, None)
+                yield got if target is None else (got, target)
             else:
                 assert self._once is not None
                 try:
                     item = next(self._once)
                 except StopIteration:
                     return
-                sample = self._as_dict(item, i)
-                np.savez(f"{self._spool_dir}/{i}.npz", **sample)  # type: ignore[arg-type]
+                sample, target = self._split(item, i)
+                kept = class_labels(target) if target is not None else None
+                extra = {} if kept is None else {_SPOOLED_TARGET: kept}
+                np.savez(f"{self._spool_dir}/{i}.npz", **sample, **extra)  # type: ignore[arg-type]
                 self._spool_n += 1
-                yield sample
+                yield sample if kept is None else (sample, kept)
             i += 1
 
     def _source(self) -> Iterator[Any]:
@@ -139,17 +176,25 @@ class IterableDataset:
         return iter(self._factory())
 
     def samples(self) -> Iterator[dict[str, np.ndarray]]:
-        """One feed dict per sample (no batch dim)."""
+        """One feed dict per sample (no batch dim).  A complete pass also records the items' labels."""
+        labels: list[np.ndarray] | None = []
         for index, item in enumerate(self._source()):
-            d = self._as_dict(item, index)
+            d, target = self._split(item, index)
             if not self.batched:
+                lab = None if target is None else class_labels(target, 1)
+                labels = None if labels is None or lab is None else [*labels, lab]
                 yield d
                 continue
             sizes = {n: (a.shape[0] if a.ndim else None) for n, a in d.items()}
             if None in sizes.values() or len(set(sizes.values())) != 1:
                 raise DataError(f"batched item {index}: arrays need a common leading batch dim; got {sizes}")
-            for row in range(next(iter(sizes.values())) or 0):
+            rows = next(iter(sizes.values())) or 0
+            lab = None if target is None else class_labels(target, rows)
+            labels = None if labels is None or lab is None else [*labels, lab]
+            for row in range(rows):
                 yield {n: a[row] for n, a in d.items()}
+        self._labels = np.concatenate(labels) if labels else None
+        self._labels_read = True
 
     def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
         """Stack ``batch_size`` samples at a time; hashes the content on the way."""

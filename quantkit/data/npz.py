@@ -35,7 +35,15 @@ from typing import IO, Any
 
 import numpy as np
 
-from quantkit.data.base import InputInfo, check_array, check_batch_size, hash_file, new_hasher
+from quantkit.data.base import (
+    LABEL_KEYS,
+    InputInfo,
+    check_array,
+    check_batch_size,
+    class_labels,
+    hash_file,
+    new_hasher,
+)
 from quantkit.errors import DataError
 
 log = logging.getLogger("quantkit")
@@ -198,7 +206,8 @@ class NpzDataset:
     """Samples from ``.npz`` files, keyed by ONNX input name.
 
     A single-array file (e.g. saved with ``np.savez(f, x)``, key ``arr_0``) is accepted
-    for a model with a single input.  Keys that are not inputs (labels ...) are ignored (never read).
+    for a model with a single input.  Keys that are not inputs are not fed; one named as labels
+    (:data:`~quantkit.data.base.LABEL_KEYS`) with one class id per sample is read by :meth:`labels`.
     See the module docstring for the size limit, the checks made before reading and the streaming.
     """
 
@@ -259,8 +268,10 @@ class NpzDataset:
                     )
             unused = sorted(set(headers) - set(keys.values()))
             if unused and f == files[0]:  # labels are expected; a misspelt input name is not
-                log.info("npz file %s: arrays %s are not model inputs (%s) and are not read", f, unused,
-                         ", ".join(self.input_names))  # fmt: skip
+                lab = next((k for k in LABEL_KEYS if k in unused), None)
+                log.info("npz file %s: arrays %s are not model inputs (%s) and are not fed%s", f, unused,
+                         ", ".join(self.input_names),
+                         f"; {lab!r} is read as class labels (accuracy)" if lab else "")  # fmt: skip
             entries = {n: headers[k] for n, k in keys.items()}
             shapes = [e.shape for e in entries.values()]
             if any(len(s) == 0 for s in shapes) or len({s[0] for s in shapes}) != 1:
@@ -276,6 +287,7 @@ class NpzDataset:
             self._entries.append(entries)
             self._counts.append(int(shapes[0][0]))
         self._fp: str | None = None
+        self._label_cache: list[np.ndarray] | None = None
 
     def _check_same_samples(self, f: Path, entries: dict[str, _Entry]) -> None:
         """Every file must hold samples of the first file's shape and dtype (batches cross files)."""
@@ -337,6 +349,33 @@ class NpzDataset:
 
     def __len__(self) -> int:
         return sum(self._counts)
+
+    def labels(self) -> np.ndarray | None:
+        """The samples' class ids, from the first array of every file named as labels
+        (:data:`~quantkit.data.base.LABEL_KEYS`, not a model input) with one integer per sample; None when a
+        file has none."""
+        if self._label_cache is not None:
+            return np.concatenate(self._label_cache) if self._label_cache else None
+        parts: list[np.ndarray] = []
+        limit = max_array_bytes()
+        for f, keys, n in zip(self.files, self._keys, self._counts, strict=True):
+            headers = _headers(f)
+            key = next((k for k in LABEL_KEYS if k in headers and k not in keys.values()), None)
+            if key is None or headers[key].nbytes > limit:
+                self._label_cache = []
+                return None
+            try:
+                with np.load(f, allow_pickle=False) as z:
+                    lab = class_labels(z[key], n)
+            except _READ_ERRORS as e:
+                raise DataError(f"npz file {str(f)!r} cannot be read: {e}") from e
+            if lab is None:
+                log.info("npz file %s: array %r is not one class id per sample; no accuracy against labels", f, key)
+                self._label_cache = []
+                return None
+            parts.append(lab)
+        self._label_cache = parts
+        return np.concatenate(parts)
 
     def fingerprint(self) -> str:
         """sha256 over the input names and the bytes of every file, streamed in 1 MiB chunks."""

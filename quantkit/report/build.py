@@ -452,7 +452,7 @@ def _quality_summary(rep: Mapping[str, Any]) -> dict[str, Any]:
                 "change": None if not pf else pq / pf - 1.0}
     fid = rep.get("fidelity") or {}
     if fid:
-        keys = ("top1_agreement", "mean_kl", "mean_cosine", "sqnr_db")
+        keys = ("accuracy_fp32", "accuracy", "top1_agreement", "mean_kl", "mean_cosine", "sqnr_db")
         return {"metric": "fidelity", "outputs": {n: {k: d[k] for k in keys if k in d} for n, d in fid.items()}}
     return {"metric": None, "why": "not evaluated (no evaluation data, or evaluate=False)"}
 

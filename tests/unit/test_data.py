@@ -336,4 +336,9 @@ def test_npz_arrays_that_are_no_inputs_are_named_once(tmp_path: Path, caplog: py
     with caplog.at_level("INFO", logger="quantkit"):
         ds = NpzDataset(tmp_path / "a.npz", ["input"])
     assert len(ds) == 2
-    assert "['token_type_ids'] are not model inputs (input) and are not read" in caplog.text
+    assert "['token_type_ids'] are not model inputs (input) and are not fed" in caplog.text
+    assert "class labels" not in caplog.text
+    np.savez(tmp_path / "b.npz", input=np.zeros((2, 3), np.float32), labels=np.zeros(2, np.int64))
+    with caplog.at_level("INFO", logger="quantkit"):
+        NpzDataset(tmp_path / "b.npz", ["input"])
+    assert "'labels' is read as class labels (accuracy)" in caplog.text
