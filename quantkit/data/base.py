@@ -28,6 +28,7 @@ __all__ = [
     "check_batch",
     "class_labels",
     "dataset_labels",
+    "float_cast",
     "hash_array",
     "hash_file",
     "model_inputs",
@@ -192,6 +193,26 @@ def check_batch(batch: Mapping[str, np.ndarray], inputs: list[InputInfo], where:
                 f"{where}: model input {info.name!r} is missing; the data provides {sorted(batch)}"
             )
         check_array(info, np.asarray(batch[info.name]), where, batched=True)
+
+
+_CAST_TOLD: set[tuple[str, str, str]] = set()
+
+
+def float_cast(dtype: np.dtype[Any] | None, array: np.ndarray, name: str) -> np.ndarray:
+    """``array`` in the input's floating ``dtype`` when it holds floats of another precision (float64 data for a
+    float32 model: NumPy's default), logged once per input; anything else as it is (a wrong dtype is then refused
+    by :func:`check_array`, naming the input)."""
+    if (dtype is None or array.dtype == dtype or not np.issubdtype(array.dtype, np.floating)
+            or not np.issubdtype(dtype, np.floating)):
+        return array
+    told = (name, str(array.dtype), str(dtype))
+    if told not in _CAST_TOLD:
+        _CAST_TOLD.add(told)
+        import logging
+
+        logging.getLogger("quantkit").info("data for input %r is %s: cast to the model's %s", name, array.dtype,
+                                           dtype)  # fmt: skip
+    return array.astype(dtype)
 
 
 def check_array(info: InputInfo, array: np.ndarray, where: str, *, batched: bool) -> None:

@@ -19,6 +19,7 @@ from quantkit.data.base import (
     InputInfo,
     check_array,
     check_batch,
+    float_cast,
 )
 from quantkit.data.fixed_batch import bind_fixed_batch
 from quantkit.data.images import ImageFolderDataset, get_preprocess
@@ -272,6 +273,8 @@ def _arrays(arrays: dict[str, np.ndarray], inputs: list[InputInfo]) -> ArrayData
     """An ArrayDataset, adding a batch dim to single samples, checked against ``inputs``."""
     for info in inputs:
         a = arrays.get(info.name)
+        if a is not None:
+            a = arrays[info.name] = float_cast(info.dtype, a, info.name)
         if a is not None and info.rank is not None and a.ndim == info.rank - 1:
             arrays[info.name] = a[None]
     check_batch(arrays, inputs, where="data")
@@ -297,6 +300,7 @@ def _iterable(obj: Iterable[Any] | Callable[[], Iterable[Any]], inputs: list[Inp
             first = next(it)
         except StopIteration:
             raise DataError("the data iterable is empty") from None
+    probe.dtypes = {i.name: i.dtype for i in inputs}
     sample = probe._as_dict(first, 0)
     batched: bool | None = None
     for info in inputs:
@@ -315,4 +319,4 @@ def _iterable(obj: Iterable[Any] | Callable[[], Iterable[Any]], inputs: list[Inp
         if batched is not None and batched != this:
             raise DataError("data item 0 mixes batched and unbatched arrays")
         batched = this
-    return IterableDataset(source, names, batched=bool(batched))
+    return IterableDataset(source, names, batched=bool(batched), dtypes=probe.dtypes)

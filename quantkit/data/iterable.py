@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from quantkit.data.base import LABEL_KEYS, check_batch_size, class_labels, hash_array, new_hasher
+from quantkit.data.base import LABEL_KEYS, check_batch_size, class_labels, float_cast, hash_array, new_hasher
 from quantkit.errors import DataError
 
 __all__ = ["IterableDataset"]
@@ -45,6 +45,7 @@ class IterableDataset:
         *,
         batched: bool = False,
         fingerprint_samples: int | None = None,
+        dtypes: Mapping[str, np.dtype[Any]] | None = None,
     ) -> None:
         """Wrap the source.
 
@@ -56,6 +57,8 @@ class IterableDataset:
                 requested batch size); otherwise each item is one sample.
             fingerprint_samples: hash only the first N samples (default all; 64 for a
                 one-shot iterator fingerprinted before use).
+            dtypes: the inputs' dtypes: float arrays of another precision are cast to them
+                (:func:`~quantkit.data.base.float_cast`).
 
         Raises:
             DataError: no input names or a bad ``fingerprint_samples``.
@@ -71,6 +74,7 @@ class IterableDataset:
                 f"fingerprint_samples must be a positive integer or None, got {fingerprint_samples!r}"
             )
         self.input_names = list(input_names)
+        self.dtypes = dict(dtypes or {})
         self.batched = batched
         self.fingerprint_samples = fingerprint_samples
         self._factory: Callable[[], Iterable[Any]] | None = None
@@ -101,6 +105,12 @@ class IterableDataset:
         return self._split(item, index)[0]
 
     def _split(self, item: Any, index: int) -> tuple[dict[str, np.ndarray], Any]:
+        feed, target = self._split_raw(item, index)
+        if self.dtypes:
+            feed = {k: float_cast(self.dtypes.get(k), a, k) for k, a in feed.items()}
+        return feed, target
+
+    def _split_raw(self, item: Any, index: int) -> tuple[dict[str, np.ndarray], Any]:
         """``(feed, target)``: the item's model inputs, and the labels it carries (None when it has none): a
         dict's label key (:data:`~quantkit.data.base.LABEL_KEYS`), the last element of a tuple one longer than
         the inputs (PyTorch's ``(x, y)``), or the second of ``(inputs, target)`` whose first is a dict or a tuple
@@ -116,7 +126,7 @@ class IterableDataset:
             return {k: np.asarray(item[k]) for k in self.input_names}, None if key is None else item[key]
         if isinstance(item, (tuple, list)):
             if len(item) == 2 and (isinstance(item[0], Mapping) or _arrays_tuple(item[0], n)):
-                return self._split(item[0], index)[0], item[1]
+                return self._split_raw(item[0], index)[0], item[1]
             if len(item) == n:
                 return {k: np.asarray(a) for k, a in zip(self.input_names, item, strict=True)}, None
             if len(item) == n + 1:

@@ -41,6 +41,7 @@ from quantkit.data.base import (
     check_array,
     check_batch_size,
     class_labels,
+    float_cast,
     hash_file,
     new_hasher,
 )
@@ -288,6 +289,7 @@ class NpzDataset:
             self._counts.append(int(shapes[0][0]))
         self._fp: str | None = None
         self._label_cache: list[np.ndarray] | None = None
+        self._cast: dict[str, np.dtype[Any]] = {}  # input -> its dtype, for float arrays of another precision
 
     def _check_same_samples(self, f: Path, entries: dict[str, _Entry]) -> None:
         """Every file must hold samples of the first file's shape and dtype (batches cross files)."""
@@ -314,8 +316,11 @@ class NpzDataset:
         for f, entries in zip(self.files, self._entries, strict=True):
             for name, e in entries.items():
                 if name in wanted:
+                    dtype = e.dtype
+                    if float_cast(wanted[name].dtype, np.zeros(0, dtype), name).dtype != dtype:
+                        dtype = self._cast[name] = wanted[name].dtype  # float64 arrays for a float32 input ...
                     # A zero-stride stand-in carries shape and dtype without allocating.
-                    fake = np.lib.stride_tricks.as_strided(np.zeros(1, e.dtype), e.shape, [0] * len(e.shape))
+                    fake = np.lib.stride_tricks.as_strided(np.zeros(1, dtype), e.shape, [0] * len(e.shape))
                     check_array(wanted[name], fake, f"npz file {str(f)!r}", batched=True)
 
     def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
@@ -333,7 +338,8 @@ class NpzDataset:
                     start = 0
                     while start < n:
                         take = min(batch_size - pending_n, n - start)
-                        pending.append({name: r.take(take) for name, r in readers.items()})
+                        pending.append({name: float_cast(self._cast.get(name), r.take(take), name)
+                                        for name, r in readers.items()})
                         pending_n += take
                         start += take
                         if pending_n == batch_size:

@@ -81,6 +81,30 @@ def _at_least_two(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _as_float32(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """A float32 copy of a module whose floating parameters or buffers are float64, float16 or bfloat16, with
+    its floating example inputs cast the same way; the module and inputs themselves otherwise.  ONNX Runtime's
+    CPU kernels are float32 (no float64 ``Conv``; half precision is slower than float32 there), and the quantized
+    model's reference is FP32; the user's module is never changed (a copy is cast)."""
+    import copy
+
+    import torch
+
+    other = sorted({str(t.dtype).replace("torch.", "") for t in [*module.parameters(), *module.buffers()]
+                    if t.is_floating_point() and t.dtype != torch.float32})
+    if not other:
+        return module, args, kwargs
+    logging.getLogger("quantkit").info(
+        "the module holds %s parameters: a float32 copy is exported (ONNX Runtime's CPU kernels and the FP32 "
+        "reference are float32); the module itself is not changed", "/".join(other))
+
+    def cast(t: Any) -> Any:
+        return t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return copy.deepcopy(module).float(), tuple(cast(t) for t in args), {k: cast(t) for k, t in kwargs.items()}
+
+
 def from_torch(
     module: torch.nn.Module,
     example_inputs: Any,
@@ -133,6 +157,7 @@ def from_torch(
         if not isinstance(t, torch.Tensor):
             raise ModelError(f"example input {key!r} must be a torch.Tensor, got {type(t).__name__}")
 
+    module, args, kwargs = _as_float32(module, args, kwargs)
     if kwargs:
         names = list(kwargs)
     else:

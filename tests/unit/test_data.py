@@ -80,9 +80,13 @@ def test_npz_file_folder_batches_and_validation(tmp_path: Path) -> None:
     np.testing.assert_array_equal(_all(ds)["input"], np.concatenate([a, b]))
     assert NpzDataset(folder, ["input"]).fingerprint() == ds.fingerprint()
 
-    np.savez(tmp_path / "f64.npz", input=a.astype(np.float64))
-    with pytest.raises(DataError, match=r"input 'input' expects dtype float32.*received dtype float64"):
-        NpzDataset(tmp_path / "f64.npz", ["input"]).validate(IMG)
+    np.savez(tmp_path / "f64.npz", input=a.astype(np.float64))  # floats of another precision: cast
+    f64 = NpzDataset(tmp_path / "f64.npz", ["input"])
+    f64.validate(IMG)
+    assert _all(f64)["input"].dtype == np.float32
+    np.savez(tmp_path / "i32.npz", input=a.astype(np.int32))
+    with pytest.raises(DataError, match=r"input 'input' expects dtype float32.*received dtype int32"):
+        NpzDataset(tmp_path / "i32.npz", ["input"]).validate(IMG)
     np.savez(tmp_path / "rank.npz", input=a[:, 0])
     with pytest.raises(DataError, match=r"'input' expects rank 4 .*received shape float32\[5, 224, 224\]"):
         NpzDataset(tmp_path / "rank.npz", ["input"]).validate(IMG)
