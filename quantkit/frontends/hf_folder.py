@@ -289,6 +289,10 @@ def from_hf_folder(
         dynamic_dims=seq_dims,
         opset=opset,
     )
+    if task == "causal-lm":  # layers named after their modules (lm_head, model.decoder.layers.0.fc1): the names
+        from quantkit.frontends.llm import CausalLMNamesPass  # recipe overrides use, as on the LLaMA path
+
+        CausalLMNamesPass()(model)
     return model, tokenizer
 
 

@@ -171,7 +171,7 @@ class CausalLMNamesPass(onnx_ir.passes.InPlacePass):
                 rename_node(node, path)
                 if _const_initializer(node.inputs[0]):
                     rename_value(node.inputs[0], f"{path}.weight")  # type: ignore[arg-type]
-            elif node.op_type == "MatMul" and _module_class(node).endswith(".Linear"):
+            elif node.op_type in ("MatMul", "Gemm") and _module_class(node).endswith((".Linear", ".Conv1D")):
                 rename_node(node, path)
                 w = node.inputs[1]
                 if w is None:

@@ -64,6 +64,9 @@ def _pick(recipe: RecipeModel, layer: str, op_type: str, module: str | None = No
     for ov in ovs:
         if ov.layer is not None and ov.layer == layer:
             return ov, f"layer:{ov.layer}"
+    for ov in ovs:  # a layer: naming the node's PyTorch module (an exporter named the node node_MatMul_98)
+        if ov.layer is not None and module is not None and ov.layer == module:
+            return ov, f"layer:{ov.layer}"
     for i, ov in enumerate(ovs):
         if ov.pattern is None:
             continue
@@ -74,6 +77,30 @@ def _pick(recipe: RecipeModel, layer: str, op_type: str, module: str | None = No
         if ov.op_type is not None and ov.op_type == op_type:
             return ov, f"op_type:{ov.op_type}"
     return None, "default"
+
+
+def unmatched_overrides(recipe: RecipeModel, nodes: list[tuple[str, str, str | None]]) -> list[str]:
+    """One line per override that selects nothing in a graph whose nodes are ``(name, op_type, module path)``:
+    a ``layer:`` that is no node's name nor module path, a ``pattern:`` that matches none - a misspelt name would
+    otherwise change nothing, silently.  Each line names the override and the closest names of the graph.  (An
+    ``op_type:`` the model lacks is not reported: recipes are shared between models.)"""
+    import difflib
+
+    out = []
+    names = sorted({n for n, _, _ in nodes if n} | {m for _, _, m in nodes if m})
+    for i, ov in enumerate(recipe.quantization.overrides):
+        where = f"quantization.overrides[{i}]"
+        if ov.layer is not None and not any(ov.layer in (n, m) for n, _, m in nodes):
+            near = difflib.get_close_matches(ov.layer, names, n=3, cutoff=0.6)
+            out.append(f"{where} (layer: {ov.layer}) matches no layer of this model, so it changes nothing"
+                       + (f"; did you mean {', '.join(near)}?" if near else
+                          f"; its layers are named like {', '.join(names[:3])}") + " (or use pattern:)")
+        elif ov.pattern is not None and not any(pattern_search(ov.pattern, n, f"{where}.pattern")
+                                                or (m and pattern_search(ov.pattern, m, f"{where}.pattern"))
+                                                for n, _, m in nodes):
+            out.append(f"{where} (pattern: {ov.pattern}) matches no layer name or module path of this model, so it "
+                       f"changes nothing; its layers are named like {', '.join(names[:3])}")
+    return out
 
 
 def resolve_layer(recipe: RecipeModel, layer: str, op_type: str, module: str | None = None) -> LayerPlan:

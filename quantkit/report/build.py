@@ -19,6 +19,7 @@ from quantkit.evaluate.latency import load_average
 from quantkit.lowering.verify import Census
 from quantkit.ops import FUSED_KERNELS, PASSTHROUGH
 from quantkit.recipe import RecipeModel
+from quantkit.recipe.plan import unmatched_overrides
 from quantkit.report.verdict import (
     UPSTREAM,
     error_growth,
@@ -546,6 +547,7 @@ def build_report(
         quality["perplexity_increase"] = pq["ppl"] / pf["ppl"] - 1.0
     leftovers = classify_leftovers(census)
     warnings = _warnings(static_rows, unfused, woq, leftovers, latency, kernels or {}, zero_range)
+    warnings += unmatched_overrides(recipe, _graph_nodes(float_proto))
     if not formats:
         reasons: dict[str, int] = {}
         for why in lowered.static.skipped.values():
@@ -621,6 +623,16 @@ def _growth(float_proto: onnx.ModelProto, per_layer_sqnr: Mapping[str, float], k
         if r.get("kind") == "between" and r["growth_db"] > 0:
             r["upstream"], r["upstream_more"] = upstream_layers(float_proto, layers, r["layer"])
     return {"sqnr": sqnr, "drift": error_growth(drift, layer_predecessors(float_proto, set(drift)))}
+
+
+def _graph_nodes(proto: onnx.ModelProto) -> list[tuple[str, str, str | None]]:
+    """``(name, op type, PyTorch module path)`` of every node of ``proto``'s main graph."""
+    from types import SimpleNamespace
+
+    from quantkit.ops import module_path
+
+    return [(n.name, n.op_type, module_path(SimpleNamespace(metadata_props={e.key: e.value for e in n.metadata_props})))
+            for n in proto.graph.node]
 
 
 def _warnings(static_rows: list[dict[str, Any]], unfused: list[dict[str, Any]], woq: list[dict[str, Any]],
