@@ -257,6 +257,15 @@ def _quality(job: Job, lowered: Lowered, qproto: onnx.ModelProto, ev: Dataset, p
                                    {"fp32": job.float_bytes, "quantized": qbytes}, progress)
         if extra:
             quality["perplexity_extra"] = extra
+        if rec.evaluation.greedy_agreement is not None:  # as the layer-wise path reports it, without a KV cache
+            from quantkit.evaluate.greedy import greedy_agreement
+
+            with stage("greedy decoding, FP32 vs quantized (evaluation.greedy_agreement)", enabled=progress):
+                quality["greedy_agreement"] = greedy_agreement(
+                    job.float_bytes, qbytes, (np.asarray(b["input_ids"])[np.asarray(b["attention_mask"]) > 0]
+                                              if "attention_mask" in b else np.asarray(b["input_ids"])
+                                              for b in ev.batches(1)),
+                    rec.evaluation.greedy_agreement)  # fmt: skip
         return quality, {}
     # one FP32 pass: the FP32 model also hands out the layer tensors of the first 16 samples
     fid, sq = fidelity_and_layer_sqnr(job.float_proto, qproto, lowered.static, ev,

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BATCH", "agreement", "greedy_agreement", "greedy_decode", "prompts_from", "teacher_forced"]
+__all__ = ["BATCH", "FullSequence", "agreement", "greedy_agreement", "greedy_decode", "prompts_from", "teacher_forced"]
 
 BATCH = 16
 """Prompts decoded together (a memory bound: the KV cache and the activations of ``BATCH x prompt_tokens``)."""
@@ -69,13 +69,60 @@ def _vocab(sess: Any) -> int:
     return 0
 
 
-def greedy_decode(model: str | Path, prompts: np.ndarray, tokens: int, *, batch: int = BATCH,
-                  threads: int | None = None) -> np.ndarray:
-    """``[P, tokens]``: the greedy continuation of each prompt (``[P, L]``) by the KV-cache decoder ``model``."""
+class FullSequence:
+    """A causal LM without a KV cache (the whole-graph path's graph: ``input_ids`` [, ``attention_mask``,
+    ``position_ids``] -> ``logits``) behind :class:`~quantkit.frontends.llm_builder.LLMSession`'s interface: each
+    call runs the whole sequence so far (quadratic in its length, exact)."""
+
+    def __init__(self, model: str | Path | bytes, *, threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.enable_cpu_mem_arena = False
+        so.log_severity_level = 3
+        if threads:
+            so.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(model if isinstance(model, bytes) else str(model), so,
+                                            providers=["CPUExecutionProvider"])
+        self.inputs = {i.name for i in self.session.get_inputs()}
+        self.ids = np.zeros((0, 0), np.int64)
+
+    def reset(self, batch: int) -> None:
+        self.ids = np.zeros((batch, 0), np.int64)
+
+    def __call__(self, ids: np.ndarray, logits_to_keep: int = 1) -> np.ndarray:
+        self.ids = np.concatenate([self.ids, np.asarray(ids, np.int64)], axis=1)
+        b, n = self.ids.shape
+        feed = {"input_ids": self.ids}
+        if "attention_mask" in self.inputs:
+            feed["attention_mask"] = np.ones((b, n), np.int64)
+        if "position_ids" in self.inputs:
+            feed["position_ids"] = np.broadcast_to(np.arange(n, dtype=np.int64), (b, n)).copy()
+        logits = self.session.run(["logits"], feed)[0]
+        return logits[:, -logits_to_keep:]
+
+
+def _session(model: str | Path | bytes, threads: int | None, max_length: int | None = None) -> Any:
+    """An :class:`~quantkit.frontends.llm_builder.LLMSession` for a KV-cache decoder, a :class:`FullSequence` for a
+    causal LM without a cache (given as bytes, or a graph with no ``past_key_values.*`` input)."""
+    if isinstance(model, bytes):
+        return FullSequence(model, threads=threads)
+    import onnx
+
     from quantkit.frontends.llm_builder import LLMSession
 
+    graph_inputs = onnx.load(str(model), load_external_data=False).graph.input
+    if not any(i.name.startswith("past_key_values.") for i in graph_inputs):
+        return FullSequence(model, threads=threads)
+    return LLMSession(model, threads=threads, max_length=max_length, arena=False)  # not timed: no arena kept
+
+
+def greedy_decode(model: str | Path | bytes, prompts: np.ndarray, tokens: int, *, batch: int = BATCH,
+                  threads: int | None = None) -> np.ndarray:
+    """``[P, tokens]``: the greedy continuation of each prompt (``[P, L]``) by the decoder ``model`` (its KV cache,
+    or the whole sequence again each step for a graph without one: :class:`FullSequence`)."""
     P, L = prompts.shape
-    sess = LLMSession(model, threads=threads, max_length=L + tokens, arena=False)  # not timed: no arena kept
+    sess = _session(model, threads, max_length=L + tokens)
     out = np.zeros((P, tokens), np.int64)
     for b in range(0, P, batch):
         ids = prompts[b : b + batch]
@@ -89,15 +136,13 @@ def greedy_decode(model: str | Path, prompts: np.ndarray, tokens: int, *, batch:
     return out
 
 
-def teacher_forced(model: str | Path, prompts: np.ndarray, reference: np.ndarray, *, batch: int = BATCH,
+def teacher_forced(model: str | Path | bytes, prompts: np.ndarray, reference: np.ndarray, *, batch: int = BATCH,
                    threads: int | None = None) -> np.ndarray:
     """``[P, T]``: ``model``'s most likely next token at each position of ``reference`` (``[P, T]``), fed the prompt
     and the reference tokens before it."""
-    from quantkit.frontends.llm_builder import LLMSession
-
     P, T = reference.shape
     seq = np.concatenate([prompts, reference[:, :-1]], axis=1)
-    sess = LLMSession(model, threads=threads, arena=False)
+    sess = _session(model, threads)
     vocab = _vocab(sess)
     if vocab:  # the logits of T positions per prompt: at most LOGITS_BYTES of them per run
         batch = max(1, min(batch, LOGITS_BYTES // (4 * T * vocab)))
@@ -131,7 +176,7 @@ def agreement(reference: np.ndarray, got: np.ndarray, forced: np.ndarray | None 
     return out
 
 
-def greedy_agreement(fp32: str | Path | None, quantized: str | Path, windows: Iterable[np.ndarray],
+def greedy_agreement(fp32: str | Path | bytes | None, quantized: str | Path | bytes, windows: Iterable[np.ndarray],
                      spec: Any, *, why_no_fp32: str = "", context: int | None = None,
                      threads: int | None = None) -> dict[str, Any]:
     """``quality.greedy_agreement``: ``spec`` (``evaluation.greedy_agreement``: ``prompts``, ``prompt_tokens``,

@@ -226,7 +226,10 @@ _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "gelu_fast": "gelu_tanh", "gelu": "gelu"}  # fmt: skip
 """config.json activation names -> the kernel written (``gelu_tanh``: ONNX ``Gelu`` with ``approximate="tanh"``)."""
-_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "dynamic")
+"""RoPE variants the builder computes exactly.  ``dynamic`` (dynamic NTK) is plain RoPE until a sequence passes the
+original context, where transformers starts rescaling the frequencies by the sequence length: the built decoder's
+context stops there (:attr:`DecoderConfig.context_length`), and a longer sequence is refused."""
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -234,8 +237,29 @@ def supported_model_types() -> tuple[str, ...]:
     return tuple(_BY_TYPE)
 
 
-def unsupported_message(model_type: str, where: str) -> str:
-    """Why ``model_type`` is refused, what is supported, and what to try instead."""
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
+
+
+def moe_message(cfg: Mapping[str, Any], where: str) -> str | None:
+    """Why a mixture-of-experts decoder (``config.json`` names experts) cannot be quantized, or None for a dense
+    one: the streaming builder has no expert routing, and ``torch.export`` cannot trace the routing of
+    transformers' MoE blocks (their grouped matrix products have no ONNX export), so the whole-graph path fails
+    too - refused at once instead of after the export."""
+    keys = [k for k in _MOE_KEYS if isinstance(cfg.get(k), int) and not isinstance(cfg.get(k), bool) and cfg[k] > 1]
+    if not keys:
+        return None
+    return (f"{where}: model_type {str(cfg.get('model_type', '?'))!r} is a mixture-of-experts decoder "
+            f"({keys[0]}: {cfg[keys[0]]}); quantkit does not support MoE models: the layer-wise builder has no expert "
+            "routing and the whole-graph path cannot export it (torch.export does not trace the expert dispatch); "
+            f"supported decoder families: {', '.join(supported_model_types())}")
+
+
+def unsupported_message(model_type: str, where: str, cfg: Mapping[str, Any] | None = None) -> str:
+    """Why ``model_type`` is refused, what is supported, and what to try instead (``cfg``: the config, when read:
+    a mixture-of-experts decoder gets :func:`moe_message`, the whole-graph path being no way out for it)."""
+    moe = moe_message(cfg, where) if cfg is not None else None
+    if moe is not None:
+        return moe
     return (f"{where}: model_type {model_type!r} is not a decoder family the streaming builder supports "
             f"(calibration.layerwise and the KV-cache decoder); supported model_types: "
             f"{', '.join(supported_model_types())}. Try instead: calibration.layerwise: false (the whole-graph "
@@ -315,6 +339,10 @@ class DecoderConfig:
         position table's rows (GPT-2)."""
         if not self.rotary:
             return self.max_position_embeddings
+        if _rope_kind(self.rope_scaling) == "dynamic":  # exact up to the original context (_ROPE_TYPES)
+            orig = (self.rope_scaling or {}).get("original_max_position_embeddings")
+            limit = min(self.max_position_embeddings, int(orig or 0)) if _num(orig) else self.max_position_embeddings
+            return min(limit, ROTARY_CACHE_POSITIONS)
         return min(self.max_position_embeddings, ROTARY_CACHE_POSITIONS)
 
     def window(self, layer: int) -> int | None:
@@ -394,7 +422,7 @@ def parse_config(raw: Any, where: str) -> DecoderConfig:
     model_type = str(raw.get("model_type", "")).lower()
     fam = _BY_TYPE.get(model_type)
     if fam is None:
-        raise ModelError(unsupported_message(model_type, where))
+        raise ModelError(unsupported_message(model_type, where, raw))
     cfg = _normalized({**dict(fam.defaults), **raw}, fam)
     aliases = ", ".join(f"{a} as {k}" for k, a in fam.config_aliases if raw.get(a) is not None)
     check_config_values(cfg, f"{where} ({model_type}: read {aliases})" if aliases else where)

@@ -140,7 +140,13 @@ def check_hf_folder(path: str | os.PathLike[str]) -> None:
     are malformed, point outside the folder (index ``weight_map``) or hold non-float weights
     (:mod:`quantkit.frontends.checkpoint`)."""
     folder = _check_folder(path)
-    check_config_values(_read_json(folder / "config.json"), str(folder / "config.json"))
+    cfg = _read_json(folder / "config.json")
+    check_config_values(cfg, str(folder / "config.json"))
+    from quantkit.frontends.families import moe_message
+
+    moe = moe_message(cfg, str(folder / "config.json")) if isinstance(cfg, dict) else None
+    if moe is not None:
+        raise ModelError(moe)
     checkpoint_tensors(folder)
 
 

@@ -75,6 +75,9 @@ def _spec(kind: str) -> tuple[Any, Any]:
         rope = {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(16)],
                 "long_factor": [2.0 + 0.3 * i for i in range(16)]}  # fmt: skip
         return t.Phi3ForCausalLM, t.Phi3Config(**c, rope_scaling=rope, original_max_position_embeddings=PROMPT)
+    if kind == "llama_dynamic":  # dynamic NTK RoPE: plain RoPE within the original context (64 positions)
+        rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+        return t.LlamaForCausalLM, t.LlamaConfig(**c, rope_parameters=rope)
     if kind == "gpt2":
         return t.GPT2LMHeadModel, t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                                                initializer_range=0.15, bos_token_id=1, eos_token_id=2)  # fmt: skip
@@ -89,7 +92,7 @@ def _spec(kind: str) -> tuple[Any, Any]:
 
 
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
-         "qwen2_window"]
+         "qwen2_window", "llama_dynamic"]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
@@ -432,3 +435,28 @@ def test_unknown_family_is_refused_by_calibrate_at_once(tmp_path: Path, capsys: 
     assert "model_type 'gpt_neox'" in err and "calibration.layerwise: false" in err
     assert all(t in err for t in ("llama", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2"))
     assert not (tmp_path / "o").exists()
+
+
+def test_dynamic_ntk_rope_is_built_for_its_original_context(built: Any) -> None:
+    """Dynamic NTK RoPE is plain RoPE until a sequence passes the original context (transformers then rescales
+    every frequency by the sequence length): the decoder covers exactly that context, a longer sequence is refused."""
+    b = built("llama_dynamic")
+    cfg = read_decoder_config(b.folder)
+    assert cfg.context_length == 64
+    ids = _ids(64, 5)
+    _assert_exact(LLMSession(b.path)(ids), _reference(b.model, ids), "dynamic NTK, the whole original context")
+
+
+@pytest.mark.parametrize("cfg", [{"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
+                                 {"model_type": "qwen2_moe", "num_experts": 8, "num_experts_per_tok": 2}])
+def test_mixture_of_experts_is_refused_on_both_paths_naming_why(tmp_path: Path, cfg: dict[str, Any]) -> None:
+    """The generic refusal suggested calibration.layerwise: false, whose export then failed after a long torch
+    dump: a mixture-of-experts decoder is refused at once by both paths, saying why."""
+    from quantkit.frontends.hf_folder import check_hf_folder
+
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_size": 64, "num_hidden_layers": 2,
+                                                      "num_attention_heads": 4, "vocab_size": 256}))
+    for call in (read_decoder_config, check_hf_folder):
+        with pytest.raises(ModelError, match=r"is a mixture-of-experts decoder \(num_\w+: \d\); quantkit does not "
+                                             r"support MoE models.*whole-graph path cannot export it"):
+            call(tmp_path)
