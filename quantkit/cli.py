@@ -306,6 +306,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         if chk:
             line += (f"; fused kernels vs QDQ math on {chk['samples']} samples: "
                      + ("agree" if chk.get("agree") else "DISAGREE"))
+        elif kern.get("check_skipped"):
+            line += f"; fused kernels vs QDQ math: not checked ({kern['check_skipped']})"
         print(line)
     for w in rep.get("warnings", []):
         print(f"WARNING: {w}")

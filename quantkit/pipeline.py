@@ -364,12 +364,17 @@ def verify_kernels(qproto: onnx.ModelProto, target: Any, ds: Dataset | None, sam
     fused kernels agree with the QDQ math (``staged``: the model staged on disk, opened by path).  ``probe``: a
     :func:`layer_probe` fed the reference run's layer tensors of every feed that was not cut (so the evaluation
     does not run the QDQ math again for them)."""
-    from quantkit.lowering.kernel_check import kernel_vs_reference, portability
+    from quantkit.lowering.kernel_check import kernel_vs_reference, portability, random_ops
     from quantkit.scheme.target import detect_cpu
 
     port = portability(qproto)
     out: dict[str, Any] = {"target": target.as_dict(), "cpu": detect_cpu().as_dict(), "portability": port}
-    if ds is not None and samples > 0:
+    rand = random_ops(qproto)
+    if rand and ds is not None and samples > 0:
+        out["check_skipped"] = (f"the graph draws random numbers ({', '.join(rand[:3])}"
+                                + (f" and {len(rand) - 3} more" if len(rand) > 3 else "") + "): two runs of the same "
+                                "model differ, so the fused kernels cannot be compared with the QDQ math run by run")
+    elif ds is not None and samples > 0:
         at_risk = {r["layer"] for r in port["layers_at_risk"]}
         state: dict[str, bool] = {}
         out["check"] = kernel_vs_reference(qproto, _cropped(ds, KERNEL_CHECK_TOKENS, state, qproto), samples=samples,

@@ -508,6 +508,28 @@ def with_outputs(model: onnx.ModelProto, tensors: Sequence[str]) -> bytes:
     return m.SerializeToString()
 
 
+RANDOM_OPS = ("RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Multinomial", "Bernoulli")
+"""Ops whose output differs from run to run: a model holding one cannot be compared with itself run by run."""
+
+
+def random_ops(model: onnx.ModelProto) -> list[str]:
+    """``"<op type> '<node>'"`` of every node of ``model`` (subgraphs included) that draws random numbers."""
+    out: list[str] = []
+
+    def walk(graph: onnx.GraphProto) -> None:
+        for n in graph.node:
+            if n.op_type in RANDOM_OPS and n.domain in ("", "ai.onnx"):
+                out.append(f"{n.op_type} '{n.name or n.output[0]}'")
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    walk(a.g)
+                for g in a.graphs:
+                    walk(g)
+
+    walk(model.graph)
+    return out
+
+
 def kernel_vs_reference(
     model: onnx.ModelProto, feeds: Any, *, samples: int = 16, layer_samples: int = 2, max_off: float = 1e-3,
     emulate: set[str] | None = None, staged: StagedModel | None = None, observer: Any = None,

@@ -781,6 +781,9 @@ def kernel_warnings(kernels: Mapping[str, Any]) -> list[str]:
             f"outputs vs the QDQ reference: {outs}. Rebuild with target: {{isa: auto}} on this machine, or "
             "{isa: portable} for a model that is exact on every CPU"
         )
+    if kernels.get("check_skipped"):
+        out.append(f"fused kernels not checked against the QDQ math: {kernels['check_skipped']}; the fidelity "
+                   "figures against FP32 include that randomness")
     port = (kernels.get("portability") or {}).get("classes") or {}
     broken = [c for c, v in port.items() if not v.get("exact", True)]
     if broken:
@@ -807,6 +810,8 @@ def kernel_lines(rep: Mapping[str, Any]) -> list[str]:
              f"{cpu.get('model_name')} ({cpu.get('machine')}, flags {', '.join(cpu.get('flags') or []) or '-'}), "
              f"class `{cpu.get('cpu_class')}`.", ""]
     chk = k.get("check")
+    if k.get("check_skipped"):
+        lines += [f"Fused kernels vs QDQ reference: not checked: {k['check_skipped']}.", ""]
     if chk:
         verdict = "agree" if chk.get("agree") else "**DISAGREE**"
         lines.append(f"Fused kernels (ORT_ENABLE_ALL) vs QDQ reference (ORT_DISABLE_ALL) on {chk.get('samples')} "
