@@ -214,6 +214,22 @@ def check_weights(model: ir.Model) -> None:
             )
 
 
+def _drop_initializer_inputs(model: ir.Model) -> int:
+    """Remove from the graph inputs the values that are initializers too (IR version < 4 requires that, and old
+    exporters keep doing it): such a weight is an *overridable* input, never a constant - nothing would fold,
+    quantize or drop it, and the emitted model would carry the float weights beside the int8 ones.  They stay
+    initializers (constants), as every current exporter writes them; the count is returned."""
+    graph = model.graph
+    drop = [v for v in graph.inputs if v.name in graph.initializers and graph.initializers[v.name] is v]
+    for v in drop:
+        graph.inputs.remove(v)
+    if drop:
+        model.ir_version = max(model.ir_version or 0, 4)  # IR >= 4: initializers need not be inputs
+        log.info("%d initializers were also listed as graph inputs (an IR version 3 convention): taken as constant "
+                 "weights, no longer inputs", len(drop))  # fmt: skip
+    return len(drop)
+
+
 def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
     """Prepare ``model`` (modified in place) for quantization and return it with per-transform counts.
 
@@ -230,7 +246,7 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
         raise ModelError(f"prepare() expects an onnx_ir.Model, got {type(model).__name__}")
     check_runnable(model)
     model = upgrade_opset(model)  # a copy when converted
-    applied: dict[str, int] = {}
+    applied: dict[str, int] = {"initializer_inputs": _drop_initializer_inputs(model)}
     namer = NameNodesPass()
     _run("name_nodes", namer, model)
     renamed = namer.renamed
