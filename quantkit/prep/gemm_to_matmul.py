@@ -22,12 +22,48 @@ import onnx_ir as ir
 from quantkit.lowering.select import ORIGINAL_OP_TYPE, constant_array, recipe_op_type
 from quantkit.ops import TORCH_NAME_SCOPES
 
-__all__ = ["gemm_to_matmul"]
+__all__ = ["fold_gemm_scales", "gemm_to_matmul"]
 
 
 def _attr(node: ir.Node, name: str, default: float) -> float:
     a = node.attributes.get(name)
     return default if a is None else float(a.value)
+
+
+def fold_gemm_scales(model: ir.Model) -> int:
+    """``Gemm`` with ``alpha`` / ``beta`` other than 1 and constant ``B`` (and ``C``): ``alpha`` folded into ``B``,
+    ``beta`` into ``C`` (new initializers when others read them), both attributes set to 1 - the same product up
+    to the float rounding of the scaled constants.  ONNX Runtime fuses a QDQ ``Gemm`` into ``QGemm`` only with
+    ``beta`` 1: a scaled one stayed a float Gemm between stray DequantizeLinear nodes.  Returns how many."""
+    from quantkit.lowering.nbits import _const
+    from quantkit.lowering.qdq import _Namer
+
+    graph = model.graph
+    namer = _Namer(graph)
+    done = 0
+    for node in list(graph):
+        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx"):
+            continue
+        alpha, beta = _attr(node, "alpha", 1.0), _attr(node, "beta", 1.0)
+        b = node.inputs[1] if len(node.inputs) > 1 else None
+        c = node.inputs[2] if len(node.inputs) > 2 else None
+        w = constant_array(b)
+        carr = constant_array(c) if c is not None else None
+        if (alpha == 1.0 and (beta == 1.0 or c is None)) or w is None or (c is not None and carr is None):
+            continue
+        if alpha != 1.0:
+            node.replace_input_with(1, _const(graph, namer, f"{b.name or node.name}_alpha",  # type: ignore[union-attr]
+                                              (w * np.float32(alpha)).astype(np.float32)))
+        if c is not None and carr is not None and beta != 1.0:
+            node.replace_input_with(2, _const(graph, namer, f"{c.name or node.name}_beta",
+                                              (carr * np.float32(beta)).astype(np.float32)))
+        node.attributes.pop("alpha", None)
+        node.attributes.pop("beta", None)
+        for v in (b, c):
+            if v is not None and not v.uses() and v.name in graph.initializers and not v.is_graph_output():
+                del graph.initializers[v.name]
+        done += 1
+    return done
 
 
 def gemm_to_matmul(model: ir.Model, only: set[str] | None = None) -> int:

@@ -271,6 +271,9 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
         model,
     )
 
+    from quantkit.prep.gemm_to_matmul import fold_gemm_scales
+
+    applied["gemm_scales"] = fold_gemm_scales(model)
     try:
         applied["fold_batchnorm"] = fold_batchnorm_rules().apply_to_model(model)
     except (ValueError, TypeError, RuntimeError) as exc:
