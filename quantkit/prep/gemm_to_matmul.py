@@ -61,7 +61,7 @@ def fold_gemm_scales(model: ir.Model) -> int:
         node.attributes.pop("beta", None)
         for v in (b, c):
             if v is not None and not v.uses() and v.name in graph.initializers and not v.is_graph_output():
-                del graph.initializers[v.name]
+                del graph.initializers[str(v.name)]
         done += 1
     return done
 

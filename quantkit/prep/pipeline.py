@@ -220,7 +220,7 @@ def _drop_initializer_inputs(model: ir.Model) -> int:
     quantize or drop it, and the emitted model would carry the float weights beside the int8 ones.  They stay
     initializers (constants), as every current exporter writes them; the count is returned."""
     graph = model.graph
-    drop = [v for v in graph.inputs if v.name in graph.initializers and graph.initializers[v.name] is v]
+    drop = [v for v in graph.inputs if v.name is not None and graph.initializers.get(v.name) is v]
     for v in drop:
         graph.inputs.remove(v)
     if drop:
