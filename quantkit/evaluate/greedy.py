@@ -105,11 +105,14 @@ class FullSequence:
 def _session(model: str | Path | bytes, threads: int | None, max_length: int | None = None) -> Any:
     """An :class:`~quantkit.frontends.llm_builder.LLMSession` for a KV-cache decoder, a :class:`FullSequence` for a
     causal LM without a cache (given as bytes, or a graph with no ``past_key_values.*`` input)."""
-    if isinstance(model, bytes):
-        return FullSequence(model, threads=threads)
-    import onnx
-
     from quantkit.frontends.llm_builder import LLMSession
+
+    if isinstance(model, bytes):
+        full = FullSequence(model, threads=threads)
+        if not any(n.startswith("past_key_values.") for n in full.inputs):
+            return full
+        return LLMSession("<bytes>", session=full.session, max_length=max_length)  # its options: no arena
+    import onnx
 
     graph_inputs = onnx.load(str(model), load_external_data=False).graph.input
     if not any(i.name.startswith("past_key_values.") for i in graph_inputs):
