@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,14 @@ def load_inputs(model: Any, calibration_data: Any, rec: RecipeModel, *, example_
     t = time.perf_counter()
     source = model if model is not None else rec.model.source  # type: ignore[union-attr]
     load_kw: dict[str, Any] = {}
+    torch = sys.modules.get("torch")  # loaded already when a torch module was passed
+    if example_inputs is None and calibration_data is not None and torch is not None \
+            and isinstance(source, torch.nn.Module):  # its export's example: the DataLoader's first batch
+        from quantkit.frontends.torch_module import example_from_loader
+
+        example_inputs = example_from_loader(source, calibration_data)
+        if example_inputs is not None:
+            log.info("example_inputs for the export: the first batch of the calibration DataLoader")
     if example_inputs is not None:
         load_kw["example_inputs"] = example_inputs
     if isinstance(source, (str, os.PathLike)) and Path(source).is_dir() and rec.model is not None:

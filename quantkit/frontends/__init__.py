@@ -238,7 +238,8 @@ def load_model(source: object, **kw: Any) -> LoadedModel:
         if "example_inputs" not in kw:
             raise ModelError(
                 f"load_model got a torch.nn.Module ({type(source).__name__}); pass example_inputs= "
-                "(a tensor, a tuple of tensors or a dict name -> tensor) to export it"
+                "(a tensor, a tuple of tensors or a dict name -> tensor) to export it, or calibration data as a "
+                "torch DataLoader (its first batch is the example)"
             )
         allowed = ("example_inputs", "input_names", "output_names", "dynamic_batch", "dynamic_dims", "opset")
         _reject_kwargs("torch.nn.Module", kw, allowed)

@@ -35,7 +35,7 @@ from quantkit.frontends._canonicalize import ReduceMeanToGlobalAveragePoolPass
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_OPSET", "from_torch"]
+__all__ = ["DEFAULT_OPSET", "example_from_loader", "from_torch"]
 
 #: The dynamo exporter's native opset in torch 2.13; asking for a lower one triggers a
 #: version conversion that fails on ``Pad`` (17), a higher one a conversion we do not need.
@@ -72,6 +72,39 @@ def _forward_param_names(module: torch.nn.Module) -> list[str] | None:
         if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
             names.append(p.name)
     return names
+
+
+def example_from_loader(module: torch.nn.Module, data: Any) -> Any:
+    """``example_inputs`` for ``module`` from the first batch of a ``torch.utils.data.DataLoader`` (its items are
+    batches by construction), else None: a dict of tensors (the keys ``forward`` takes), a tensor, or a tuple
+    whose first ``forward``-required elements are the inputs (a trailing target is dropped).  Other iterables are
+    not read: whether their items are samples or batches cannot be told without the model."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    if not isinstance(data, DataLoader) or data.batch_size is None:
+        return None
+    try:
+        first = next(iter(data))
+    except StopIteration:
+        return None
+    sig = inspect.signature(module.forward).parameters.values()
+    required = [p.name for p in sig if p.default is inspect.Parameter.empty
+                and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if isinstance(first, Mapping):
+        names = {p.name for p in sig}
+        got = {k: v for k, v in first.items() if k in names and isinstance(v, torch.Tensor)}
+        return got or None
+    if isinstance(first, torch.Tensor):
+        return first
+    if isinstance(first, (tuple, list)) and first:
+        if len(first) == 2 and isinstance(first[0], (Mapping, tuple, list)):
+            first = first[0]  # (inputs, target)
+            if isinstance(first, Mapping):
+                return {k: v for k, v in first.items() if isinstance(v, torch.Tensor)} or None
+        keep = list(first[: len(required)] if 0 < len(required) < len(first) else first)
+        return tuple(keep) if all(isinstance(t, torch.Tensor) for t in keep) else None
+    return None
 
 
 def _at_least_two(t: torch.Tensor) -> torch.Tensor:

@@ -126,3 +126,25 @@ def test_a_generator_of_evaluation_data_serves_a_second_run(monkeypatch: pytest.
     first, second = (r.report["quality"]["fidelity"]["logits"] for r in results)
     assert first["samples"] == second["samples"] == 8
     assert first["accuracy_fp32"] == second["accuracy_fp32"] and second["labelled_samples"] == 8
+
+
+def test_a_torch_dataloader_needs_no_example_inputs() -> None:
+    """quantize(net, loader): the export's example is the DataLoader's first batch (its labels dropped); other
+    iterables still need example_inputs (samples or batches cannot be told apart without the model)."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from quantkit.api import quantize
+    from quantkit.errors import ModelError
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                              torch.nn.Flatten(), torch.nn.Linear(8, 5)).eval()
+    ds = TensorDataset(torch.randn(16, 3, 16, 16), torch.randint(0, 5, (16,)))
+    recipe = {"version": 1, "name": "unit", "report": {"latency": {"enabled": False}}}
+    res = quantize(net, DataLoader(ds, batch_size=4), recipe, evaluation_data=DataLoader(ds, batch_size=4),
+                   progress=False)
+    fid = next(iter(res.report["quality"]["fidelity"].values()))
+    assert fid["samples"] == 16 and fid["labelled_samples"] == 16
+    with pytest.raises(ModelError, match="pass example_inputs=.*or calibration data as a torch DataLoader"):
+        quantize(net, [torch.randn(4, 3, 16, 16)], recipe, progress=False)
