@@ -481,10 +481,13 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
             record["rerun_differs_from_timed"] = True
         row = record["ab"][key]
         record["float_layers"] = names
+        measured = ((getattr(chosen, "report", None) or {}).get("latency") or {}).get("speedup")
         record["decision"] = (
             f"shipped with {len(names)} layer(s) in float ({key}): faster than all-int8 in {row['wins']} of "
-            f"{len(ab['int8'])} rounds, median {row['median_ratio_to_int8']:.3f}x its time ({_x(row['speedup'])} "
-            f"FP32 instead of {_x(i8_speedup)})")
+            f"{len(ab['int8'])} rounds, median {row['median_ratio_to_int8']:.3f}x its time (estimated "
+            f"{_x(row['speedup'])} FP32 instead of {_x(i8_speedup)}: the first run's speedup over this A/B ratio"
+            + (f"; the shipped model's own latency measurement: {measured:.2f}x FP32)"
+               if isinstance(measured, (int, float)) else ")"))
     else:
         record["float_layers"] = []
         record["decision"] = "kept all layers int8: " + "; ".join(
