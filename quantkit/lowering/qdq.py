@@ -258,6 +258,7 @@ def lower_int8(
     # 3. weights and biases
     _lower_weights(graph, plan, result, namer, const, act_inputs, input_means, target, hessians, pair_cache)
 
+    _layout_on_codes(graph)
     if matmul_form == "fused":
         fused = fuse_float_output_linears(model, plan, result)
         for layer in fused:
@@ -827,6 +828,59 @@ def _folded(node: ir.Node, plan: QuantPlan) -> bool:
         return False
     p = node.inputs[0].producer()
     return p is not None and p.name in plan.layers and len(list(node.inputs[0].uses())) == 1
+
+
+_LAYOUT_OPS = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten")
+"""Ops that only move elements: on a per-tensor grid they commute with QuantizeLinear (:func:`_layout_on_codes`)."""
+
+
+def _same_grid(dq: ir.Node, q: ir.Node) -> bool:
+    """``dq`` and ``q`` use one per-tensor grid: equal scalar scales, equal zero points of one type."""
+    if len(dq.inputs) < 2 or len(q.inputs) < 2 or dq.attributes.get("axis") is not None \
+            or q.attributes.get("axis") is not None or q.attributes.get("output_dtype") is not None:
+        return False
+    s1, s2 = constant_array(dq.inputs[1]), constant_array(q.inputs[1])
+    z1 = constant_array(dq.inputs[2]) if len(dq.inputs) > 2 else None
+    z2 = constant_array(q.inputs[2]) if len(q.inputs) > 2 else None
+    if s1 is None or s2 is None or s1.size != 1 or s2.size != 1 or float(s1.reshape(())) != float(s2.reshape(())):
+        return False
+    if z1 is None or z2 is None:
+        return z1 is None and z2 is None
+    return z1.dtype == z2.dtype and z1.size == 1 and z2.size == 1 and int(z1.reshape(())) == int(z2.reshape(()))
+
+
+def _layout_on_codes(graph: ir.Graph) -> int:
+    """``DequantizeLinear -> Transpose / Reshape / ... -> QuantizeLinear`` on one per-tensor grid becomes the layout
+    op on the 8-bit codes (exact: moving elements commutes with quantizing them); returns how many.  ONNX Runtime
+    would drop the pair itself in its QDQ pass - but its level-1 transpose optimizer runs first and can move the
+    ``Transpose`` out of the group (to cancel it against another), leaving a DequantizeLinear -> QuantizeLinear pair
+    behind that nothing fuses (FocalNet's modulation, MaxViT's grid attention)."""
+    done = 0
+    for node in list(graph):
+        if node.op_type not in _LAYOUT_OPS or node.domain not in ("", "ai.onnx") or not node.inputs \
+                or node.inputs[0] is None or len(node.outputs) != 1:
+            continue
+        x, out = node.inputs[0], node.outputs[0]
+        dq = x.producer()
+        if dq is None or dq.op_type != "DequantizeLinear" or len(x.uses()) != 1 or x.is_graph_output():
+            continue
+        uses = list(out.uses())
+        if len(uses) != 1 or out.is_graph_output():
+            continue
+        q = uses[0].node
+        if q.op_type != "QuantizeLinear" or q.graph is not graph or q.outputs[0].is_graph_output() \
+                or not _same_grid(dq, q) or dq.inputs[0] is None:
+            continue
+        codes_out = q.outputs[0]
+        name, codes_type = codes_out.name, codes_out.type or dq.inputs[0].type
+        node.replace_input_with(0, dq.inputs[0])
+        out.type = codes_type  # the codes' element type (the float annotation would fail the model's load)
+        codes_out.replace_all_uses_with(out, replace_graph_outputs=False)
+        graph.remove(q, safe=True)
+        graph.remove(dq, safe=True)
+        out.name = name
+        done += 1
+    return done
 
 
 def _drop_unused_initializers(graph: ir.Graph) -> None:
