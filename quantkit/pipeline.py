@@ -299,13 +299,11 @@ KERNEL_CHECK_TOKENS = 64
 does not depend on the context length (a 512-token LLM window costs 8x the time and finds nothing more)."""
 
 
-def _seq_axes(proto: onnx.ModelProto | None) -> tuple[str | None, set[str]]:
+def _seq_axes(proto: onnx.ModelProto) -> tuple[str | None, set[str]]:
     """``(token input, inputs whose axis 1 may be cut with it)`` of ``proto``'s graph: the token input is
     ``input_ids`` (else the only 2-D int64 input) when its axis 1 is dynamic; the others are the inputs whose axis 1
     is dynamic too (an attention mask of any type, ``token_type_ids``, a ``bbox [N, S, 4]``, position ids).  A
     model whose sequence length is fixed is never cut (``(None, set())``)."""
-    if proto is None:
-        return None, set()
     dims: dict[str, list[Any]] = {}
     for i in proto.graph.input:
         t = i.type.tensor_type
@@ -321,16 +319,13 @@ def _seq_axes(proto: onnx.ModelProto | None) -> tuple[str | None, set[str]]:
     return token, {n for n, d in dims.items() if len(d) >= 2 and not isinstance(d[1], int)}
 
 
-def _cropped(ds: Dataset, tokens: int, state: dict[str, bool] | None = None,
-             proto: onnx.ModelProto | None = None) -> Any:
+def _cropped(ds: Dataset, tokens: int, state: dict[str, bool] | None = None, *, proto: onnx.ModelProto) -> Any:
     """``ds``'s samples one at a time, token sequences cut to ``tokens`` (:func:`_seq_axes`: the token input and the
     inputs of the same length along a dynamic axis 1; nothing when ``proto``'s sequence is fixed); ``state["cropped"]``:
     whether the feed just yielded was cut."""
-    token, axes = _seq_axes(proto) if proto is not None else ("", set())
+    token, axes = _seq_axes(proto)
     for feed in ds.batches(1):
-        if proto is None:  # no graph to read: the 2-D int64 token arrays (a model the caller knows)
-            out = {k: (v[:, :tokens] if v.ndim == 2 and v.dtype == np.int64 else v) for k, v in feed.items()}
-        elif token is None or token not in feed or np.ndim(feed[token]) != 2:
+        if token is None or token not in feed or np.ndim(feed[token]) != 2:
             out = dict(feed)
         else:
             length = np.shape(feed[token])[1]
@@ -377,7 +372,7 @@ def verify_kernels(qproto: onnx.ModelProto, target: Any, ds: Dataset | None, sam
     elif ds is not None and samples > 0:
         at_risk = {r["layer"] for r in port["layers_at_risk"]}
         state: dict[str, bool] = {}
-        out["check"] = kernel_vs_reference(qproto, _cropped(ds, KERNEL_CHECK_TOKENS, state, qproto), samples=samples,
+        out["check"] = kernel_vs_reference(qproto, _cropped(ds, KERNEL_CHECK_TOKENS, state, proto=qproto), samples=samples,
                                            emulate=at_risk, staged=staged,
                                            observer=None if probe is None else _UncutOnly(probe, state)).as_dict()
     return out

@@ -29,6 +29,14 @@ _SPOOLED_TARGET = "__quantkit_labels__"
 
 
 
+def _kept(labels: list[np.ndarray] | None, lab: np.ndarray | None) -> list[np.ndarray] | None:
+    """``labels`` with ``lab`` appended (in place), None once any item had none."""
+    if labels is None or lab is None:
+        return None
+    labels.append(lab)
+    return labels
+
+
 def _arrays_tuple(obj: Any, n: int) -> bool:
     """``obj`` is a tuple / list of ``n`` >= 2 arrays or tensors (the inputs part of ``(inputs, target)``)."""
     return (isinstance(obj, (tuple, list)) and n > 1 and len(obj) == n
@@ -192,7 +200,7 @@ class IterableDataset:
             d, target = self._split(item, index)
             if not self.batched:
                 lab = None if target is None else class_labels(target, 1)
-                labels = None if labels is None or lab is None else [*labels, lab]
+                labels = _kept(labels, lab)
                 yield d
                 continue
             sizes = {n: (a.shape[0] if a.ndim else None) for n, a in d.items()}
@@ -200,7 +208,7 @@ class IterableDataset:
                 raise DataError(f"batched item {index}: arrays need a common leading batch dim; got {sizes}")
             rows = next(iter(sizes.values())) or 0
             lab = None if target is None else class_labels(target, rows)
-            labels = None if labels is None or lab is None else [*labels, lab]
+            labels = _kept(labels, lab)
             for row in range(rows):
                 yield {n: a[row] for n, a in d.items()}
         self._labels = np.concatenate(labels) if labels else None
