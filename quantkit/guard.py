@@ -524,11 +524,16 @@ def _finish(result: Any, chosen: Any, chosen_blob: bytes | str, speedup: float |
             record["fallback"] = {"rounds_ms": {k: [round(x, 4) for x in v] for k, v in ab.items()},
                                   "fp32_wins": wins, "fp32_median_ratio": ratio, "fp32_faster": faster}
             if faster:
-                names = sorted(n for n, lp in result.plan.layers.items() if lp.format == "int8")
+                # every quantized layer, whatever its format: a mixed plan's int8_dynamic / int4 / fp16 layers were
+                # in the model FP32 beat too (keeping them would ship a model nobody timed, still slower)
+                layers = _quantized_layers(result)
+                names = sorted(layers)
+                formats = sorted(set(layers.values()))
                 chosen = rerun(_float_plan(result, names))
                 record["float_layers"] = names
                 record["decision"] = (
-                    f"shipped in float (every layer, {len(names)}): {record['decision']}, and that model was still "
+                    f"shipped in float (every layer, {len(names)}: {', '.join(formats)}): {record['decision']}, "
+                    f"and that model was still "
                     f"slower than FP32 - FP32 was faster in {wins} of {len(ab['fp32'])} interleaved rounds, median "
                     f"{ratio:.3f}x its time; no int8 layout tried is faster on this CPU")
                 speedup = 1.0 / ratio if ratio > 0 else None
@@ -544,6 +549,21 @@ def _finish(result: Any, chosen: Any, chosen_blob: bytes | str, speedup: float |
             f"({speedup:.2f}x, see latency_guard)")
     log.info("latency guard: %s", record["decision"])
     return chosen
+
+
+def _quantized_layers(result: Any) -> dict[str, str]:
+    """``layer -> format`` of every layer the result's plan quantizes: the static-INT8 plan's layers and the
+    linear layers (MatMul, Gemm, Gather) the precision plan puts in another non-fp32 format."""
+    from quantkit.formats import LINEAR_ONLY_FORMATS
+    from quantkit.lowering.select import layer_plan
+
+    out = {n: lp.format for n, lp in result.plan.layers.items() if lp.format != "fp32"}
+    for node in result.float_model.graph:
+        if node.op_type in ("MatMul", "Gemm", "Gather") and node.name and node.name not in out:
+            fmt = layer_plan(result.precision, node).format
+            if fmt in LINEAR_ONLY_FORMATS:
+                out[node.name] = fmt
+    return out
 
 
 def _x(speedup: float | None) -> str:
@@ -629,5 +649,17 @@ def _int8_nodes(plan: Any) -> set[str]:
 
 
 def _float_plan(result: Any, layers: list[str]) -> Any:
-    """The result's precision plan with ``layers`` kept in float."""
-    return result.precision.choose({k: dataclasses.replace(result.plan.layers[k], format="fp32") for k in layers})
+    """The result's precision plan with ``layers`` kept in float (their rule: :data:`RULE`)."""
+    from quantkit.lowering.select import layer_plan
+
+    wanted = set(layers)
+    current = {k: lp for k, lp in result.plan.layers.items() if k in wanted}
+    for node in result.float_model.graph:  # the layers of the other formats (not in the static-INT8 plan)
+        if node.name in wanted and node.name not in current:
+            current[node.name] = layer_plan(result.precision, node)
+    return result.precision.choose({k: dataclasses.replace(lp, format="fp32", rule=RULE)
+                                    for k, lp in current.items()})
+
+
+RULE = "latency guard"
+"""The ``rule`` of a layer the guard put back in float (the report's plan table shows it)."""

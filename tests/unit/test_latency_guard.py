@@ -459,3 +459,27 @@ def test_each_round_times_the_steady_state_after_untimed_settling_runs(monkeypat
     ab = ab_compare({"fp32": b"fp32", "int8": b"int8"}, {}, threads=1, rounds=3, warmup=1, per_round=3,
                     max_per_round=3)
     assert np.median(ab["fp32"]) == pytest.approx(1.0) and np.median(ab["int8"]) == pytest.approx(1.2)
+
+
+@pytest.mark.parametrize("fmt", ["int8_dynamic", "int4"])
+def test_the_float_fallback_of_a_mixed_plan_puts_back_every_quantized_layer(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fmt: str) -> None:
+    """A plan mixing static int8 with another format (here the classifier) that FP32 beats ships every layer in
+    float - not only the int8 ones: the model FP32 beat held them too - and the plan says the guard decided."""
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    import quantkit.guard as guard
+
+    _fake_profile(monkeypatch, None)
+    _fake_run_latency(monkeypatch, 1.0, 1.25)
+    monkeypatch.setattr(guard, "ab_compare",
+                        lambda blobs, feed, **kw: {"shipped": [1.25] * AB_ROUNDS, "fp32": [1.0] * AB_ROUNDS})
+    recipe = {**RECIPE, "quantization": {"overrides": [{"layer": "fc", "format": fmt}]}}
+    res = quantkit.quantize(tiny_cnn(), image_batches(4), recipe, progress=False)
+    g = res.report["latency_guard"]
+    assert g["fallback"]["fp32_faster"] and "fc" in g["float_layers"] and "conv0" in g["float_layers"]
+    assert fmt in g["decision"]
+    decided = res.precision.decided
+    assert {lp.format for lp in decided.values()} == {"fp32"} and decided["fc"].rule == guard.RULE
+    assert not res.census.quantized_kernels and res.census.leftover_qdq_nodes == []
+    assert not any(n.op_type in ("MatMulNBits", "DynamicQuantizeLinear", "MatMulInteger", "DequantizeLinear")
+                   for n in res.model.graph)
