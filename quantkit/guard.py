@@ -553,15 +553,15 @@ def _finish(result: Any, chosen: Any, chosen_blob: bytes | str, speedup: float |
 
 def _quantized_layers(result: Any) -> dict[str, str]:
     """``layer -> format`` of every layer the result's plan quantizes: the static-INT8 plan's layers and the
-    linear layers (MatMul, Gemm, Gather) the precision plan puts in another non-fp32 format."""
-    from quantkit.formats import LINEAR_ONLY_FORMATS
+    layers the precision plan puts in a linear-only format (int4, int8_dynamic, fp16, ...) on an op it applies to."""
+    from quantkit.formats import LAYER_OPS
     from quantkit.lowering.select import layer_plan
 
     out = {n: lp.format for n, lp in result.plan.layers.items() if lp.format != "fp32"}
     for node in result.float_model.graph:
-        if node.op_type in ("MatMul", "Gemm", "Gather") and node.name and node.name not in out:
+        if node.name and node.name not in out and node.op_type in ("MatMul", "Gemm", "Conv"):
             fmt = layer_plan(result.precision, node).format
-            if fmt in LINEAR_ONLY_FORMATS:
+            if node.op_type in LAYER_OPS.get(fmt, ()):
                 out[node.name] = fmt
     return out
 

@@ -556,24 +556,33 @@ class _Hook(BuildHook):
         return q
 
     def embedding(self, table: Any, tied: bool, positions: Any = None) -> PackedLinear | None:
+        """The input embedding: quantized when tied to the lm_head (by the head's plan, or by its own when the
+        head is stored apart) and, untied, when the recipe names it (an override or a search decision: the
+        default leaves an untied table in float, as a Gather costs no compute).  The hidden states entering
+        block 0 are computed from the rows the shipped graph returns."""
         q = None
-        if tied:
+        emb_plan = self.plans[self.embed]
+        if tied or emb_plan.rule != "default":
             E = _f32_transposed(table)  # [H, V] float32: the only float32 copy of the table
-            q = self._quantize(self.embed if self.untie_head() else "lm_head", E, None, -1)
+            q = self._quantize(self.embed if not tied or self.untie_head() else "lm_head", E, None, -1)
             hot = self._hot_ids(E.shape[1], self.embed) if q is not None and q.bits == 4 else None
             if q is not None and hot is not None:  # a GatherBlockQuantized of the 8-bit rows beside the 4-bit table
                 q = dataclasses.replace(q, hot=self._hot_part(self.embed, E, hot), hot_ids=hot)
-            if q is not None and self.plans["lm_head"].algorithm in STATS_ALGORITHMS and not self.untie_head():
+            if (tied and q is not None and self.plans["lm_head"].algorithm in STATS_ALGORITHMS
+                    and not self.untie_head()):
                 self.notes["lm_head"] = (f"{self.plans['lm_head'].algorithm} -> rtn: a tied embedding / lm_head is "
                                          "quantized before any block runs")  # fmt: skip
             del E
+        elif LAYERWISE_FORMATS[emb_plan.format] is not None:
+            self.notes[self.embed] = (f"kept in float: an untied input embedding is quantized only when the recipe "
+                                      f"names it (an override with layer: {self.embed})")
         if self.needs_stats and self.windows is not None and (self.reuse == 0 or self.replay):
             # the hidden states entering block 0: an embedding lookup, always recomputed (cheap)
             path = self.work / "hidden_0.npy"
             tmp = self.work / "hidden_0.npy.tmp"
             h = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
                                           shape=(*self.windows.shape, self.cfg.hidden_size))  # fmt: skip
-            if q is not None and tied:  # the rows the shipped GatherBlockQuantized returns
+            if q is not None:  # the rows the shipped GatherBlockQuantized returns
                 rows = self._dequantized_rows(q, self.windows)
             else:
                 rows = None

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from quantkit.formats.base import Artifacts, FormatHandler, Job, Lowered
 from quantkit.formats.dynamic import DynamicInt8
-from quantkit.formats.execute import LINEAR_ONLY_FORMATS, lower_plan, prepare_float
+from quantkit.formats.execute import LAYER_OPS, LINEAR_ONLY_FORMATS, lower_plan, prepare_float
 from quantkit.formats.float16 import Float16, Float32
 from quantkit.formats.static_int8 import StaticInt8
 from quantkit.formats.weight_only import WeightOnly
 
 __all__ = [
-    "FORMAT_HANDLERS", "LINEAR_ONLY_FORMATS", "Artifacts", "FormatHandler", "Job", "Lowered", "family_of",
+    "FORMAT_HANDLERS", "LAYER_OPS", "LINEAR_ONLY_FORMATS", "Artifacts", "FormatHandler", "Job", "Lowered", "family_of",
     "handler_for", "handlers", "lower_plan", "prepare_float",
 ]
 

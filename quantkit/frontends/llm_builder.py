@@ -1110,7 +1110,7 @@ def _build(
     q_emb = hook.embedding(emb, tied) if wpe is None else hook.embedding(emb, tied, positions=wpe)
     table = ""
     emb_out = f"/{n.embed.replace('.', '/')}/output_0"
-    if q_emb is not None and tied:
+    if q_emb is not None:  # tied, or untied and named by the recipe (the hook decides)
         residual, shared = _gather_quantized(g, q_emb, "input_ids", emb_out, n.embed)
     else:
         table = g.external(f"{n.embed}.weight", emb)

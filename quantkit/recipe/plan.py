@@ -18,7 +18,7 @@ statistics pass per kind of statistic the plan's format handlers need, one lower
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -100,6 +100,28 @@ def unmatched_overrides(recipe: RecipeModel, nodes: list[tuple[str, str, str | N
                                                 for n, _, m in nodes):
             out.append(f"{where} (pattern: {ov.pattern}) matches no layer name or module path of this model, so it "
                        f"changes nothing; its layers are named like {', '.join(names[:3])}")
+    return out
+
+
+def inapplicable_overrides(recipe: RecipeModel, nodes: list[tuple[str, str, str | None]],
+                           layer_ops: Mapping[str, Collection[str]]) -> list[str]:
+    """One line per override whose format is lowered on a few op types only (``layer_ops``: format -> op types)
+    that decides none of those nodes of the graph (``(name, op_type, module path)`` per node) but decides others:
+    those stay as they were - int4 on a Conv, an untied embedding Gather - and the user would not know."""
+    decided: dict[int, set[str]] = {}
+    for name, op, module in nodes:
+        ov, _ = _pick(recipe, name, op, module)
+        if ov is not None and ov.format in layer_ops:
+            decided.setdefault(id(ov), set()).add(op)
+    out = []
+    for i, ov in enumerate(recipe.quantization.overrides):
+        ops = decided.get(id(ov))
+        fits = tuple(layer_ops.get(ov.format or "", ()))
+        if ops and not ops & set(fits):
+            sel = (f"layer: {ov.layer}" if ov.layer is not None else f"pattern: {ov.pattern}" if ov.pattern is not None
+                   else f"op_type: {ov.op_type}")
+            out.append(f"quantization.overrides[{i}] ({sel}, format: {ov.format}) selects only {', '.join(sorted(ops))} "
+                       f"node(s): {ov.format} applies to {' / '.join(fits)} layers, so they stay as they were")
     return out
 
 

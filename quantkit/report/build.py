@@ -16,10 +16,11 @@ import onnx
 import onnxruntime as ort
 
 from quantkit.evaluate.latency import load_average
+from quantkit.formats.execute import LAYER_OPS
 from quantkit.lowering.verify import Census
 from quantkit.ops import FUSED_KERNELS, PASSTHROUGH
 from quantkit.recipe import RecipeModel
-from quantkit.recipe.plan import unmatched_overrides
+from quantkit.recipe.plan import inapplicable_overrides, unmatched_overrides
 from quantkit.report.verdict import (
     UPSTREAM,
     error_growth,
@@ -547,7 +548,9 @@ def build_report(
         quality["perplexity_increase"] = pq["ppl"] / pf["ppl"] - 1.0
     leftovers = classify_leftovers(census)
     warnings = _warnings(static_rows, unfused, woq, leftovers, latency, kernels or {}, zero_range)
-    warnings += unmatched_overrides(recipe, _graph_nodes(float_proto))
+    nodes = _graph_nodes(float_proto)
+    warnings += unmatched_overrides(recipe, nodes)
+    warnings += inapplicable_overrides(recipe, nodes, LAYER_OPS)
     if not formats:
         reasons: dict[str, int] = {}
         for why in lowered.static.skipped.values():

@@ -504,3 +504,38 @@ def test_hot_rows_of_the_embedding_are_read_from_the_8_bit_table(folders: dict[b
     np.testing.assert_array_equal(outs["hot"][cold], outs["plain"][cold])
     err = {k: float(np.mean((outs[k][favourite] - table[favourite]) ** 2)) for k in outs}
     assert err["hot"] < 0.05 * err["plain"], err
+
+
+def test_an_untied_embedding_is_quantized_when_the_recipe_names_it(folders: dict[bool, tuple[Path, Any]],
+                                                                   tmp_path: Path) -> None:
+    """An untied input embedding (Mistral, Phi-3) stays a float Gather by default, with a note saying how to
+    quantize it; an override naming it ships a GatherBlockQuantized whose rows are the table's to the rounding,
+    and the blocks' statistics start from those rows."""
+    folder, model = folders[False]
+    rec = _recipe(folder, algorithm="rtn", algorithm_options={"clip": False})
+    plain = quantkit.quantize(recipe=rec, progress=False, evaluate=False)
+    kinds = {n.name: n.op_type for n in onnx.load(str(plain.path), load_external_data=False).graph.node}
+    assert kinds["model.embed_tokens"] == "Gather"
+    assert "override" in plain.report["notes"]["model.embed_tokens"]
+    table = model.get_input_embeddings().weight.detach().float().numpy()
+    for fmt, bits in (("int4", 4), ("int8_weight", 8)):
+        rec["quantization"]["overrides"] = [{"layer": "model.embed_tokens", "format": fmt}]
+        res = quantkit.quantize(recipe=rec, progress=False, evaluate=False)
+        m = onnx.load(str(res.path))
+        gather = next(n for n in m.graph.node if n.name == "model.embed_tokens")
+        assert gather.op_type == "GatherBlockQuantized" and {a.name: a.i for a in gather.attribute}["bits"] == bits
+        assert "model.embed_tokens.weight" not in {t.name for t in m.graph.initializer}
+        assert any(r["layer"] == "model.embed_tokens" and r["format"] == fmt for r in res.report["layers"])
+        sub = _subgraph(m, "input_ids", "/model/embed_tokens/output_0")
+        rows = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"input_ids": np.arange(VOCAB, dtype=np.int64)[None]})[0][0]
+        rel = float(np.abs(rows - table).max() / np.abs(table).max())
+        assert 0 < rel < (0.15 if bits == 4 else 0.01), (fmt, rel)
+    # the whole-graph path quantizes a Gather only as the table of a tied lm_head: the report says the override
+    # changed nothing there (it used to be silent)
+    whole_rec = {**rec, "calibration": {"layerwise": False}}
+    cal = {"input_ids": _windows(2, 8, 0), "attention_mask": np.ones((2, 8), np.int64)}
+    whole = quantkit.quantize(recipe=whole_rec, calibration_data=cal, progress=False, evaluate=False,
+                              measure_latency=False)
+    assert any("overrides[0] (layer: model.embed_tokens, format: int8_weight) selects only Gather" in w
+               for w in whole.report["warnings"]), whole.report["warnings"]

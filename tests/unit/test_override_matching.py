@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from quantkit.recipe import load_recipe
-from quantkit.recipe.plan import resolve_layer, unmatched_overrides
+from quantkit.recipe.plan import inapplicable_overrides, resolve_layer, unmatched_overrides
 
 NODES = [("node_MatMul_98", "MatMul", "model.decoder.layers.0.fc1"), ("lm_head", "MatMul", "lm_head"),
          ("node_Add_3", "Add", "model.decoder.layers.0.fc1"), ("conv1", "Conv", None)]
@@ -34,6 +34,26 @@ def test_overrides_that_select_nothing_are_named_with_the_closest_names() -> Non
     assert len(got) == 2, got  # an op_type the model lacks is not reported (recipes are shared between models)
     assert got[0].startswith("quantization.overrides[0] (layer: lm_haed) matches no layer") and "did you mean lm_head" in got[0]
     assert got[1].startswith(r"quantization.overrides[1] (pattern: encoder\.layer\.) matches no layer name")
+
+
+def test_overrides_whose_format_fits_none_of_their_layers_are_named() -> None:
+    """int4 / int8_dynamic / fp16 are lowered on MatMul / Gemm only: an override that decides only other nodes
+    (int4 on a Conv, on an Add) changes nothing; one that decides a MatMul among others is fine."""
+    from quantkit.formats import LAYER_OPS, LINEAR_ONLY_FORMATS
+
+    assert set(LAYER_OPS) == set(LINEAR_ONLY_FORMATS)
+
+    rec = _recipe({"layer": "conv1", "format": "int4"}, {"pattern": "fc1", "format": "int8_dynamic"},
+                  {"op_type": "Add", "format": "fp16"}, {"layer": "lm_head", "format": "int8"})
+    got = inapplicable_overrides(rec, NODES, LAYER_OPS)
+    assert got == ["quantization.overrides[0] (layer: conv1, format: int4) selects only Conv node(s): int4 applies "
+                   "to MatMul / Gemm layers, so they stay as they were"], got
+    # the Add of the module fc1 is decided by the pattern (first hit wins), not by op_type: Add - which decides none
+    rec = _recipe({"op_type": "Add", "format": "fp16"})
+    assert inapplicable_overrides(rec, NODES, LAYER_OPS)[0].startswith(
+        "quantization.overrides[0] (op_type: Add, format: fp16) selects only Add")
+    # fp16 is also lowered on a Conv
+    assert inapplicable_overrides(_recipe({"layer": "conv1", "format": "fp16"}), NODES, LAYER_OPS) == []
 
 
 def test_the_report_warns_about_an_override_that_matches_nothing() -> None:
