@@ -17,8 +17,10 @@ def _common_args(p: argparse.ArgumentParser, recipe_help: str, default_out: str)
     p.add_argument("--recipe", required=True, help=recipe_help)
     p.add_argument("--output", "-o", default=None, help=f"output folder (default: {default_out})")
     p.add_argument("--model", default=None, help="override the recipe's model.source")
-    p.add_argument("--calibration-data", default=None, help="override calibration.data.path")
-    p.add_argument("--evaluation-data", default=None, help="override evaluation.data.path")
+    p.add_argument("--calibration-data", default=None,
+                   help="the calibration data instead of the recipe's: an .npz, an image folder, or text (a .txt "
+                        "file, pydoc, austen:<book>); the recipe's options that still apply are kept")
+    p.add_argument("--evaluation-data", default=None, help="the evaluation data instead of the recipe's (as above)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     p.add_argument("--verbose", "-v", action="store_true", help="debug messages too (logger 'quantkit' at DEBUG)")
     p.add_argument("--overwrite", action="store_true",
@@ -77,13 +79,37 @@ def _override(rec_path: str, args: argparse.Namespace) -> dict[str, Any] | str:
     for key, val in (("calibration", args.calibration_data), ("evaluation", args.evaluation_data)):
         if val:
             sec = data.setdefault(key, {})
-            d = sec.get("data") or {}
-            kind = d.get("kind")
-            if kind not in ("images", "npz"):
-                kind = "npz" if str(val).endswith(".npz") else "images"
-                d = {"kind": kind}
-            sec["data"] = {**d, "path": val}
+            if not isinstance(sec, dict):
+                raise QuantkitError(f"recipe {rec_path}: {key} must be a mapping (got {type(sec).__name__})")
+            d = sec.get("data")
+            sec["data"] = data_override(d if isinstance(d, dict) else {}, str(val))
     return data
+
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
+"""A ``--calibration-data`` / ``--evaluation-data`` file with one of these suffixes is text (``kind: text``)."""
+
+
+def data_override(spec: dict[str, Any], value: str) -> dict[str, Any]:
+    """The recipe's data spec ``spec`` with the data at ``value`` (a CLI ``--calibration-data`` /
+    ``--evaluation-data``) in place of its own, keeping the options that still apply: an ``.npz`` file (or a
+    folder holding some) is ``kind: npz``; for a text recipe (or a ``.txt`` / ``.md`` / ``.rst`` file) the value is the text ``source``
+    (a file, ``pydoc``, ``austen:<book>``) with the recipe's mode, count, seq_len, seed and offset; otherwise an
+    image folder or file, with the recipe's preprocess, seed and input (and a ``sample_photos`` count as the
+    ``limit`` of files read)."""
+    kind = spec.get("kind")
+    folder = Path(value).expanduser()
+    if value.lower().endswith(".npz") or (folder.is_dir() and any(folder.glob("*.npz"))):
+        return {"kind": "npz", "path": value}
+    if kind == "text" or value.lower().endswith(TEXT_SUFFIXES):
+        keep = ("mode", "count", "seq_len", "seed", "offset") if kind == "text" else ()
+        return {"kind": "text", "source": value, **{k: spec[k] for k in keep if k in spec}}
+    out: dict[str, Any] = {"kind": "images", "path": value}
+    if kind in ("images", "sample_photos"):
+        out.update({k: spec[k] for k in ("preprocess", "seed", "input", "limit") if k in spec})
+        if kind == "sample_photos" and "count" in spec:
+            out["limit"] = spec["count"]
+    return out
 
 
 EXIT_OK, EXIT_BUG, EXIT_USER, EXIT_KERNELS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130

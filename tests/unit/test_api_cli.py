@@ -127,3 +127,24 @@ def test_verbose_turns_on_debug_messages(tmp_path: Path, monkeypatch: pytest.Mon
     assert rc == 2 and logging.getLogger("quantkit").level == logging.DEBUG
     main(["calibrate", "--recipe", str(tmp_path / "missing.yaml")])
     assert logging.getLogger("quantkit").level == logging.INFO
+
+
+def test_cli_data_overrides_keep_the_recipe_options_that_still_apply(tmp_path: Path) -> None:
+    """--calibration-data / --evaluation-data used to replace the whole data spec: a photo recipe lost its
+    preprocessing, and a .txt for a text recipe became an image folder."""
+    from quantkit.cli import data_override
+
+    photos = {"kind": "sample_photos", "count": 200, "preprocess": "imagenet", "seed": 3}
+    (tmp_path / "imgs").mkdir()
+    assert data_override(photos, str(tmp_path / "imgs")) == {
+        "kind": "images", "path": str(tmp_path / "imgs"), "preprocess": "imagenet", "seed": 3, "limit": 200}
+    text = {"kind": "text", "source": "pydoc", "mode": "windows", "seq_len": 512, "count": 16}
+    assert data_override(text, "notes.txt") == {"kind": "text", "source": "notes.txt", "mode": "windows",
+                                                "seq_len": 512, "count": 16}
+    assert data_override(text, "austen:emma")["source"] == "austen:emma"
+    assert data_override(text, "calib.npz") == {"kind": "npz", "path": "calib.npz"}
+    assert data_override({}, "book.md") == {"kind": "text", "source": "book.md"}
+    (tmp_path / "arrays").mkdir()
+    np.savez(tmp_path / "arrays" / "a.npz", x=np.zeros((1, 2), np.float32))
+    assert data_override({"kind": "npz", "path": "old"}, str(tmp_path / "arrays"))["kind"] == "npz"
+    assert data_override({"kind": "images", "path": "old", "limit": 5}, "new/")["limit"] == 5
