@@ -74,8 +74,11 @@ def _main(fd: int) -> None:
     except Exception as e:  # noqa: BLE001 - an exception (or result) that does not pickle: its text
         data = pickle.dumps(("error", (RuntimeError(str(msg[1][0]) if msg[0] == "error" else
                                                     f"unpicklable result: {e}"), "")))
-    with os.fdopen(fd, "wb") as out:
-        out.write(data)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+    except (BrokenPipeError, KeyboardInterrupt):  # the parent stopped listening (Ctrl-C reached both): it reports
+        os._exit(130 if msg[0] == "error" and isinstance(msg[1][0], KeyboardInterrupt) else 1)
 
 
 def in_child(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *,

@@ -42,3 +42,24 @@ def test_a_child_that_dies_is_a_typed_error() -> None:
 
     with pytest.raises(QuantkitError, match="ended without a result"):
         in_child(os._exit, (3,))
+
+
+def test_a_child_interrupted_after_its_parent_stopped_listening_exits_quietly() -> None:
+    """Ctrl-C reaches the parent and the child: the parent closes its end of the pipe, and the child's result
+    (the KeyboardInterrupt) cannot be written - a BrokenPipeError traceback used to be printed before the CLI's
+    'interrupted'.  The child now exits 130 without a word."""
+    import os
+    import pickle
+    import signal
+    import subprocess
+    import sys
+
+    r, w = os.pipe()
+    os.close(r)  # the parent is gone: nobody reads the result
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-c", f"from quantkit.child import _main; _main({w})"],
+                          input=pickle.dumps((signal.raise_signal, (signal.SIGINT,), {}, 0, None)),
+                          pass_fds=(w,), env=env, capture_output=True, timeout=120)
+    os.close(w)
+    assert proc.returncode == 130, proc.stderr.decode()
+    assert b"Traceback" not in proc.stderr and b"BrokenPipe" not in proc.stderr, proc.stderr.decode()
