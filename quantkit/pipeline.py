@@ -501,33 +501,48 @@ def _fidelity_pass(float_model: bytes | str, quant_model: bytes | str, ds: Datas
     cls = {"classification": True, "embedding": False, "sqnr": False}.get(metric)
     acc = FidelityAccumulator(classification=cls)
     tops: dict[str, tuple[list[np.ndarray], list[np.ndarray], int]] = {}  # output -> argmax rows FP32, quantized
+    # FP32 outputs joined from one-sample runs (memo, probe) stand for the batch's until a batch shows they differ
+    # from its batched run (a model whose outputs mix the samples: checked once, on the first joined batch)
+    joined_ok, checked = True, False
     with tqdm(total=len(ds), desc="evaluate", unit="sample", disable=not progress) as bar:
         for feed in ds.batches(batch_size):
-            kept = None
-            if memo is not None:
-                hits = [memo.get(one, names) for one in _single_samples(feed)]
-                if all(h is not None for h in hits):
+            singles = _single_samples(feed)
+            ref: list[np.ndarray] | None = None
+            from_memo = False
+            if memo is not None and joined_ok:
+                hits = [memo.get(one, names) for one in singles]
+                found = [h for h in hits if h is not None]
+                if len(found) == len(hits):
                     memo.hits += len(hits)
-                    kept = hits[0] if len(hits) == 1 else [np.concatenate(c) for c in zip(*hits, strict=True)]
-            if kept is not None:
-                ref = kept
-            elif probe is not None and probe.wants_more():
+                    ref, from_memo = _joined(found), True
+            if ref is None and probe is not None and probe.wants_more():
                 parts: list[list[np.ndarray]] = []
                 # one sample at a time: a batch exposing every layer tensor allocates them all at once (ResNet-50,
                 # 8 samples x 119 tensors: 3x slower per sample than one at a time)
-                for one in _single_samples(feed):
+                for one in singles:
                     got_f = probe.run_float(one, names)
                     parts.append([got_f[n] for n in names])
                     if probe.wants_more():  # exactly the first ``limit`` samples, whatever the batch size
                         probe.add(one, [got_f[t] for t in probe.tensors])
-                ref = parts[0] if len(parts) == 1 else [np.concatenate(c) for c in zip(*parts, strict=True)]
-            else:
+                ref = _joined(parts) if joined_ok else None
+            got = s_q.run(names, feed)
+            if ref is not None and len(singles) > 1 and (
+                    not checked or any(np.shape(r) != np.shape(g) for r, g in zip(ref, got, strict=True))):
+                if s_f is None:
+                    s_f = make_session(float_model)
+                batched = s_f.run(names, feed)
+                checked = True
+                if not _same_outputs(ref, batched):
+                    joined_ok = False
+                    log.info("the FP32 model's outputs for a batch differ from its outputs one sample at a time (the "
+                             "model mixes the samples of a batch): the evaluation runs FP32 in whole batches")
+                    ref, from_memo = batched, False
+            if ref is None:
                 if s_f is None:
                     s_f = make_session(float_model)
                 ref = s_f.run(names, feed)
-            if memo is not None and kept is None:
+            if memo is not None and not from_memo and joined_ok:
                 memo.put_batch(feed, names, ref)
-            got = s_q.run(names, feed)
             for n, r, g in zip(names, ref, got, strict=True):
                 if np.issubdtype(r.dtype, np.floating):
                     acc.update(n, r, g)
@@ -535,7 +550,8 @@ def _fidelity_pass(float_model: bytes | str, quant_model: bytes | str, ds: Datas
                         pred = tops.setdefault(n, ([], [], r.shape[-1]))
                         pred[0].append(np.argmax(r, axis=-1))
                         pred[1].append(np.argmax(g, axis=-1))
-            bar.update(next(iter(feed.values())).shape[0])
+            first = next(iter(feed.values()))
+            bar.update(first.shape[0] if np.ndim(first) else 1)
     out = acc.summary()
     _label_accuracy(out, tops, dataset_labels(ds))
     return out
@@ -557,6 +573,30 @@ def _label_accuracy(out: dict[str, Any], tops: Mapping[str, tuple[list[np.ndarra
         return
     log.info("the evaluation data carries %d class labels, but no output holds one row of class scores per "
              "sample with at least %d classes: no accuracy against labels", labels.shape[0], int(labels.max()) + 1)
+
+
+def _joined(parts: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray] | None:
+    """Per-sample outputs (``parts[sample][output]``) joined along axis 0 into a batch's; None when an output is a
+    scalar (nothing to join along)."""
+    if len(parts) == 1:
+        return list(parts[0])
+    if any(np.ndim(a) == 0 for p in parts for a in p):
+        return None
+    return [np.concatenate(c) for c in zip(*parts, strict=True)]
+
+
+def _same_outputs(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
+    """Two runs' outputs equal up to the float noise of a different batch size (kernels block differently)."""
+    for x, y in zip(a, b, strict=True):
+        if np.shape(x) != np.shape(y):
+            return False
+        if np.issubdtype(np.asarray(x).dtype, np.floating):
+            scale = float(np.max(np.abs(y))) if np.size(y) else 0.0
+            if not np.allclose(x, y, rtol=0, atol=1e-4 * max(scale, 1e-12), equal_nan=True):
+                return False
+        elif not np.array_equal(x, y):
+            return False
+    return True
 
 
 def _single_samples(feed: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
