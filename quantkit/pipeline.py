@@ -97,13 +97,31 @@ def eval_dataset(recipe: RecipeModel, loaded: LoadedModel, evaluation_data: Any,
         except DataError as exc:
             raise DataError(f"evaluation_data: {exc}") from exc
         check_not_empty(ds, "evaluation_data (passed through the API)")
+        check_shapes(ds, inputs, "evaluation_data")
         return ds
     if recipe.evaluation.data is not None:
         spec = recipe.evaluation.data.model_dump()
         ds = make_dataset(spec, inputs=inputs, tokenizer=loaded.tokenizer, split="evaluation")
         check_not_empty(ds, "evaluation.data (" + ", ".join(f"{k}={v}" for k, v in spec.items() if v is not None) + ")")
+        check_shapes(ds, inputs, "evaluation.data")
         return ds
     return None
+
+
+def check_shapes(ds: Dataset, inputs: Sequence[Any], what: str) -> None:
+    """Refuse data whose first sample does not fit the model's inputs (``InputInfo``: rank, fixed dims) before any
+    work: ONNX Runtime would reject it only in the kernel check, after calibration, with its own message."""
+    for feed in ds.batches(1):
+        for info in inputs:
+            a = feed.get(info.name)
+            if a is None or info.shape is None:
+                continue
+            got = tuple(np.shape(a))
+            bad = len(got) != len(info.shape) or any(d is not None and g != d for g, d in zip(got, info.shape, strict=False))
+            if bad:
+                raise DataError(f"{what}: input {info.name!r} of the first sample has shape {list(got)}, the model "
+                                f"takes {info.describe()} (? = any size); allowed: samples of that shape")
+        return
 
 
 def decoder_context(model: ir.Model) -> int | None:

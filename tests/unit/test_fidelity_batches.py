@@ -63,3 +63,17 @@ def test_a_scalar_output_is_compared_batch_by_batch() -> None:
     res = quantkit.quantize(_model(batch_mix=False, scalar=True), cal, RECIPE, evaluation_data=ev, progress=False)
     fid = res.report["fidelity"]
     assert fid["total"]["samples"] > 0 and np.isfinite(fid["y"]["sqnr_db"])
+
+
+def test_evaluation_data_of_the_wrong_shape_is_refused_before_any_work() -> None:
+    """It used to reach ONNX Runtime in the kernel check, after calibration, as a raw InvalidArgument (or, for a
+    fixed spatial size, leave the run without figures)."""
+    import pytest
+
+    from quantkit.errors import DataError
+    from tests.conftest import image_batches, tiny_cnn
+
+    for shape in ((1, 3, 20, 20), (1, 3, 16)):
+        ev = [{"input": np.zeros(shape, np.float32)}]
+        with pytest.raises(DataError, match=r"evaluation_data: input 'input' .* the model takes float32\[\?,3,16,16\]"):
+            quantkit.quantize(tiny_cnn(), image_batches(2), RECIPE, evaluation_data=ev, progress=False)
