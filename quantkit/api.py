@@ -85,6 +85,7 @@ def quantize(
 
     meter = PeakMeter().start()  # the measured peak of this run (process and children), beside the estimate
     try:
+        model, gguf = _gguf_as_folder(model, rec)
         if rec.calibration.layerwise is True:
             check_layerwise_plan(rec)
         # streamed block by block (bounded memory) or the whole graph, whose estimate must fit: before any work
@@ -125,11 +126,29 @@ def quantize(
             result.report.setdefault("memory", memory_section(route.estimate, route.available))
     finally:
         peak = meter.stop()
+    if gguf is not None:
+        result.report["model"], result.report["model_read_from"] = gguf
     mem = result.report.setdefault("memory", memory_section(None, None))
     mem["measured_peak_bytes"] = int(peak)
     if mem.get("estimated_peak_bytes"):
         log.info("memory: measured peak %s (estimated ~%s)", gb(peak), gb(mem["estimated_peak_bytes"]))
     return result
+
+
+def _gguf_as_folder(model: Any, rec: RecipeModel) -> tuple[Any, tuple[str, str] | None]:
+    """A GGUF file (the ``model`` argument or the recipe's ``model.source``) as the Hugging Face folder it is
+    dequantized into once (:func:`quantkit.frontends.llm.gguf_folder`), with the report's ``model`` and
+    ``model_read_from``; any other model as it is (and None)."""
+    from quantkit.frontends import ModelSource
+    from quantkit.frontends.llm import gguf_folder, is_gguf
+
+    source = model if model is not None else (rec.model.source if rec.model is not None else None)
+    if source is None or not is_gguf(source):
+        return model, None
+    folder = gguf_folder(str(source))
+    graph = getattr(source, "graph", rec.model.graph if rec.model is not None else "auto")
+    return ModelSource(str(folder), graph), (str(source), f"a GGUF file, dequantized once into the Hugging Face "
+                                                          f"folder {folder}")
 
 
 def _quantize_whole(model: Any, calibration_data: Any, rec: RecipeModel, evaluation_data: Any, evaluate: bool,

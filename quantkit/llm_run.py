@@ -109,10 +109,15 @@ class LayerwiseQuantizeResult:
 
 
 def resolve_llm_folder(source: Any) -> Path:
-    """The LLaMA-family HF folder a layer-wise recipe builds from: a folder path or the ``smollm2-135m`` built-in."""
+    """The LLaMA-family HF folder a layer-wise recipe builds from: a folder path, a GGUF file (converted once) or the
+    ``smollm2-135m`` built-in."""
+    from quantkit.frontends.llm import gguf_folder, is_gguf
+
     name = str(getattr(source, "name", source)) if not isinstance(source, (str, os.PathLike)) else str(source)
     if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
         return Path(source)
+    if is_gguf(source):
+        return gguf_folder(source)
     if name == "smollm2-135m":
         from quantkit.frontends.llm import smollm2_folder
 
@@ -550,7 +555,7 @@ def decoder_folder(source: Any) -> Path | None:
     (:func:`quantkit.frontends.llm_builder.read_decoder_config`: its families, from ``config.json`` alone), so a
     family added there streams here too.  A folder the builder refuses is left to the whole-graph path, which
     reports what is wrong with it."""
-    from quantkit.frontends.llm import BUILT_DECODERS
+    from quantkit.frontends.llm import BUILT_DECODERS, gguf_folder, is_gguf
     from quantkit.frontends.llm_builder import read_decoder_config
 
     if not isinstance(source, (str, os.PathLike)):
@@ -558,6 +563,8 @@ def decoder_folder(source: Any) -> Path | None:
     path = Path(source).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         folder = path
+    elif is_gguf(path):
+        folder = gguf_folder(path)
     elif not path.exists() and str(source) in BUILT_DECODERS:
         folder = BUILT_DECODERS[str(source)]()
     else:

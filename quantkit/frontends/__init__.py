@@ -6,6 +6,7 @@
 source                          kind        how
 ==============================  ==========  ==========================================
 path to a file                  ``onnx``    :func:`load_onnx` (external data supported)
+path to a GGUF file             ``hf``      dequantized once into a cached HF folder (below)
 folder containing config.json   ``hf``      :func:`from_hf_folder` (tokenizer returned)
 folder containing model.onnx    ``onnx``    :func:`load_onnx`
 built-in name                   ``builtin`` :func:`load_builtin` (exported once, cached)
@@ -97,7 +98,7 @@ def __getattr__(name: str) -> Any:
 
 
 _ALLOWED = (
-    "an ONNX file path, a Hugging Face folder (with config.json), a built-in model name, "
+    "an ONNX file path, a Hugging Face folder (with config.json), a GGUF file, a built-in model name, "
     "an onnx.ModelProto, an onnx_ir.Model or a torch.nn.Module (with example_inputs=)"
 )
 
@@ -248,6 +249,10 @@ def load_model(source: object, **kw: Any) -> LoadedModel:
         return LoadedModel(model, f"torch module {type(source).__name__}", None, "torch")
     if isinstance(source, (str, os.PathLike)):
         path = Path(source).expanduser()
+        from quantkit.frontends.llm import gguf_folder, is_gguf
+
+        if is_gguf(path):  # a decoder's GGUF file: the Hugging Face folder it is dequantized into once (cached)
+            path = gguf_folder(path)
         if path.is_file() or (path.is_dir() and not (path / "config.json").is_file()):
             _no_graph(graph, "an ONNX file")
         if path.is_file():

@@ -44,6 +44,7 @@ import hashlib
 import importlib.metadata
 import io
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -53,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import onnx_ir as ir
 import onnx_ir.external_data
 import onnx_ir.passes
@@ -76,6 +78,8 @@ __all__ = [
     "export_causal_lm_with_cache",
     "linear_layers",
     "smollm2_folder",
+    "gguf_folder",
+    "is_gguf",
 ]
 
 #: The seven linear layers of a LLaMA decoder layer, in execution order.
@@ -431,20 +435,24 @@ def _smollm2_gguf() -> Path:
 _CHILD_ERROR = "quantkit-child-error: "
 
 
-def _convert_smollm2(gguf_path: str, out: str) -> None:
-    """Dequantize the GGUF into an FP32 HF folder ``out`` (config, tokenizer, model.safetensors)."""
+def _convert_smollm2(gguf_path: str, out: str, dtype: str = "float32") -> None:
+    """Dequantize the GGUF into an HF folder ``out`` (config, tokenizer, model.safetensors) whose weights are
+    ``dtype`` (float32, or float16 for a model whose float32 weights would not fit: :func:`gguf_folder`)."""
     gguf = Path(gguf_path)
     try:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
-        raise ModelError(f"built-in 'smollm2-135m' needs torch, transformers, gguf and accelerate: {e}") from e
+        raise ModelError(f"a GGUF model needs torch, transformers, gguf and accelerate: {e}") from e
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # dequantization progress bar
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                      dtype=getattr(torch, dtype))
     except Exception as e:
-        raise ModelError(f"cannot load {str(gguf)!r}: {type(e).__name__}: {e}") from e
+        raise ModelError(f"cannot load {str(gguf)!r} with transformers' GGUF reader (it reads the decoder "
+                         f"families transformers lists for GGUF: llama, mistral, qwen2, qwen3, phi3, gemma2/3, "
+                         f"falcon, gpt2, stablelm, starcoder2, ...): {type(e).__name__}: {e}") from e
     # The weights are dequantized FP32 now; drop the GGUF quantizer so that
     # save_pretrained accepts the model (it refuses "gguf-quantized" models).
     hf.hf_quantizer = None  # type: ignore[assignment]
@@ -454,10 +462,10 @@ def _convert_smollm2(gguf_path: str, out: str) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _child_main(gguf_path: str, out: str) -> None:
+def _child_main(gguf_path: str, out: str, dtype: str = "float32") -> None:
     """Entry point of the conversion child process: errors go to stderr, marked, with exit status 3."""
     try:
-        _convert_smollm2(gguf_path, out)
+        _convert_smollm2(gguf_path, out, dtype)
     except ModelError as e:
         print(_CHILD_ERROR + str(e), file=sys.stderr)
         raise SystemExit(3) from None
@@ -475,7 +483,7 @@ def _die_with_parent() -> None:
             pass
 
 
-def _convert_in_child(gguf: Path, out: Path) -> None:
+def _convert_in_child(gguf: Path, out: Path, dtype: str = "float32") -> None:
     """:func:`_convert_smollm2` in a fresh Python process.
 
     Loading the GGUF through transformers imports torch and leaves ~350 MB of its allocations in the process
@@ -488,8 +496,9 @@ def _convert_in_child(gguf: Path, out: Path) -> None:
     pkg_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
-    code = "import sys; from quantkit.frontends.llm import _child_main; _child_main(sys.argv[1], sys.argv[2])"
-    proc = subprocess.run([sys.executable, "-c", code, str(gguf), str(out)], env=env, capture_output=True,
+    code = ("import sys; from quantkit.frontends.llm import _child_main; "
+            "_child_main(sys.argv[1], sys.argv[2], sys.argv[3])")
+    proc = subprocess.run([sys.executable, "-c", code, str(gguf), str(out), dtype], env=env, capture_output=True,
                           text=True, check=False, preexec_fn=_die_with_parent)  # fmt: skip
     if proc.returncode != 0:
         marked = [ln[len(_CHILD_ERROR):] for ln in proc.stderr.splitlines() if ln.startswith(_CHILD_ERROR)]
@@ -526,6 +535,81 @@ def smollm2_folder(*, refresh: bool = False) -> Path:
             _convert_smollm2(str(gguf), str(tmp))
         else:
             _convert_in_child(gguf, tmp)
+
+    return atomic_write_dir(dest, fill)
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf(source: Any) -> bool:
+    """Whether ``source`` is a path to a GGUF file (by its first four bytes, whatever its name)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return False
+    path = Path(source).expanduser()
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:  # not a file (a folder, a built-in name, missing)
+        return False
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def gguf_parameters(path: str | os.PathLike[str]) -> int:
+    """The number of weights a GGUF file holds (its tensors' element counts, read from its header)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:
+        raise ModelError(f"a GGUF model needs the package gguf (pip install gguf): {e}") from e
+    try:
+        reader = GGUFReader(str(path))
+        return int(sum(int(np.prod([int(d) for d in t.shape])) for t in reader.tensors))
+    except Exception as e:  # noqa: BLE001 - a damaged file: say so, naming it
+        raise ModelError(f"cannot read the GGUF file {str(path)!r}: {type(e).__name__}: {e}") from e
+
+
+def gguf_folder(path: str | os.PathLike[str], *, refresh: bool = False) -> Path:
+    """The Hugging Face folder of a user's GGUF file (a decoder transformers' GGUF reader knows), cached.
+
+    The weights are dequantized once (in a child process) into ``cache_dir()/hf/gguf-<name>-<key>``, written
+    atomically with checksums and reused only when they verify; ``<key>`` hashes the file's content (sha256)
+    and the transformers / gguf versions, so an edited or replaced file is converted again.  The folder holds
+    float32 weights when they take at most a quarter of this machine's memory, else float16 (the dequantized 4-6 bit
+    values lose less than their own rounding to float16's 11-bit mantissa).  The file itself is only read.
+
+    Raises:
+        ModelError: the file cannot be read, or transformers cannot load its architecture.
+    """
+    import psutil
+
+    src = Path(path).expanduser().resolve()
+    params = gguf_parameters(src)
+    dtype = "float32" if 4 * params <= int(psutil.virtual_memory().total) // 4 else "float16"
+    key = {"sha256": _sha256_file(src), "dtype": dtype} | {d: _version(d) for d in ("transformers", "gguf")}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in src.stem)[:48]
+    dest = cache_dir() / "hf" / f"gguf-{stem}-{digest}"
+    if refresh and dest.exists():
+        import shutil
+
+        shutil.rmtree(dest)
+    if verified_entry(dest, "converted GGUF checkpoint"):
+        return dest
+    logging.getLogger("quantkit").info("converting the GGUF file %s (%d weights) into a %s Hugging Face folder, "
+                                       "once (cached: %s)", src, params, dtype, dest)
+
+    def fill(tmp: Path) -> None:
+        if "torch" in sys.modules:
+            _convert_smollm2(str(src), str(tmp), dtype)
+        else:
+            _convert_in_child(src, tmp, dtype)
 
     return atomic_write_dir(dest, fill)
 
