@@ -148,3 +148,13 @@ def test_cli_data_overrides_keep_the_recipe_options_that_still_apply(tmp_path: P
     np.savez(tmp_path / "arrays" / "a.npz", x=np.zeros((1, 2), np.float32))
     assert data_override({"kind": "npz", "path": "old"}, str(tmp_path / "arrays"))["kind"] == "npz"
     assert data_override({"kind": "images", "path": "old", "limit": 5}, "new/")["limit"] == 5
+
+
+def test_python_dash_m_quantkit_is_the_command_line() -> None:
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-m", "quantkit", "calibrate", "--help"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0 and "--recipe" in proc.stdout, proc.stderr
