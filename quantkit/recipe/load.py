@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -88,6 +89,21 @@ class _BoundedLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._aliases = 0
         self._depth = 0
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        """A key given twice in one mapping is an error (PyYAML keeps the last one silently: a second
+        ``format:`` would quietly win over the first)."""
+        seen: dict[tuple[str, str], int] = {}
+        for key_node, _ in getattr(node, "value", ()):
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                k = (key_node.tag, key_node.value)
+                line = key_node.start_mark.line + 1
+                if k in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key_node.value!r} appears twice in one mapping (lines {seen[k]} and "
+                        f"{line}); allowed: each key once", key_node.start_mark)
+                seen[k] = line
+        return super().construct_mapping(node, deep=deep)
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
@@ -350,22 +366,20 @@ def _check_algorithm_options(model: RecipeModel, where: str) -> None:
         (f"quantization.overrides[{i}]", ov.algorithm or d.algorithm, dict(ov.algorithm_options))
         for i, ov in enumerate(model.quantization.overrides) if ov.algorithm_options is not None
     ]
+    if model.search is not None:
+        items += [(f"search.candidates[{i}]", cand.algorithm or d.algorithm, dict(cand.algorithm_options))
+                  for i, cand in enumerate(model.search.candidate_list()) if cand.algorithm_options is not None]
     reserved = {"W", "w", "bits", "group_size", "symmetric", "stats", "hessian"}
     for key, name, options in items:
         fn = get_weight_algorithm(name)
         params = inspect.signature(fn).parameters
         allowed = sorted({p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY and p not in reserved}
-                         | set(getattr(fn, "options", ())))  # options an algorithm takes through **kwargs
+                         | (set(getattr(fn, "options", ())) - reserved))  # options an algorithm takes via **kwargs
         unknown = sorted(k for k in options if k not in allowed)
         if unknown:
             raise RecipeError(f"recipe {where}: {key}.algorithm_options: unknown option(s) {unknown} for algorithm "
                               f"{name!r}; allowed: {allowed or 'none'}")
         _check_option_ranges(key, name, options, where)
-    if model.search is not None:
-        for i, cand in enumerate(model.search.candidate_list()):
-            if cand.algorithm_options is not None:
-                _check_option_ranges(f"search.candidates[{i}]", cand.algorithm or d.algorithm,
-                                     dict(cand.algorithm_options), where)
 
 
 #: Weight-algorithm options that count iterations, grid points or rows, and their allowed range: a typo
@@ -379,12 +393,45 @@ ALGORITHM_COUNT_RANGES: dict[str, tuple[int, int]] = {
 }
 
 
+#: The type (and for numbers the range; ``open`` bounds exclude their value) or choices of each weight-algorithm
+#: option a recipe may set: checked when the recipe loads, so that ``percdamp: -1`` or ``act_order: "no"`` is
+#: refused before calibration instead of failing (or silently meaning True) after it.
+ALGORITHM_OPTION_VALUES: dict[str, dict[str, Any]] = {
+    **{k: {"type": "bool"} for k in ("narrow", "clip", "act_order", "learn_clip", "relaxed", "gptq", "signround")},
+    "percdamp": {"type": "float", "lo": 0.0, "hi": 1.0},
+    "lr": {"type": "float", "lo": 0.0, "lo_open": True, "hi": 1e3, "none": True},
+    "min_clip": {"type": "float", "lo": 0.0, "lo_open": True, "hi": 1.0},
+    "max_shrink": {"type": "float", "lo": 0.0, "hi": 1.0, "hi_open": True},
+    "clip_lr_scale": {"type": "float", "lo": 0.0, "lo_open": True, "hi": 1e3},
+    "init": {"type": "choice", "choices": ("gptq", "rtn")},
+}
+
+
 def _check_option_ranges(key: str, name: str, options: dict[str, Any], where: str) -> None:
     for opt, value in options.items():
+        at = f"recipe {where}: {key}.algorithm_options.{opt} is {value!r} (algorithm {name!r})"
         bounds = ALGORITHM_COUNT_RANGES.get(opt)
-        if bounds is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        if bounds is not None:
+            lo, hi = bounds
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise RecipeError(f"{at}; allowed: an integer from {lo} to {hi}")
+            if not lo <= value <= hi:
+                raise RecipeError(f"{at}; allowed: {lo} to {hi}")
             continue
-        lo, hi = bounds
-        if not lo <= value <= hi:
-            raise RecipeError(f"recipe {where}: {key}.algorithm_options.{opt} is {value} (algorithm {name!r}); "
-                              f"allowed: {lo} to {hi}")
+        spec = ALGORITHM_OPTION_VALUES.get(opt)
+        if spec is None:
+            continue
+        if spec["type"] == "bool":
+            if not isinstance(value, bool):
+                raise RecipeError(f"{at}; allowed: true or false")
+        elif spec["type"] == "choice":
+            if value not in spec["choices"]:
+                raise RecipeError(f"{at}; allowed: {', '.join(spec['choices'])}")
+        elif not (value is None and spec.get("none")):
+            lo, hi = spec["lo"], spec["hi"]
+            ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+                  and (value > lo if spec.get("lo_open") else value >= lo)
+                  and (value < hi if spec.get("hi_open") else value <= hi))
+            if not ok:
+                rng = f"{'(' if spec.get('lo_open') else '['}{lo}, {hi}{')' if spec.get('hi_open') else ']'}"
+                raise RecipeError(f"{at}; allowed: a number in {rng}" + (" or null" if spec.get("none") else ""))

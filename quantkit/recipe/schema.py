@@ -41,6 +41,27 @@ def _check_pattern(pattern: str) -> None:
         raise ValueError(str(exc)) from None
 
 
+def _check_op_type(op: str) -> None:
+    """An ``op_type`` that is no ONNX operator but one in another case or with one typo (``conv``, ``Matmul``,
+    ``MatMull``) is refused naming it: it would match no node, silently.  Other names (a custom domain's op)
+    pass: a recipe may be shared by models that lack the op."""
+    import difflib
+
+    import onnx.defs
+
+    names = {sc.name for sc in onnx.defs.get_all_schemas_with_history()} | {
+        "MatMulNBits", "GatherBlockQuantized", "MatMulIntegerToFloat", "QGemm", "GroupQueryAttention", "Attention",
+        "MultiHeadAttention", "SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "FusedConv", "FusedMatMul",
+        "QLinearConv", "QLinearMatMul", "QLinearAdd", "QLinearMul", "QLinearSigmoid", "QLinearConcat"}
+    if op in names:
+        return
+    near = [n for n in names if n.lower() == op.lower()] or difflib.get_close_matches(op, sorted(names), n=1,
+                                                                                        cutoff=0.9)
+    if near:
+        raise ValueError(f"op_type {op!r} is not an ONNX operator; did you mean {near[0]!r}? (op types are "
+                         f"case-sensitive)")
+
+
 def _power_of_two_group(v: int | None) -> int | None:
     if v is not None and v & (v - 1):
         raise ValueError(
@@ -49,8 +70,59 @@ def _power_of_two_group(v: int | None) -> int | None:
     return v
 
 
+def _scalar_kinds(annotation: Any) -> set[str]:
+    """The scalar kinds a field's annotation admits: ``int``, ``float``, ``bool``, ``str``, and ``=<value>`` for
+    each string of a ``Literal``, through ``Optional`` / unions / ``Annotated``; empty for anything else."""
+    import typing
+
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _scalar_kinds(typing.get_args(annotation)[0])
+    if origin is Literal:
+        return {f"={a}" if isinstance(a, str) else "bool" if isinstance(a, bool) else "int"
+                for a in typing.get_args(annotation)}
+    if origin is not None and origin not in (list, dict, tuple, set):  # a union (X | Y, Optional[X])
+        out: set[str] = set()
+        for a in typing.get_args(annotation):
+            out |= _scalar_kinds(a)
+        return out
+    return {t.__name__ for t in (int, float, bool, str) if annotation is t}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_coercion(cls, data: Any) -> Any:
+        """A number or switch written as something else is refused, not coerced: ``batch_size: true`` (was 1),
+        ``batch_size: "8"``, ``layerwise: "yes"`` / ``1`` (were True), ``enabled: "false"`` (was False)."""
+        if not isinstance(data, dict):
+            return data
+        own = {f for d in cls.__pydantic_decorators__.field_validators.values() if d.info.mode != "after"
+               for f in d.info.fields}  # fields whose own validator reads the raw input (smoothquant: off)
+        for name, field in cls.model_fields.items():
+            key = field.alias or name
+            if key not in data or data[key] is None or name in own:
+                continue
+            v, kinds = data[key], _scalar_kinds(field.annotation)
+            words = {k for k in kinds if k.startswith("=")}
+            kinds -= words
+            if not kinds or not kinds <= {"int", "float", "bool", "str"}:
+                continue
+            wanted = " or ".join(sorted({"int": "an integer", "float": "a number", "bool": "true / false",
+                                         "str": "text"}[k] for k in kinds) + sorted(repr(w[1:]) for w in words))
+            if isinstance(v, bool):
+                bad = "bool" not in kinds
+            elif isinstance(v, (int, float)):
+                bad = not kinds & {"int", "float"}
+            elif isinstance(v, str):
+                bad = "str" not in kinds and f"={v}" not in words
+            else:
+                continue
+            if bad:
+                raise ValueError(f"{key}: {v!r} ({type(v).__name__}) is not accepted; allowed: {wanted}")
+        return data
 
 
 class ModelSection(_Strict):
@@ -225,6 +297,8 @@ class Override(_Strict):
             )
         if self.pattern is not None:
             _check_pattern(self.pattern)
+        if self.op_type is not None:
+            _check_op_type(self.op_type)
         if self.hot_rows and self.layer is None:
             raise ValueError(f"hot_rows splits the vocabulary rows of one layer (the lm_head or the input embedding): "
                              f"it needs 'layer:'; got { {k: getattr(self, k) for k in given} }")
