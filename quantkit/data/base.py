@@ -199,11 +199,16 @@ _CAST_TOLD: set[tuple[str, str, str]] = set()
 
 
 def float_cast(dtype: np.dtype[Any] | None, array: np.ndarray, name: str) -> np.ndarray:
-    """``array`` in the input's floating ``dtype`` when it holds floats of another precision (float64 data for a
-    float32 model: NumPy's default), logged once per input; anything else as it is (a wrong dtype is then refused
-    by :func:`check_array`, naming the input)."""
-    if (dtype is None or array.dtype == dtype or not np.issubdtype(array.dtype, np.floating)
-            or not np.issubdtype(dtype, np.floating)):
+    """``array`` in the input's ``dtype`` when the cast loses nothing a user meant: floats of another precision
+    (float64 data for a float32 model: NumPy's default), or integers (token ids) of another width whose values
+    all fit (int32 ids for an int64 model; int64 ids for an int32 one) - logged once per input; anything else
+    as it is (a wrong dtype is then refused by :func:`check_array`, naming the input)."""
+    if dtype is None or array.dtype == dtype:
+        return array
+    floats = np.issubdtype(array.dtype, np.floating) and np.issubdtype(dtype, np.floating)
+    ints = (np.issubdtype(array.dtype, np.integer) and np.issubdtype(dtype, np.integer)
+            and (array.size == 0 or (np.iinfo(dtype).min <= int(array.min()) and int(array.max()) <= np.iinfo(dtype).max)))
+    if not (floats or ints):
         return array
     told = (name, str(array.dtype), str(dtype))
     if told not in _CAST_TOLD:

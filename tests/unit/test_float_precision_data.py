@@ -59,3 +59,21 @@ def test_a_float64_torch_module_quantizes_and_is_left_as_it_was() -> None:
     assert fid["samples"] == 8 and fid["sqnr_db"] > 25
     assert net.training and all(v.dtype == torch.float64 for v in net.state_dict().values())
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_token_ids_of_another_integer_width_are_cast_when_every_value_fits(tmp_path: Path) -> None:
+    """int32 ids (what many tokenizers and torch.int32 tensors give) for an int64 model were refused; they are
+    cast.  Values that do not fit the model's width still are refused, naming the input."""
+    ids = [InputInfo("input_ids", np.dtype(np.int64), (None, 5))]
+    x32 = np.arange(20, dtype=np.int32).reshape(4, 5)
+    for data in ({"input_ids": x32}, [x32[i] for i in range(4)]):
+        feed = next(iter(as_dataset(data, ids).batches(4)))
+        assert feed["input_ids"].dtype == np.int64 and np.array_equal(feed["input_ids"], x32)
+    np.savez(tmp_path / "ids.npz", input_ids=x32)
+    ds = NpzDataset(tmp_path / "ids.npz", ["input_ids"])
+    ds.validate(ids)
+    assert next(iter(ds.batches(4)))["input_ids"].dtype == np.int64
+    narrow = [InputInfo("input_ids", np.dtype(np.int32), (None, 5))]
+    assert next(iter(as_dataset({"input_ids": x32.astype(np.int64)}, narrow).batches(4)))["input_ids"].dtype == np.int32
+    with pytest.raises(DataError, match="expects dtype int32.*received dtype int64"):
+        as_dataset({"input_ids": np.full((4, 5), 2**40, np.int64)}, narrow)
