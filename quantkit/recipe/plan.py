@@ -79,6 +79,10 @@ def _pick(recipe: RecipeModel, layer: str, op_type: str, module: str | None = No
     return None, "default"
 
 
+_LAYER_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Gather", "Einsum")
+"""Op types whose nodes a hint names as examples of the model's layers."""
+
+
 def unmatched_overrides(recipe: RecipeModel, nodes: list[tuple[str, str, str | None]]) -> list[str]:
     """One line per override that selects nothing in a graph whose nodes are ``(name, op_type, module path)``:
     a ``layer:`` that is no node's name nor module path, a ``pattern:`` that matches none - a misspelt name would
@@ -88,18 +92,22 @@ def unmatched_overrides(recipe: RecipeModel, nodes: list[tuple[str, str, str | N
 
     out = []
     names = sorted({n for n, _, _ in nodes if n} | {m for _, _, m in nodes if m})
+    # the examples shown: the layers' own names (weighted ops) and module paths, not the glue's (/Add_1)
+    layers = sorted({n for n, op, _ in nodes if n and op in _LAYER_OPS} | {m for _, op, m in nodes
+                                                                             if m and op in _LAYER_OPS})
+    shown = ", ".join((layers or names)[:3])
     for i, ov in enumerate(recipe.quantization.overrides):
         where = f"quantization.overrides[{i}]"
         if ov.layer is not None and not any(ov.layer in (n, m) for n, _, m in nodes):
             near = difflib.get_close_matches(ov.layer, names, n=3, cutoff=0.6)
             out.append(f"{where} (layer: {ov.layer}) matches no layer of this model, so it changes nothing"
                        + (f"; did you mean {', '.join(near)}?" if near else
-                          f"; its layers are named like {', '.join(names[:3])}") + " (or use pattern:)")
+                          f"; its layers are named like {shown}") + " (or use pattern:)")
         elif ov.pattern is not None and not any(pattern_search(ov.pattern, n, f"{where}.pattern")
                                                 or (m and pattern_search(ov.pattern, m, f"{where}.pattern"))
                                                 for n, _, m in nodes):
             out.append(f"{where} (pattern: {ov.pattern}) matches no layer name or module path of this model, so it "
-                       f"changes nothing; its layers are named like {', '.join(names[:3])}")
+                       f"changes nothing; its layers are named like {shown}")
     return out
 
 

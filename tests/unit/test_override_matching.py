@@ -36,6 +36,12 @@ def test_overrides_that_select_nothing_are_named_with_the_closest_names() -> Non
     assert got[1].startswith(r"quantization.overrides[1] (pattern: encoder\.layer\.) matches no layer name")
 
 
+def test_the_hint_names_layers_not_glue() -> None:
+    nodes = [("/Add_1", "Add", None), ("/Mul_2", "Mul", None), ("/Cast", "Cast", None), ("fc", "Gemm", "head.fc")]
+    got = unmatched_overrides(_recipe({"pattern": "encoder", "format": "fp32"}), nodes)
+    assert got[0].endswith("its layers are named like fc, head.fc"), got
+
+
 def test_overrides_whose_format_fits_none_of_their_layers_are_named() -> None:
     """int4 / int8_dynamic / fp16 are lowered on MatMul / Gemm only: an override that decides only other nodes
     (int4 on a Conv, on an Add) changes nothing; one that decides a MatMul among others is fine."""
