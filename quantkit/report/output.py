@@ -246,20 +246,20 @@ def check_output_dir(directory: str | os.PathLike[str], *, overwrite: bool = Fal
         raise OutputError(f"the output folder must be a path (str or os.PathLike), got {directory!r}")
     out = Path(directory)
     if out.is_symlink() and not out.exists():
-        raise OutputError(f"--output {str(out)!r} is a symbolic link to {os.readlink(out)!r}, which does not exist; "
-                          "allowed: a new or empty folder, or one quantkit wrote before")
+        raise OutputError(f"output folder {str(out)!r} is a symbolic link to {os.readlink(out)!r}, which does not "
+                          "exist; allowed: a new or empty folder, or one quantkit wrote before")
     if out.exists() and not out.is_dir():
-        raise OutputError(f"--output {str(out)!r} is a file, not a folder; allowed: a new or empty folder, or one "
-                          "quantkit wrote before")
+        raise OutputError(f"output folder {str(out)!r} is a file, not a folder; allowed: a new or empty folder, or "
+                          "one quantkit wrote before")
     probe = out.absolute()
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise OutputError(f"--output {str(out)!r}: {str(probe)!r} is not a writable folder")
+        raise OutputError(f"output folder {str(out)!r}: {str(probe)!r} is not a writable folder")
     held = _input_inside(out, inputs)
     if held is not None:
-        raise OutputError(f"--output {str(out)!r} holds an input of this run ({held}); quantkit never writes over "
-                          "its inputs: choose another output folder")
+        raise OutputError(f"output folder {str(out)!r} holds an input of this run ({held}); quantkit never writes "
+                          "over its inputs: choose another output folder")
     if out.is_dir():
         clean_stale(out, STAGING_PREFIX)
         tree = scan_output_dir(out)
@@ -269,10 +269,10 @@ def check_output_dir(directory: str | os.PathLike[str], *, overwrite: bool = Fal
         if tree.foreign and not overwrite:
             names = sorted(tree.foreign)
             raise OutputError(
-                f"--output {str(out)!r} holds files quantkit did not write ({', '.join(names[:5])}"
+                f"output folder {str(out)!r} holds files quantkit did not write ({', '.join(names[:5])}"
                 f"{' ...' if len(names) > 5 else ''}); allowed: a new or empty folder, a folder of an earlier "
-                "quantkit run, or --overwrite (which replaces only files of the same names as the new outputs "
-                "and leaves the others)"
+                "quantkit run, or overwrite (--overwrite, overwrite=True: it replaces only files of the same names as "
+                "the new outputs and leaves the others)"
             )
     return out
 
@@ -299,7 +299,7 @@ def _disk_error(exc: OSError, out: Path) -> OutputError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return OutputError(f"no space left on the device while writing the outputs for {str(out)!r} "
                            f"({exc.strerror}); nothing was written there: free some space or choose another "
-                           "--output")
+                           "output folder")
     return OutputError(f"cannot write the outputs for {str(out)!r}: {exc}; nothing was written there")
 
 
@@ -311,17 +311,17 @@ def _preflight(out: Path, names: list[str], tree: OutputTree) -> None:
         for i in range(1, len(parts)):
             d = out.joinpath(*parts[:i])
             if os.path.lexists(d) and (d.is_symlink() or not d.is_dir()):
-                raise OutputError(f"--output {str(out)!r}: {d} is in the way of the output {rel} (a file or "
+                raise OutputError(f"output folder {str(out)!r}: {d} is in the way of the output {rel} (a file or "
                                   "symbolic link where quantkit needs a folder); nothing was written")
         dest = out / rel
         if dest.is_symlink() and rel not in tree.own:
-            raise OutputError(f"--output {str(out)!r}: {dest} is a symbolic link where quantkit writes {rel}; "
+            raise OutputError(f"output folder {str(out)!r}: {dest} is a symbolic link where quantkit writes {rel}; "
                               "nothing was written (remove the link or choose another folder)")
         if dest.is_dir():
-            raise OutputError(f"--output {str(out)!r}: {dest} is a folder where quantkit writes the file {rel}; "
+            raise OutputError(f"output folder {str(out)!r}: {dest} is a folder where quantkit writes the file {rel}; "
                               "nothing was written")
         if not _inside(dest.parent if dest.parent.exists() else out, root):
-            raise OutputError(f"--output {str(out)!r}: {rel} would land outside the folder; nothing was written")
+            raise OutputError(f"output folder {str(out)!r}: {rel} would land outside the folder; nothing was written")
 
 
 def write_outputs(directory: str | os.PathLike[str], fill: Callable[[Path], object], *,
@@ -373,7 +373,7 @@ def write_outputs(directory: str | os.PathLike[str], fill: Callable[[Path], obje
             check_output_dir(out, overwrite=False, inputs=inputs)  # raises, naming the files
         held = _input_inside(out, inputs)
         if held is not None:
-            raise OutputError(f"--output {str(out)!r} holds an input of this run ({held}); nothing was written")
+            raise OutputError(f"output folder {str(out)!r} holds an input of this run ({held}); nothing was written")
         _preflight(out, names, tree)
         stale = sorted(set(tree.own) - set(names))
         try:
