@@ -412,6 +412,11 @@ def verify_model(model: str | os.PathLike[str] | onnx.ModelProto, data: Any = No
         proto = model
     else:
         path = Path(model)
+        if path.is_dir() and (path / "model.onnx").is_file():  # an output folder: its model
+            path = path / "model.onnx"
+        elif path.is_dir():
+            raise QuantkitError(f"{str(path)!r} is a folder without a model.onnx; allowed: a quantized ONNX file or "
+                                "the output folder quantkit wrote it to")
         if not path.is_file():
             raise QuantkitError(f"model file {str(path)!r} does not exist")
         try:

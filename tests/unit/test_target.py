@@ -246,3 +246,10 @@ def test_cli_verify_warns_about_other_classes_and_fails_when_kernels_part(
     assert main(["verify", str(bad), "--data", str(tmp_path / "x.npz")]) == 3
     assert "DISAGREE" in capsys.readouterr().out
     assert main(["verify", str(tmp_path / "missing.onnx")]) == 2
+    # the output folder names its model (it used to read "model file 'vnni' does not exist")
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "vnni")]) == 0
+    assert "model target: x86-vnni" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    assert main(["verify", str(tmp_path / "empty")]) == 2
+    assert "is a folder without a model.onnx" in capsys.readouterr().err
