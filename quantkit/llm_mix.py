@@ -213,9 +213,15 @@ def _search(model: Any, calibration_data: Any, rec: RecipeModel, evaluation_data
         fixed = _embedding_apart_bytes(rec, cfg, head.algorithm, head.format)
     sol = solve(problem, minimize="damage", budgets={"bytes": budget - fixed}, time_limit=srch.time_limit_s)
     if sol is None:
+        bytes_ = problem.costs["bytes"]
+        least = problem.base.get("bytes", 0.0) + fixed + sum(
+            min(bytes_[(u, f)] for f in problem.formats[u]) for u in problem.units)
         raise RecipeError(f"search.target {dict(srch.target)}: no assignment of the candidates fits {budget:.6g} "
-                          f"bytes (of which {fixed} are the embedding the layer-wise build stores apart); allowed: a "
-                          "looser budget or smaller candidates")
+                          f"bytes ({budget / fp32_bytes:.3f} of FP32); the smallest these candidates reach is "
+                          f"{least:.6g} bytes ({least / fp32_bytes:.3f} of FP32: every searched layer in its "
+                          f"smallest candidate, plus the weights no candidate covers"
+                          + (f", {fixed} bytes of them the embedding the layer-wise build stores apart" if fixed
+                             else "") + "); allowed: a size target of at least that, or smaller candidates")
     predicted = ctx.predicted(sol.assignment)
     names = {n.name: module_path(n) or n.name for n in ctx.float_model.graph if n.name}
     rows = ctx.space.assignment_table(sol.assignment)

@@ -341,8 +341,16 @@ def test_a_weight_only_search_built_layer_wise_takes_a_size_target_only(
         quantkit.quantize(recipe=rec, progress=False, measure_latency=False)
     # a budget nothing fits: refused inside the search's child process, raised here with its own type and text
     rec = _mix_recipe(folder, tmp_path, target={"size": 0.01})
-    with pytest.raises(RecipeError, match=r"no assignment of the candidates fits .*allowed: a looser budget"):
+    with pytest.raises(RecipeError, match=r"no assignment of the candidates fits .* the smallest these candidates "
+                                          r"reach is .*allowed: a size target of at least that") as err:
         quantkit.quantize(recipe=rec, progress=False, measure_latency=False)
+    import re
+
+    least = float(re.search(r"reach is \S+ bytes \(([0-9.]+) of FP32", str(err.value)).group(1))
+    assert 0.01 < least < 1.0
+    # ... and that smallest size is one a target can ask for
+    rec = _mix_recipe(folder, tmp_path, target={"size": least + 0.002})
+    assert quantkit.quantize(recipe=rec, progress=False, measure_latency=False).report["search"]["counts"]
 
 
 def test_the_mix_searches_in_a_child_only_when_its_inputs_pickle() -> None:
