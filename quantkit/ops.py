@@ -67,6 +67,12 @@ RESCALE: frozenset[str] = frozenset({"Mul", "Div"})
 ABSORBABLE: frozenset[str] = frozenset({"Relu", "Clip"})
 QUANTIZABLE_OPS: frozenset[str] = frozenset(WEIGHTED) | GLUE | PASSTHROUGH | RESCALE
 
+LAYER_OPS: dict[str, tuple[str, ...]] = {"int4": ("MatMul", "Gemm"), "int8_weight": ("MatMul", "Gemm"),
+                                         "int8_dynamic": ("MatMul", "Gemm"), "fp16": ("MatMul", "Gemm", "Conv"),
+                                         "bf16": ("MatMul", "Gemm", "Conv")}
+"""The op types (with a constant weight) each linear-only format (``quantkit.formats.LINEAR_ONLY_FORMATS``) is
+lowered on; any other node a recipe gives one of these formats stays as it was (the report says so)."""
+
 # ONNX Runtime kernels a fused QDQ group of each op type turns into (for reports).
 FUSED_KERNELS: dict[str, tuple[str, ...]] = {
     "Conv": ("QLinearConv", "ConvInteger"),

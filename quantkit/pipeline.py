@@ -526,7 +526,8 @@ def _fidelity_pass(float_model: bytes | str, quant_model: bytes | str, ds: Datas
     tops: dict[str, tuple[list[np.ndarray], list[np.ndarray], int]] = {}  # output -> argmax rows FP32, quantized
     # FP32 outputs joined from one-sample runs (memo, probe) stand for the batch's until a batch shows they differ
     # from its batched run (a model whose outputs mix the samples: checked once, on the first joined batch)
-    joined_ok, checked = True, False
+    verdict = memo.joined_verdict() if memo is not None else None  # an earlier pass over this float graph
+    joined_ok, checked = (True, False) if verdict is None else (verdict, True)
     with tqdm(total=len(ds), desc="evaluate", unit="sample", disable=not progress) as bar:
         for feed in ds.batches(batch_size):
             singles = _single_samples(feed)
@@ -555,6 +556,8 @@ def _fidelity_pass(float_model: bytes | str, quant_model: bytes | str, ds: Datas
                     s_f = make_session(float_model)
                 batched = s_f.run(names, feed)
                 checked = True
+                if memo is not None:
+                    memo.set_joined_verdict(_same_outputs(ref, batched))
                 if not _same_outputs(ref, batched):
                     joined_ok = False
                     log.info("the FP32 model's outputs for a batch differ from its outputs one sample at a time (the "
@@ -725,6 +728,15 @@ class Fp32Outputs:
         if key not in self.store:
             self.store[key] = {k: np.array(v, copy=True) for k, v in outputs.items()}
             self.store["__bytes__"] = used + size
+
+    def joined_verdict(self) -> bool | None:
+        """Whether this float graph's outputs joined from one-sample runs equal its batched outputs (checked once
+        per graph by the fidelity pass); None: not checked yet."""
+        got = self.store.get(f"__joined__{self.graph_key}")
+        return None if got is None else bool(got)
+
+    def set_joined_verdict(self, same: bool) -> None:
+        self.store[f"__joined__{self.graph_key}"] = bool(same)
 
     def put_batch(self, feed: Mapping[str, np.ndarray], names: Sequence[str], ref: Sequence[np.ndarray]) -> None:
         """Keep a batch's outputs sample by sample (when every output has the batch on axis 0)."""

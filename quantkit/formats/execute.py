@@ -27,11 +27,7 @@ from quantkit.recipe.plan import PrecisionPlan
 LINEAR_ONLY_FORMATS = ("int4", "int8_weight", "int8_dynamic", "fp16", "bf16")
 """Formats lowered on ``MatMul(x, W)``: a Gemm given one of them is rewritten to MatMul + Add first."""
 
-LAYER_OPS: dict[str, tuple[str, ...]] = {"int4": ("MatMul", "Gemm"), "int8_weight": ("MatMul", "Gemm"),
-                                         "int8_dynamic": ("MatMul", "Gemm"), "fp16": ("MatMul", "Gemm", "Conv"),
-                                         "bf16": ("MatMul", "Gemm", "Conv")}
-"""The op types (with a constant weight) each linear-only format is lowered on; any other node a recipe gives
-one of these formats stays as it was (the report says so)."""
+from quantkit.ops import LAYER_OPS as LAYER_OPS  # noqa: E402 - re-exported beside LINEAR_ONLY_FORMATS
 
 
 def prepare_float(float_model: ir.Model, plan: PrecisionPlan) -> list[str]:

@@ -11,7 +11,15 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 SCHEMA_VERSION = 1
 
@@ -92,37 +100,35 @@ def _scalar_kinds(annotation: Any) -> set[str]:
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    @model_validator(mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def _no_coercion(cls, data: Any) -> Any:
+    def _no_coercion(cls, v: Any, info: ValidationInfo) -> Any:
         """A number or switch written as something else is refused, not coerced: ``batch_size: true`` (was 1),
         ``batch_size: "8"``, ``layerwise: "yes"`` / ``1`` (were True), ``enabled: "false"`` (was False)."""
-        if not isinstance(data, dict):
-            return data
-        own = {f for d in cls.__pydantic_decorators__.field_validators.values() if d.info.mode != "after"
-               for f in d.info.fields}  # fields whose own validator reads the raw input (smoothquant: off)
-        for name, field in cls.model_fields.items():
-            key = field.alias or name
-            if key not in data or data[key] is None or name in own:
-                continue
-            v, kinds = data[key], _scalar_kinds(field.annotation)
-            words = {k for k in kinds if k.startswith("=")}
-            kinds -= words
-            if not kinds or not kinds <= {"int", "float", "bool", "str"}:
-                continue
+        name = info.field_name
+        if v is None or name is None or name not in cls.model_fields:
+            return v
+        if any(name in d.info.fields and d.info.mode != "after"
+               for k, d in cls.__pydantic_decorators__.field_validators.items() if k != "_no_coercion"):
+            return v  # the field's own validator reads the raw input (smoothquant: off)
+        kinds = _scalar_kinds(cls.model_fields[name].annotation)
+        words = {k for k in kinds if k.startswith("=")}
+        kinds -= words
+        if not kinds or not kinds <= {"int", "float", "bool", "str"}:
+            return v
+        if isinstance(v, bool):
+            bad = "bool" not in kinds
+        elif isinstance(v, (int, float)):
+            bad = not kinds & {"int", "float"}
+        elif isinstance(v, str):
+            bad = "str" not in kinds and f"={v}" not in words
+        else:
+            return v
+        if bad:
             wanted = " or ".join(sorted({"int": "an integer", "float": "a number", "bool": "true / false",
                                          "str": "text"}[k] for k in kinds) + sorted(repr(w[1:]) for w in words))
-            if isinstance(v, bool):
-                bad = "bool" not in kinds
-            elif isinstance(v, (int, float)):
-                bad = not kinds & {"int", "float"}
-            elif isinstance(v, str):
-                bad = "str" not in kinds and f"={v}" not in words
-            else:
-                continue
-            if bad:
-                raise ValueError(f"{key}: {v!r} ({type(v).__name__}) is not accepted; allowed: {wanted}")
-        return data
+            raise ValueError(f"{v!r} ({type(v).__name__}) is not accepted; allowed: {wanted}")
+        return v
 
 
 class ModelSection(_Strict):

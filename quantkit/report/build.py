@@ -16,9 +16,8 @@ import onnx
 import onnxruntime as ort
 
 from quantkit.evaluate.latency import load_average
-from quantkit.formats.execute import LAYER_OPS
 from quantkit.lowering.verify import Census
-from quantkit.ops import FUSED_KERNELS, PASSTHROUGH
+from quantkit.ops import FUSED_KERNELS, LAYER_OPS, PASSTHROUGH
 from quantkit.recipe import RecipeModel
 from quantkit.recipe.plan import inapplicable_overrides, unmatched_overrides
 from quantkit.report.verdict import (

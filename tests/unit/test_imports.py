@@ -93,7 +93,7 @@ FLOORS: list[set[str]] = [
     {"run", "llm_run"},  # execute, check, evaluate, report one plan
     {"search"},  # proposes plans; runs them through formats / run
     {"api", "guard", "llm_mix"},  # guard: float islands by measured latency; llm_mix: a searched mix, streamed
-    {"cli", "quantkit"},
+    {"cli", "__main__", "quantkit"},
 ]
 
 

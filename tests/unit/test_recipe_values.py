@@ -50,13 +50,14 @@ def test_a_key_written_twice_is_refused_with_both_lines(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("section", "message"), [
-    ({"calibration": {"batch_size": True}}, r"batch_size: True \(bool\) is not accepted; allowed: an integer"),
-    ({"calibration": {"batch_size": "8"}}, r"batch_size: '8' \(str\) is not accepted"),
-    ({"calibration": {"layerwise": "yes"}}, r"layerwise: 'yes' \(str\) is not accepted; allowed: true / false or "
-                                            r"'auto'"),
-    ({"calibration": {"layerwise": 1}}, r"layerwise: 1 \(int\) is not accepted"),
-    ({"report": {"latency": {"enabled": "false"}}}, r"enabled: 'false' \(str\) is not accepted; allowed: true / "
-                                                    r"false"),
+    ({"calibration": {"batch_size": True}}, r"calibration.batch_size: Value error, True \(bool\) is not accepted; "
+                                            r"allowed: an integer"),
+    ({"calibration": {"batch_size": "8"}}, r"calibration.batch_size: Value error, '8' \(str\) is not accepted"),
+    ({"calibration": {"layerwise": "yes"}}, r"calibration.layerwise: Value error, 'yes' \(str\) is not accepted; "
+                                            r"allowed: true / false or 'auto'"),
+    ({"calibration": {"layerwise": 1}}, r"calibration.layerwise: Value error, 1 \(int\) is not accepted"),
+    ({"report": {"latency": {"enabled": "false"}}}, r"report.latency.enabled: Value error, 'false' \(str\) is not "
+                                                    r"accepted; allowed: true / false"),
 ])
 def test_numbers_and_switches_are_not_coerced(section: dict, message: str) -> None:
     with pytest.raises(RecipeError, match=message):
