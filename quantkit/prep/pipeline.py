@@ -230,6 +230,48 @@ def _drop_initializer_inputs(model: ir.Model) -> int:
     return len(drop)
 
 
+def _split_sizes_below_opset_18(model: ir.Model) -> int:
+    """Give every ``Split(num_outputs=n)`` of a model below opset 18 its ``split`` sizes instead: onnxscript's
+    folding rewrites ``SplitToSequence`` (Longformer's chunked attention) as a ``Split`` with ``num_outputs``,
+    an attribute that exists only from opset 18, whatever the model's opset - ONNX Runtime then refuses the
+    graph.  The folding emits it only for an even split of a known dimension.  Returns the nodes rewritten."""
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18))
+    if opset >= 18:
+        return 0
+    done = 0
+    for node in list(model.graph):
+        attr = node.attributes.get("num_outputs")
+        if node.op_type != "Split" or node.domain not in ("", "ai.onnx") or attr is None:
+            continue
+        x = node.inputs[0]
+        axis = node.attributes["axis"].as_int() if "axis" in node.attributes else 0
+        n = attr.as_int()
+        dims = list(x.shape) if x is not None and x.shape is not None else []
+        axis = axis + len(dims) if axis < 0 else axis
+        size = dims[axis] if 0 <= axis < len(dims) else None
+        if not isinstance(size, int) or n <= 0 or size % n:
+            raise ModelError(f"graph preparation: Split node {node.name!r} got num_outputs={n} from constant folding "
+                             f"in an opset-{opset} model and its split dimension is not known; export the model at "
+                             "opset 18 or later")
+        sizes = ir.Value(name=f"{node.name}_split_sizes", type=ir.TensorType(ir.DataType.INT64),
+                         shape=ir.Shape([n]), const_value=ir.tensor(np.full(n, size // n, np.int64)))
+        model.graph.register_initializer(sizes)
+        inputs = [x, sizes]
+        new = ir.node("Split", inputs, attributes={"axis": axis}, name=node.name,
+                      outputs=[ir.Value(name=None) for _ in node.outputs])
+        model.graph.insert_before(node, new)
+        for old, out in zip(node.outputs, new.outputs, strict=True):
+            name, old.name = old.name, None
+            out.name, out.type, out.shape = name, old.type, old.shape
+            old.replace_all_uses_with(out)
+            if old.is_graph_output():
+                outs = model.graph.outputs
+                outs[outs.index(old)] = out
+        model.graph.remove(node, safe=True)
+        done += 1
+    return done
+
+
 def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
     """Prepare ``model`` (modified in place) for quantization and return it with per-transform counts.
 
@@ -264,6 +306,7 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
         # Folding leaves Constant nodes behind; drop the dead ones before counting the lift.
         folded += _run_counting_nodes("constant_folding", common_passes.RemoveUnusedNodesPass(), model)
         applied["constant_folding"] = folded
+        applied["split_num_outputs"] = _split_sizes_below_opset_18(model)
     # Weights must be initializers for the BN rules' checks (and for quantization).
     _run(
         "lift_constants",
