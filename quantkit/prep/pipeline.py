@@ -315,7 +315,10 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
     )
 
     from quantkit.prep.gemm_to_matmul import fold_gemm_scales
+    from quantkit.prep.weight_subgraphs import fold_weight_subgraphs
 
+    if fold_constants:
+        applied["weight_subgraphs"] = fold_weight_subgraphs(model)
     applied["gemm_scales"] = fold_gemm_scales(model)
     try:
         applied["fold_batchnorm"] = fold_batchnorm_rules().apply_to_model(model)
