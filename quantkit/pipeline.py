@@ -125,7 +125,11 @@ def check_shapes(ds: Dataset, inputs: Sequence[Any], what: str) -> None:
 
 
 def decoder_context(model: ir.Model) -> int | None:
-    """The positions a built KV-cache decoder covers (its ``cos_cache`` rows), None for other graphs."""
+    """The positions a built KV-cache decoder covers (its ``cos_cache`` rows), or the longest sequence an exported
+    text encoder takes (its ``quantkit.max_positions`` metadata); None for other graphs."""
+    limit = model.metadata_props.get("quantkit.max_positions")
+    if limit is not None and limit.isdigit():
+        return int(limit)
     cos = model.graph.initializers.get("cos_cache")
     if cos is None or cos.shape is None or not cos.shape.dims or not isinstance(cos.shape[0], int):
         return None

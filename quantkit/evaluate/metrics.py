@@ -51,8 +51,9 @@ class FidelityAccumulator:
     """Streams reference/quantized output pairs and summarises them.
 
     ``classification`` says whether to compute top-k agreement and KL on the last axis
-    (logits).  With ``None`` it is decided per output: a float output whose last
-    dimension is >= 10 and that has rank 2 counts as logits.
+    (logits).  With ``None`` it is decided per output: a float output of rank 2 counts as logits when its last
+    dimension is >= 10, or >= 2 when the output is named like logits (``logits``, ``start_logits``: a task
+    head's, a binary classifier's).
     """
 
     classification: bool | None = None
@@ -74,7 +75,7 @@ class FidelityAccumulator:
         s.n += rb.shape[0]
         is_cls = self.classification
         if is_cls is None:
-            is_cls = r.ndim == 2 and r.shape[-1] >= 10
+            is_cls = r.ndim == 2 and (r.shape[-1] >= 10 or (r.shape[-1] >= 2 and name.lower().endswith("logits")))
         if is_cls:
             r2 = r.reshape(-1, r.shape[-1])
             a2 = a.reshape(-1, a.shape[-1])

@@ -39,7 +39,7 @@ from quantkit.frontends.torch_module import DEFAULT_OPSET, from_torch
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HF_TASKS", "check_hf_folder", "detect_task", "from_hf_folder", "load_hf_tokenizer",
+__all__ = ["HEADS", "HF_TASKS", "MAX_POSITIONS_KEY", "check_hf_folder", "detect_task", "from_hf_folder", "load_hf_tokenizer",
            "sentence_transformers_config"]
 
 HF_TASKS = ("auto", "encoder", "causal-lm")
@@ -81,6 +81,75 @@ def detect_task(path: str | os.PathLike[str]) -> str:
         archs = [archs]
     # GPT-2-style checkpoints name their causal LM class ``*LMHeadModel`` (GPT2LMHeadModel, GPTJ...)
     return "causal-lm" if any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in archs) else "encoder"
+
+
+HEADS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "ForSequenceClassification": ("AutoModelForSequenceClassification", ("logits",)),
+    "ForTokenClassification": ("AutoModelForTokenClassification", ("logits",)),
+    "ForQuestionAnswering": ("AutoModelForQuestionAnswering", ("start_logits", "end_logits")),
+    "ForMaskedLM": ("AutoModelForMaskedLM", ("logits",)),
+}
+"""Text-encoder heads exported with the model (``config.json``'s ``architectures`` suffix -> the transformers
+Auto class, the outputs): the exported graph returns what the trained head computes, not the hidden states."""
+
+
+def encoder_head(config: Any) -> str | None:
+    """The :data:`HEADS` suffix of the folder's architecture, None for a bare encoder (``BertModel``)."""
+    archs = config.get("architectures") or [] if isinstance(config, dict) else []
+    for a in archs if isinstance(archs, list) else [archs]:
+        for suffix in HEADS:
+            if str(a).endswith(suffix):
+                return suffix
+    return None
+
+
+def text_model_problem(folder: Path, config: Any) -> str | None:
+    """Why the folder is not a text model quantkit can export from a folder (a vision, audio, or encoder-decoder
+    model, or a head it cannot feed), with what to do instead; None when it is one."""
+    if not isinstance(config, dict):
+        return None
+    archs = [str(a) for a in (config.get("architectures") or [])] if isinstance(config.get("architectures"),
+                                                                                   list) else []
+    what = None
+    if config.get("is_encoder_decoder"):
+        what = "an encoder-decoder (seq2seq) model"
+    elif any(a.endswith(("ForImageClassification", "ForObjectDetection", "ForSemanticSegmentation",
+                         "ForDepthEstimation", "ForImageSegmentation", "ForMaskedImageModeling")) for a in archs):
+        what = "a vision model"
+    elif any(a.endswith(("ForCTC", "ForAudioClassification", "ForAudioFrameClassification", "ForXVector",
+                         "ForSpeechSeq2Seq")) for a in archs):
+        what = "an audio model"
+    elif any(a.endswith("ForMultipleChoice") for a in archs):
+        what = "a multiple-choice head (inputs [batch, choices, tokens])"
+    elif "vision_config" in config or "audio_config" in config:
+        what = "a multi-modal model"
+    elif not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                                                     "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                                                     "vocab.json")):
+        what = ("a model without a tokenizer (a vision or audio model?)" if (folder / "preprocessor_config.json")
+                .is_file() else "a folder without tokenizer files")
+    if what is None:
+        return None
+    return (f"{str(folder)!r} holds {what} ({', '.join(archs) or config.get('model_type', 'unknown type')}); from a "
+            "Hugging Face folder quantkit exports text encoders (with their classification / token / question-"
+            "answering / masked-LM head) and decoder LLMs. For this model, export it to ONNX yourself (torch.onnx."
+            "export, optimum-cli export onnx) and give quantkit the .onnx file with .npz data, or pass the "
+            "torch.nn.Module to quantkit.quantize(module, calibration_data, recipe, example_inputs=...)")
+
+
+def max_positions(config: Any, tokenizer: Any = None) -> int | None:
+    """The longest token sequence a text encoder takes: the tokenizer's ``model_max_length`` when it is a real
+    limit (RoBERTa: 512 of 514 position rows), else ``config.json``'s ``max_position_embeddings``; None: no limit
+    (relative positions: DeBERTa, T5-style)."""
+    if not isinstance(config, dict):
+        return None
+    limit = getattr(tokenizer, "model_max_length", None)
+    cfg = config.get("max_position_embeddings")
+    if config.get("position_embedding_type") not in ("absolute", None):
+        cfg = None  # relative positions: no table to run past
+    if isinstance(limit, int) and 0 < limit < 1_000_000:
+        return min(limit, cfg) if isinstance(cfg, int) and cfg > 0 else limit
+    return cfg if isinstance(cfg, int) and cfg > 0 else None
 
 
 def sentence_transformers_config(path: str | os.PathLike[str]) -> tuple[tuple[str, ...], bool] | None:
@@ -166,6 +235,30 @@ def load_hf_tokenizer(path: str | os.PathLike[str]) -> Any:
         raise ModelError(f"cannot load a tokenizer from {str(folder)!r}: {type(e).__name__}: {e}") from e
 
 
+def _head_wrapper(model: torch.nn.Module, outputs: tuple[str, ...]) -> torch.nn.Module:
+    import torch
+
+    class HeadExport(torch.nn.Module):
+        """``forward(input_ids, attention_mask[, token_type_ids])`` -> the head's outputs (``outputs``)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(
+            self,
+            input_ids: torch.Tensor,
+            attention_mask: torch.Tensor,
+            token_type_ids: torch.Tensor | None = None,
+        ) -> Any:
+            extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, **extra)
+            got = tuple(getattr(out, n) for n in outputs)
+            return got[0] if len(got) == 1 else got
+
+    return HeadExport()
+
+
 def _encoder_wrapper(model: torch.nn.Module, pooling: tuple[tuple[str, ...], bool] | None) -> torch.nn.Module:
     import torch
 
@@ -249,12 +342,26 @@ def from_hf_folder(
     if task == "auto":
         task = detect_task(folder)
     check_hf_folder(folder)
+    config = _read_json(folder / "config.json")
+    head = None
+    if task != "causal-lm":
+        problem = text_model_problem(folder, config)
+        if problem is not None:
+            raise ModelError(problem)
+        pooling = sentence_transformers_config(folder)
+        head = encoder_head(config) if pooling is None else None
 
     import torch
+    import transformers
     from transformers import AutoModel, AutoModelForCausalLM
 
     tokenizer = load_hf_tokenizer(folder)
-    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModel
+    auto = (AutoModelForCausalLM if task == "causal-lm" else
+            getattr(transformers, HEADS[head][0]) if head is not None else AutoModel)
+    if task != "causal-lm":
+        limit = max_positions(config, tokenizer)
+        if limit is not None and seq_len > limit:
+            seq_len = max(2, limit)  # the tracing example; longer data is refused before calibration
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # weight-loading progress bar
             hf_model = auto.from_pretrained(
@@ -282,9 +389,12 @@ def from_hf_folder(
             seq_dims["token_type_ids"] = {1: "seq"}
             if "token_type_ids" not in enc:
                 enc["token_type_ids"] = torch.zeros_like(enc["input_ids"])
-        pooling = sentence_transformers_config(folder)
-        wrapper = _encoder_wrapper(hf_model, pooling)
-        outputs = ["last_hidden_state"] + (["sentence_embedding"] if pooling is not None else [])
+        if head is not None:
+            wrapper = _head_wrapper(hf_model, HEADS[head][1])
+            outputs = list(HEADS[head][1])
+        else:
+            wrapper = _encoder_wrapper(hf_model, pooling)
+            outputs = ["last_hidden_state"] + (["sentence_embedding"] if pooling is not None else [])
     example = [enc[n].to(torch.int64) for n in names]
     model = from_torch(
         wrapper,
@@ -299,7 +409,15 @@ def from_hf_folder(
         from quantkit.frontends.llm import CausalLMNamesPass  # recipe overrides use, as on the LLaMA path
 
         CausalLMNamesPass()(model)
+    else:
+        limit = max_positions(config, tokenizer)
+        if limit is not None:  # read by quantkit.pipeline.check_context: longer token data is refused at once
+            model.metadata_props[MAX_POSITIONS_KEY] = str(limit)
     return model, tokenizer
+
+
+MAX_POSITIONS_KEY = "quantkit.max_positions"
+"""Model metadata: the longest token sequence an exported text encoder takes (:func:`max_positions`)."""
 
 
 def _forward_names(model: torch.nn.Module) -> list[str]:
