@@ -310,6 +310,20 @@ class _OptIndex:
                 if inp in self.initializers:
                     self.readers_of_init.setdefault(inp, []).append(node)
 
+    def through_moves(self, tensor: str) -> onnx.NodeProto | None:
+        """The producer of the codes ``tensor``, looking back through the ops ONNX Runtime runs on int8 codes
+        as they are (:data:`quantkit.ops.PASSTHROUGH`: Slice, Split, Reshape, MaxPool ...): the kernel (or the
+        QuantizeLinear) the codes came from."""
+        from quantkit.ops import PASSTHROUGH
+
+        node = self.producer.get(tensor)
+        seen = 0
+        while (node is not None and (node.op_type in _PASS_THROUGH or node.op_type in PASSTHROUGH) and node.input
+               and seen < 16):
+            node = self.producer.get(node.input[0])
+            seen += 1
+        return node
+
     def through_layout(self, tensor: str) -> onnx.NodeProto | None:
         """The producer of ``tensor``, looking back through ORT-inserted Reshape/Transpose."""
         node = self.producer.get(tensor)
@@ -499,6 +513,8 @@ def _leftovers(opt: _OptIndex) -> list[LeftoverQDQ]:
         if data_out in opt.graph_outputs:
             consumers.append(f"graph output {data_out!r}")
         prod = opt.through_layout(data_in)  # past ORT's NHWC Transposes
+        if "Dequantize" in node.op_type:  # a DQ's codes: past int8 data movement (ORT moved the DQ below a Slice)
+            prod = opt.through_moves(data_in)
         users = opt.consumers.get(data_out, [])
         requant = any(u.op_type in _QDQ_OPS and "Dequantize" not in u.op_type for u in users) or any(
             w.op_type in _QDQ_OPS and "Dequantize" not in w.op_type

@@ -1,0 +1,40 @@
+"""A DequantizeLinear that ONNX Runtime moved below int8 data movement (QLinearConv -> Slice on the codes -> DQ ->
+float GELU: wav2vec2's positional convolution) is a chain exit, not a stray round trip: the census walks back
+through the ops that run on codes to the kernel the codes came from.  It used to be reported as "stray" - and
+the latency guard rejects candidates with stray nodes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import quantkit  # noqa: E402
+
+
+class _SliceGelu(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv1d(16, 32, 3, padding=1)
+        self.c2 = torch.nn.Conv1d(32, 32, 8, padding=4, groups=4)
+        self.c3 = torch.nn.Conv1d(32, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c1(x)
+        y = torch.nn.functional.gelu(self.c2(h)[..., :-1])  # conv -> drop the last frame -> GELU
+        return self.c3(h + y).mean(-1)
+
+
+def test_a_dq_below_an_int8_slice_is_a_chain_exit() -> None:
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    cal = [rng.standard_normal((4, 16, 40)).astype(np.float32) for _ in range(4)]
+    rec = {"version": 1, "name": "slice", "report": {"latency": {"enabled": False}}}
+    res = quantkit.quantize(_SliceGelu().eval(), cal, rec, example_inputs=torch.from_numpy(cal[0]),
+                            evaluation_data=cal[:2], progress=False)
+    from quantkit.report.build import classify_leftovers
+
+    kinds = classify_leftovers(res.census)
+    below_slice = [k for d, k in kinds if "slice" in d.split("->")[0].lower() and d.startswith("DequantizeLinear")]
+    assert below_slice and set(below_slice) == {"chain_exit"}, kinds
