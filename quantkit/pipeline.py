@@ -450,6 +450,16 @@ _QUANTIZED_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuanti
                             "GatherBlockQuantized", "QGemm"})  # fmt: skip
 
 
+def quantized_op_counts(model: ir.Model) -> dict[str, int]:
+    """``op type -> count`` of the quantized operators in ``model`` (its main graph, subgraphs and functions)."""
+    out: dict[str, int] = {}
+    nodes = [*model.graph.all_nodes(), *(n for f in model.functions.values() for n in f)]
+    for n in nodes:
+        if n.op_type in _QUANTIZED_OPS or n.op_type.startswith("QLinear"):
+            out[n.op_type] = out.get(n.op_type, 0) + 1
+    return out
+
+
 def _has_quantized_ops(proto: onnx.ModelProto) -> bool:
     nodes = [*proto.graph.node, *(n for f in proto.functions for n in f.node)]
     return any(n.op_type in _QUANTIZED_OPS or n.op_type.startswith("QLinear") for n in nodes)

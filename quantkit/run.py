@@ -28,7 +28,7 @@ import onnx
 import onnx_ir as ir
 
 from quantkit.data import Dataset, as_dataset, make_dataset, model_inputs
-from quantkit.errors import DataError, LoweringError, QuantkitError
+from quantkit.errors import DataError, LoweringError, ModelError, QuantkitError
 from quantkit.formats import Artifacts, Job, Lowered, lower_plan, prepare_float
 from quantkit.frontends import LoadedModel, load_model
 from quantkit.int4_kernel import choose_for_model
@@ -111,6 +111,19 @@ def check_save_args(directory: Any, report: Any) -> None:
         raise QuantkitError(f"save(): report must be True or False, got {type(report).__name__} {report!r}")
 
 
+def _refuse_quantized(loaded: LoadedModel) -> None:
+    """Refuse a model that is quantized already (QDQ, QLinear*, MatMulNBits ...): there is nothing float left to
+    quantize, and the run would emit it unchanged while saying "no layer was quantized"."""
+    from quantkit.pipeline import quantized_op_counts
+
+    counts = quantized_op_counts(loaded.model)
+    if counts:
+        ops = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items(), key=lambda kv: -kv[1])[:4])
+        raise ModelError(f"{loaded.source} is quantized already ({ops}): quantkit quantizes float models - give it "
+                         "the float model this one was made from. To check a quantized model on this CPU (its fused "
+                         "kernels against its QDQ math): quantkit verify MODEL.onnx --data DATA.npz")
+
+
 def load_inputs(model: Any, calibration_data: Any, rec: RecipeModel, *, example_inputs: Any = None,
                 progress: bool = True, timings: dict[str, float]) -> tuple[LoadedModel, ir.Model, Dataset]:
     """Load and prepare the float model; build the calibration dataset (logged: what the run calibrates on)."""
@@ -134,6 +147,7 @@ def load_inputs(model: Any, calibration_data: Any, rec: RecipeModel, *, example_
     with stage("load the model (the first use of a built-in exports it to ONNX, cached)", enabled=progress):
         loaded = load_model(source, **load_kw)
     timings["load_s"] = time.perf_counter() - t
+    _refuse_quantized(loaded)
     t = time.perf_counter()
     with stage("prepare the graph (shape inference, constant folding, BatchNorm folding)", enabled=progress):
         float_model = prepare(loaded.model).model

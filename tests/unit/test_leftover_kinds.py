@@ -38,3 +38,16 @@ def test_a_dq_below_an_int8_slice_is_a_chain_exit() -> None:
     kinds = classify_leftovers(res.census)
     below_slice = [k for d, k in kinds if "slice" in d.split("->")[0].lower() and d.startswith("DequantizeLinear")]
     assert below_slice and set(below_slice) == {"chain_exit"}, kinds
+
+
+def test_a_model_quantized_already_is_refused_naming_its_quantized_ops() -> None:
+    """It was accepted, emitted unchanged and reported as "no layer was quantized ... weight is not a constant"."""
+    import onnx_ir as ir
+
+    from quantkit.errors import ModelError
+    from tests.conftest import image_batches, tiny_cnn
+
+    rec = {"version": 1, "name": "twice", "report": {"latency": {"enabled": False}}}
+    once = quantkit.quantize(tiny_cnn(), image_batches(4), rec, evaluate=False, progress=False)
+    with pytest.raises(ModelError, match=r"is quantized already \(.*QuantizeLinear.*quantkit verify"):
+        quantkit.quantize(ir.to_proto(once.model), image_batches(4), rec, evaluate=False, progress=False)
