@@ -28,6 +28,7 @@ __all__ = [
     "check_batch",
     "class_labels",
     "dataset_labels",
+    "as_array",
     "float_cast",
     "hash_array",
     "hash_file",
@@ -56,8 +57,8 @@ def class_labels(value: Any, rows: int | None = None) -> np.ndarray | None:
     none negative; ``rows``: the expected N), else None: anything else (one-hot rows, regression targets, masks)
     is not a class label."""
     try:
-        a = np.asarray(value)
-    except (TypeError, ValueError):
+        a = as_array(value)
+    except (TypeError, ValueError, RuntimeError):
         return None
     if a.ndim == 2 and a.shape[1] == 1:
         a = a[:, 0]
@@ -192,10 +193,19 @@ def check_batch(batch: Mapping[str, np.ndarray], inputs: list[InputInfo], where:
             raise DataError(
                 f"{where}: model input {info.name!r} is missing; the data provides {sorted(batch)}"
             )
-        check_array(info, np.asarray(batch[info.name]), where, batched=True)
+        check_array(info, as_array(batch[info.name]), where, batched=True)
 
 
 _CAST_TOLD: set[tuple[str, str, str]] = set()
+
+
+def as_array(value: Any) -> np.ndarray:
+    """``value`` as a NumPy array; a PyTorch tensor is detached and moved to the CPU first (a tensor that requires
+    grad cannot be read by ``np.asarray``: "Can't call numpy() on Tensor that requires grad")."""
+    detach = getattr(value, "detach", None)
+    if callable(detach) and hasattr(value, "cpu"):
+        return np.asarray(detach().cpu().numpy())
+    return np.asarray(value)
 
 
 def float_cast(dtype: np.dtype[Any] | None, array: np.ndarray, name: str) -> np.ndarray:
@@ -259,7 +269,7 @@ class ArrayDataset:
         """
         if not arrays:
             raise DataError("ArrayDataset needs at least one array")
-        self._arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        self._arrays = {k: as_array(v) for k, v in arrays.items()}
         shapes = {k: v.shape for k, v in self._arrays.items()}
         if any(len(s) == 0 for s in shapes.values()) or len({s[0] for s in shapes.values()}) != 1:
             raise DataError(f"ArrayDataset arrays must share a leading (sample) dim; got shapes {shapes}")

@@ -19,7 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from quantkit.data.base import LABEL_KEYS, check_batch_size, class_labels, float_cast, hash_array, new_hasher
+from quantkit.data.base import (
+    LABEL_KEYS,
+    as_array,
+    check_batch_size,
+    class_labels,
+    float_cast,
+    hash_array,
+    new_hasher,
+)
 from quantkit.errors import DataError
 
 __all__ = ["IterableDataset"]
@@ -131,14 +139,14 @@ class IterableDataset:
                     f"item {index}: missing input(s) {missing}; the item has keys {sorted(map(str, item))}"
                 )
             key = next((k for k in LABEL_KEYS if k in item and k not in self.input_names), None)
-            return {k: np.asarray(item[k]) for k in self.input_names}, None if key is None else item[key]
+            return {k: as_array(item[k]) for k in self.input_names}, None if key is None else item[key]
         if isinstance(item, (tuple, list)):
             if len(item) == 2 and (isinstance(item[0], Mapping) or _arrays_tuple(item[0], n)):
                 return self._split_raw(item[0], index)[0], item[1]
             if len(item) == n:
-                return {k: np.asarray(a) for k, a in zip(self.input_names, item, strict=True)}, None
+                return {k: as_array(a) for k, a in zip(self.input_names, item, strict=True)}, None
             if len(item) == n + 1:
-                return {k: np.asarray(a) for k, a in zip(self.input_names, item[:n], strict=True)}, item[n]
+                return {k: as_array(a) for k, a in zip(self.input_names, item[:n], strict=True)}, item[n]
             raise DataError(
                 f"item {index}: a tuple of {len(item)} arrays for {n} inputs {self.input_names}; allowed: one array "
                 f"per input in that order, optionally followed by the labels ({n + 1} elements), or (inputs, labels)"
@@ -148,7 +156,7 @@ class IterableDataset:
                 f"item {index}: a bare {type(item).__name__} can only feed a single-input model; "
                 f"this one has inputs {self.input_names} (yield dicts or tuples)"
             )
-        return {self.input_names[0]: np.asarray(item)}, None
+        return {self.input_names[0]: as_array(item)}, None
 
     def labels(self) -> np.ndarray | None:
         """The class labels the items carried (:func:`~quantkit.data.base.class_labels`), in sample order, as read

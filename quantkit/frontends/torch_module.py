@@ -63,6 +63,44 @@ def _quiet_export(log: io.StringIO) -> Iterator[None]:
             lg.propagate = propagate
 
 
+def _fixed_positional(module: torch.nn.Module) -> int | None:
+    """How many positional parameters ``forward`` names before its ``*args``; None when it has no ``*args``."""
+    n = 0
+    for p in inspect.signature(module.forward).parameters.values():
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            return n
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            n += 1
+    return None
+
+
+def _flatten(shapes: Any) -> list[Any]:
+    out: list[Any] = []
+    for d in shapes:
+        out.extend(_flatten(d) if isinstance(d, tuple) else [d])
+    return out
+
+
+def _name_outputs(model: ir.Model, program: Any) -> None:
+    """Name the graph outputs after the keys of the dict / ``ModelOutput`` the module returns (``logits``,
+    ``boxes``: the exported program's output tree, one tensor per key), else leave the exporter's names."""
+    try:
+        spec = program.exported_program.call_spec.out_spec
+        keys = list(spec.context) if isinstance(spec.context, (list, tuple)) else []
+        leaves = spec.num_leaves
+        flat = spec.num_children == len(keys) == leaves
+    except Exception:  # noqa: BLE001 - names are a nicety: the exporter's stay
+        return
+    if not flat or len(keys) != len(model.graph.outputs) or not all(isinstance(k, str) for k in keys):
+        return
+    taken = {v.name for n in model.graph for v in n.outputs} | {v.name for v in model.graph.inputs}
+    taken |= set(model.graph.initializers)
+    for value, key in zip(model.graph.outputs, keys, strict=True):
+        if value.name != key and key not in taken:
+            value.name = key
+            taken.add(key)
+
+
 def _forward_param_names(module: torch.nn.Module) -> list[str] | None:
     """Names of ``module.forward``'s positional parameters, or None if it takes ``*args``."""
     names: list[str] = []
@@ -190,6 +228,10 @@ def from_torch(
         if not isinstance(t, torch.Tensor):
             raise ModelError(f"example input {key!r} must be a torch.Tensor, got {type(t).__name__}")
 
+    inner = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule: export the module it wraps
+    if isinstance(inner, torch.nn.Module):
+        logging.getLogger("quantkit").info("a torch.compile'd module: exporting the module it wraps (_orig_mod)")
+        module = inner
     module, args, kwargs = _as_float32(module, args, kwargs)
     if kwargs:
         names = list(kwargs)
@@ -230,8 +272,12 @@ def from_torch(
     if kwargs:
         dynamic_shapes = {k: dims_for(n, t) for (k, t), n in zip(kwargs.items(), onnx_names, strict=True)}
     else:
-        dynamic_shapes = tuple(dims_for(n, t) for t, n in zip(args, onnx_names, strict=True))
-    if all(d is None for d in (dynamic_shapes.values() if kwargs else dynamic_shapes)):
+        flat = tuple(dims_for(n, t) for t, n in zip(args, onnx_names, strict=True))
+        dynamic_shapes = flat
+        fixed = _fixed_positional(module)
+        if fixed is not None and fixed < len(flat):  # forward(self, a, *rest): the rest nest as one tuple
+            dynamic_shapes = (*flat[:fixed], flat[fixed:])
+    if all(d is None for d in (dynamic_shapes.values() if kwargs else _flatten(dynamic_shapes))):
         dynamic_shapes = None
 
     was_training = module.training
@@ -242,7 +288,7 @@ def from_torch(
             path = Path(tmp) / "model.onnx"
             try:
                 with torch.no_grad(), _quiet_export(log):
-                    torch.onnx.export(
+                    program = torch.onnx.export(
                         module,
                         args,
                         str(path),
@@ -263,6 +309,8 @@ def from_torch(
             model = ir.load(path)
             # Pull external data into memory before the temporary folder disappears.
             model = onnx_ir.external_data.load_to_model(model)
+        if output_names is None:
+            _name_outputs(model, program)
     finally:
         module.train(was_training)
     if canonicalize:
