@@ -108,9 +108,10 @@ def eval_dataset(recipe: RecipeModel, loaded: LoadedModel, evaluation_data: Any,
     return None
 
 
-def check_shapes(ds: Dataset, inputs: Sequence[Any], what: str) -> None:
+def check_shapes(ds: Dataset, inputs: Sequence[Any], what: str, hint: str = "") -> None:
     """Refuse data whose first sample does not fit the model's inputs (``InputInfo``: rank, fixed dims) before any
-    work: ONNX Runtime would reject it only in the kernel check, after calibration, with its own message."""
+    work: ONNX Runtime would reject it only in the kernel check, after calibration, with its own message.
+    ``hint``: appended to the message (how to get a model with other sizes)."""
     for feed in ds.batches(1):
         for info in inputs:
             a = feed.get(info.name)
@@ -120,7 +121,7 @@ def check_shapes(ds: Dataset, inputs: Sequence[Any], what: str) -> None:
             bad = len(got) != len(info.shape) or any(d is not None and g != d for g, d in zip(got, info.shape, strict=False))
             if bad:
                 raise DataError(f"{what}: input {info.name!r} of the first sample has shape {list(got)}, the model "
-                                f"takes {info.describe()} (? = any size); allowed: samples of that shape")
+                                f"takes {info.describe()} (? = any size); allowed: samples of that shape{hint}")
         return
 
 

@@ -37,6 +37,7 @@ from quantkit.lowering.verify import Census, census
 from quantkit.pipeline import (
     Fp32Outputs,
     check_context,
+    check_shapes,
     decoder_context,
     eval_dataset,
     extra_perplexities,
@@ -111,6 +112,12 @@ def check_save_args(directory: Any, report: Any) -> None:
         raise QuantkitError(f"save(): report must be True or False, got {type(report).__name__} {report!r}")
 
 
+TORCH_SIZES_HINT = (". A torch.nn.Module is exported with the sizes of example_inputs, only the batch axis free: "
+                    "for other sizes (a sequence length, an image size) export it with quantkit.frontends.from_torch("
+                    "module, example, dynamic_dims={'x': {1: 'seq'}}) and pass that model")
+"""Appended to a shape mismatch of data for a model exported from PyTorch."""
+
+
 def _refuse_quantized(loaded: LoadedModel) -> None:
     """Refuse a model that is quantized already (QDQ, QLinear*, MatMulNBits ...): there is nothing float left to
     quantize, and the run would emit it unchanged while saying "no layer was quantized"."""
@@ -164,6 +171,7 @@ def load_inputs(model: Any, calibration_data: Any, rec: RecipeModel, *, example_
     if len(cal) == 0:
         raise DataError("the calibration dataset is empty")
     check_context(cal, decoder_context(float_model), "the calibration data")
+    check_shapes(cal, inputs, "the calibration data", TORCH_SIZES_HINT if loaded.kind == "torch" else "")
     spec = rec.calibration.data.model_dump() if calibration_data is None and rec.calibration.data else None
     log.info("calibration set: %d samples (%s)", len(cal),
              ", ".join(f"{k}={v}" for k, v in spec.items()) if spec else "given through the API")

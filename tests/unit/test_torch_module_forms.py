@@ -59,3 +59,13 @@ def test_calibration_tensors_that_require_grad_are_read() -> None:
     res = quantkit.quantize(_Heads().eval(), data, RECIPE, example_inputs=torch.randn(2, 16), evaluate=False,
                             progress=False)
     assert res.plan.layers and all(t.requires_grad for t in data)
+
+
+def test_data_of_other_sizes_than_the_example_says_how_to_export_with_free_sizes() -> None:
+    from quantkit.errors import DataError
+
+    data = [np.zeros((2, 24), np.float32)]
+    fc = torch.nn.Linear(16, 4)
+    with pytest.raises(DataError, match=r"the calibration data: input .* has shape \[1, 24\].*exported with the "
+                                        r"sizes of example_inputs.*dynamic_dims="):
+        quantkit.quantize(fc, data, RECIPE, example_inputs=torch.randn(2, 16), progress=False)
