@@ -483,3 +483,35 @@ def test_the_float_fallback_of_a_mixed_plan_puts_back_every_quantized_layer(
     assert not res.census.quantized_kernels and res.census.leftover_qdq_nodes == []
     assert not any(n.op_type in ("MatMulNBits", "DynamicQuantizeLinear", "MatMulInteger", "DequantizeLinear")
                    for n in res.model.graph)
+
+
+def test_a_shipped_model_measured_slower_than_fp32_is_timed_against_it_even_when_the_estimate_is_faster(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The A/B's estimate said 1.16x, the shipped model's own measurement 0.73x (wav2vec2, a 3 ms model): the
+    guard used the estimate alone and shipped it with a generic warning.  Now either below 1 starts the
+    FP32-vs-shipped A/B, which decides; its ratio is the figure the warning quotes."""
+    import types
+
+    import quantkit.guard as guard
+    from quantkit.recipe.load import load_recipe
+
+    timed: list[list[str]] = []
+
+    def fake(blobs: dict[str, bytes], feed: Any, **kw: Any) -> dict[str, list[float]]:
+        timed.append(sorted(blobs))
+        return {"shipped": [1.0] * AB_ROUNDS, "fp32": [0.99] * AB_ROUNDS}  # a tie: kept, but slower
+
+    monkeypatch.setattr(guard, "ab_compare", fake)
+    rec = load_recipe(RECIPE)
+    chosen = types.SimpleNamespace(report={"latency": {"speedup": 0.73}})
+    result = types.SimpleNamespace(recipe=rec, plan=None)
+    record: dict[str, Any] = {"decision": "kept all layers int8", "float_layers": []}
+    out = guard._finish(result, chosen, b"", 1.16, record, b"", {}, lambda plan: pytest.fail("no rerun"), 0.0, None)
+    assert out is chosen and timed == [["fp32", "shipped"]] and record["shipped_measured_speedup"] == 0.73
+    assert any("still slower than FP32 on this CPU in its A/B (0.99x" in w for w in chosen.report["warnings"])
+    # both at or above 1: no A/B
+    timed.clear()
+    chosen = types.SimpleNamespace(report={"latency": {"speedup": 1.2}})
+    guard._finish(result, chosen, b"", 1.16, {"decision": "x", "float_layers": []}, b"", {}, lambda p: None, 0.0,
+                  None)
+    assert timed == []
