@@ -263,10 +263,7 @@ def _split_sizes_below_opset_18(model: ir.Model) -> int:
         for old, out in zip(node.outputs, new.outputs, strict=True):
             name, old.name = old.name, None
             out.name, out.type, out.shape = name, old.type, old.shape
-            old.replace_all_uses_with(out)
-            if old.is_graph_output():
-                outs = model.graph.outputs
-                outs[outs.index(old)] = out
+            old.replace_all_uses_with(out, replace_graph_outputs=True)
         model.graph.remove(node, safe=True)
         done += 1
     return done
@@ -314,11 +311,13 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
         model,
     )
 
+    from quantkit.prep.einsum import einsum_to_matmul
     from quantkit.prep.gemm_to_matmul import fold_gemm_scales
     from quantkit.prep.weight_subgraphs import fold_weight_subgraphs
 
     if fold_constants:
         applied["weight_subgraphs"] = fold_weight_subgraphs(model)
+    applied["einsum_to_matmul"] = einsum_to_matmul(model)
     applied["gemm_scales"] = fold_gemm_scales(model)
     try:
         applied["fold_batchnorm"] = fold_batchnorm_rules().apply_to_model(model)
