@@ -60,3 +60,40 @@ def model_digest(model: ir.Model) -> str:
         arr = np.ascontiguousarray(t.numpy())
         h.update(repr(arr.tolist()).encode() if arr.dtype == object else arr.reshape(-1).view(np.uint8).data)
     return h.hexdigest()
+
+
+_SAME_TYPE_OPS = frozenset({
+    "Flatten", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "GlobalAveragePool", "AveragePool", "MaxPool",
+    "Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Identity", "Slice", "Concat",
+    "Split", "Expand", "Tile", "Pad", "Resize", "Gather", "DepthToSpace", "SpaceToDepth", "Add", "Sub", "Mul",
+    "Div", "MatMul", "Gemm", "Conv", "ConvTranspose", "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin",
+    "Softmax", "LayerNormalization", "Erf", "Sqrt", "Pow", "Neg", "Abs", "Where",
+})
+
+
+def fill_missing_types(model: ir.Model) -> int:
+    """Give node outputs that carry a shape but no element type (what rewrites and the lowering leave on new
+    values) their type: a QuantizeLinear's is its zero point's, a DequantizeLinear's its scale's, a
+    type-preserving op's (layout, pooling, activations, arithmetic) its data input's.  Untyped values are dropped
+    from the serialized model with one stderr line each ("The value type for shape ... is not known").  Returns
+    how many were filled."""
+    filled = 0
+    for node in model.graph.all_nodes():
+        for out in node.outputs:
+            if out.type is not None:
+                continue
+            src: ir.Value | None = None
+            if node.op_type == "QuantizeLinear" and len(node.inputs) > 2:
+                src = node.inputs[2]
+            elif node.op_type == "DequantizeLinear" and len(node.inputs) > 1:
+                src = node.inputs[1]
+            elif node.op_type in _SAME_TYPE_OPS and node.domain in ("", "ai.onnx"):
+                src = node.inputs[1] if node.op_type == "Where" and len(node.inputs) > 1 else (
+                    node.inputs[0] if node.inputs else None)
+            if src is not None and src.type is not None:
+                out.type = src.type
+                filled += 1
+            elif src is not None and src.const_value is not None:
+                out.type = ir.TensorType(src.const_value.dtype)
+                filled += 1
+    return filled

@@ -82,4 +82,7 @@ def lower_plan(job: Job) -> Lowered:
         out.timings[f"lower_{h.name}_s"] = time.perf_counter() - t
     if out.static.layers:  # int8 codes were chosen for this CPU class
         out.model.metadata_props["quantkit.target"] = json.dumps(job.target.as_dict())
+    from quantkit.irtools import fill_missing_types
+
+    fill_missing_types(out.model)
     return out

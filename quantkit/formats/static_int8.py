@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from quantkit.formats.base import FormatHandler, Job, Lowered
+from quantkit.irtools import fill_missing_types
 from quantkit.progress import stage
 
 log = logging.getLogger("quantkit")
@@ -185,6 +186,7 @@ def choose_calibrator(job: Job, qplan: Any, tensors: list[str], means: dict[str,
             ranges.update({k: cand_ranges[k] for k in tensors})
             model = ir.from_proto(job.float_proto)
             low = _lower(job, model, qplan, ranges, means, hessians)
+            fill_missing_types(model)
             sess = make_session(job.stage_model(model, f"candidate-{cand}-"))
             scores[cand] = _output_sqnr(refs, [sess.run(names, f) for f in feeds])
             del sess

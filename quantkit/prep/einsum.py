@@ -79,12 +79,12 @@ def einsum_to_matmul(model: ir.Model) -> int:
         mm.metadata_props[ORIGINAL_OP_TYPE] = "Einsum"
         graph.insert_before(node, mm)
         old = node.outputs[0]
-        name, old.name = old.name, None
+        name, old.name = old.name or "", None
         out = mm.outputs[0]
         out.name, out.type, out.shape = name, old.type, old.shape
         old.replace_all_uses_with(out, replace_graph_outputs=True)
         graph.remove(node, safe=True)
-        if transposed and not w.uses() and w.name in graph.initializers and not w.is_graph_output():
+        if transposed and not w.uses() and w.name and w.name in graph.initializers and not w.is_graph_output():
             del graph.initializers[w.name]
         done += 1
     return done

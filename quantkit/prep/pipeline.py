@@ -357,4 +357,7 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
     _run("name_values", common_passes.NameFixPass(), model)
     _shape_inference("shape_inference", model)
     check_weights(model)
+    from quantkit.irtools import fill_missing_types
+
+    applied["fill_types"] = fill_missing_types(model)
     return PrepResult(model=model, applied=applied)
