@@ -255,7 +255,8 @@ def _weighted_ok(node: ir.Node) -> str | None:
     if w is None:
         return "weight is not a constant (activation x activation product stays float)"
     if w.dtype != np.float32:
-        return f"weight dtype {w.dtype} is not float32"
+        return (f"weight dtype {w.dtype} is not float32 (quantkit quantizes float32 models: export the model in "
+                "float32, or convert its float16 tensors to float32 first)")
     if constant_array(ins[0]) is not None:
         return "activation input is a constant"
     if node.op_type == "Conv" and w.ndim not in (3, 4, 5):
