@@ -128,6 +128,9 @@ def quantize(
         peak = meter.stop()
     if gguf is not None:
         result.report["model"], result.report["model_read_from"] = gguf
+    summary = result.report.get("summary")
+    if isinstance(summary, dict):  # warnings added after the report was built (the latency guard's) count too
+        summary["warnings"] = len(result.report.get("warnings") or [])
     mem = result.report.setdefault("memory", memory_section(None, None))
     mem["measured_peak_bytes"] = int(peak)
     if mem.get("estimated_peak_bytes"):

@@ -403,6 +403,7 @@ def test_a_model_still_slower_than_fp32_ships_in_float_when_fp32_wins_its_own_ab
     # every layer in float: no int8 kernel, no Q/DQ left, the float weights
     assert not res.census.quantized_kernels and res.census.leftover_qdq_nodes == []
     assert any("not quantized" in w for w in res.report["warnings"])
+    assert res.report["summary"]["warnings"] == len(res.report["warnings"])  # the guard's warnings counted too
     # a tie with FP32 keeps the int8 model (with the warning that it is slower)
     monkeypatch.setattr(guard, "ab_compare",
                         lambda blobs, feed, **kw: {"shipped": [1.0] * AB_ROUNDS, "fp32": [0.995] * AB_ROUNDS})
