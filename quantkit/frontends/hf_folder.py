@@ -235,11 +235,13 @@ def load_hf_tokenizer(path: str | os.PathLike[str]) -> Any:
         raise ModelError(f"cannot load a tokenizer from {str(folder)!r}: {type(e).__name__}: {e}") from e
 
 
-def _head_wrapper(model: torch.nn.Module, outputs: tuple[str, ...]) -> torch.nn.Module:
+def _encoder_wrapper(model: torch.nn.Module, pooling: tuple[tuple[str, ...], bool] | None,
+                     head: tuple[str, ...] = ()) -> torch.nn.Module:
     import torch
 
-    class HeadExport(torch.nn.Module):
-        """``forward(input_ids, attention_mask[, token_type_ids])`` -> the head's outputs (``outputs``)."""
+    class EncoderExport(torch.nn.Module):
+        """``forward(input_ids, attention_mask[, token_type_ids])`` -> the head's outputs (``head``: their names,
+        :data:`HEADS`), else the hidden state [+ the pooled embedding]."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -253,30 +255,10 @@ def _head_wrapper(model: torch.nn.Module, outputs: tuple[str, ...]) -> torch.nn.
         ) -> Any:
             extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, **extra)
-            got = tuple(getattr(out, n) for n in outputs)
-            return got[0] if len(got) == 1 else got
-
-    return HeadExport()
-
-
-def _encoder_wrapper(model: torch.nn.Module, pooling: tuple[tuple[str, ...], bool] | None) -> torch.nn.Module:
-    import torch
-
-    class EncoderExport(torch.nn.Module):
-        """``forward(input_ids, attention_mask[, token_type_ids])`` -> hidden state [+ embedding]."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(
-            self,
-            input_ids: torch.Tensor,
-            attention_mask: torch.Tensor,
-            token_type_ids: torch.Tensor | None = None,
-        ) -> Any:
-            extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
-            h = self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+            if head:
+                got = tuple(getattr(out, n) for n in head)
+                return got[0] if len(got) == 1 else got
+            h = out.last_hidden_state
             if pooling is None:
                 return h
             modes, normalize = pooling
@@ -390,7 +372,7 @@ def from_hf_folder(
             if "token_type_ids" not in enc:
                 enc["token_type_ids"] = torch.zeros_like(enc["input_ids"])
         if head is not None:
-            wrapper = _head_wrapper(hf_model, HEADS[head][1])
+            wrapper = _encoder_wrapper(hf_model, None, HEADS[head][1])
             outputs = list(HEADS[head][1])
         else:
             wrapper = _encoder_wrapper(hf_model, pooling)

@@ -554,14 +554,6 @@ def is_gguf(source: Any) -> bool:
         return False
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def gguf_parameters(path: str | os.PathLike[str]) -> int:
     """The number of weights a GGUF file holds (its tensors' element counts, read from its header)."""
     try:
@@ -592,7 +584,9 @@ def gguf_folder(path: str | os.PathLike[str], *, refresh: bool = False) -> Path:
     src = Path(path).expanduser().resolve()
     params = gguf_parameters(src)
     dtype = "float32" if 4 * params <= int(psutil.virtual_memory().total) // 4 else "float16"
-    key = {"sha256": _sha256_file(src), "dtype": dtype} | {d: _version(d) for d in ("transformers", "gguf")}
+    from quantkit.checksum import file_digest
+
+    key = {"sha256": file_digest(src), "dtype": dtype} | {d: _version(d) for d in ("transformers", "gguf")}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in src.stem)[:48]
     dest = cache_dir() / "hf" / f"gguf-{stem}-{digest}"
