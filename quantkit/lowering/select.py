@@ -309,6 +309,11 @@ def _int8_candidates(model: ir.Model, precision: PrecisionPlan, plan: QuantPlan)
             plan.layer_biases[name] = bias_of.name or ""
             continue
         plan.layers[name] = lp
+    for node in model.graph.all_nodes():  # layers inside If / Loop / Scan bodies: named, with why they stay float
+        if (node.graph is not model.graph and node.op_type in WEIGHTED and node.domain in ("", "ai.onnx")
+                and node.name and node.name not in plan.skipped):
+            plan.skipped[node.name] = ("inside a subgraph (an If / Loop / Scan body): subgraphs keep float values "
+                                       "(quantkit quantizes the main graph)")
     return nodes
 
 

@@ -51,6 +51,9 @@ def test_a_value_read_inside_an_if_branch_stays_float() -> None:
     res = quantize(model, image_batches(2), recipe, evaluation_data=image_batches(1, seed=2), progress=False)
     assert "conv1" in res.plan.skipped and "subgraph" in res.plan.skipped["conv1"]
     assert {"conv4", "conv5"} <= set(res.plan.layers)
+    # the branches' own layers are named with why they stay float
+    assert {"then_conv", "else_conv"} <= {f["layer"] for f in res.report["float_layers"]}
+    assert "inside a subgraph" in res.plan.skipped["then_conv"]
     assert res.report["census"]["leftover_by_kind"]["stray"] == 0, res.report["census"]
     assert not res.report["unfused"], res.report["unfused"]
     import onnx_ir as ir
