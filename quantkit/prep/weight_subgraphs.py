@@ -9,9 +9,9 @@ copies).
 
 :func:`fold_weight_subgraphs` takes the rest: for every ``Conv`` / ``ConvTranspose`` / ``Gemm`` / ``MatMul``
 whose weight input (input 1) is computed only from constants, by nodes whose outputs feed nothing else and whose
-large constants are read by nothing else (a shared table - a tied embedding - is left alone), the weight is evaluated once by ONNX Runtime (every such weight
-of the model in one session, the way the float model computes it) and becomes an initializer; the nodes that
-computed it are then dead and removed.  Nothing random (``RandomNormal`` ...) or stateful is folded.
+large constants are read by nothing else (a shared table - a tied embedding - is left alone), the weight is
+evaluated once by ONNX Runtime (every such weight of the model in one session, the way the float model computes
+it) and becomes an initializer; the nodes that computed it and the constants only they read are removed.  Nothing random (``RandomNormal`` ...) or stateful is folded.
 """
 
 from __future__ import annotations
@@ -110,9 +110,13 @@ def fold_weight_subgraphs(model: ir.Model) -> int:
         node.replace_input_with(1, const)
     order = {id(n): i for i, n in enumerate(graph)}
     dead = sorted({id(n): n for _, _, sub in found for n in sub}.values(), key=lambda n: -order[id(n)])
+    consts = {id(v): v for n in dead for v in n.inputs if v is not None and v.const_value is not None}
     for n in dead:  # consumers first: each is unused once those after it are gone
         if all(not out.uses() and not out.is_graph_output() for out in n.outputs):
             graph.remove(n, safe=True)
+    for v in consts.values():  # the raw weights the folded ones replace: not kept beside them
+        if not v.uses() and not v.is_graph_output() and not v.is_graph_input() and v.name and v.name in graph.initializers:
+            del graph.initializers[v.name]
     return len(found)
 
 

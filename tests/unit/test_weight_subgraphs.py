@@ -91,3 +91,8 @@ def test_a_tied_table_under_the_lm_heads_transpose_is_not_copied() -> None:
     p = prepare(ir.from_proto(m)).model
     head = next(n for n in p.graph if n.op_type == "MatMul")
     assert head.inputs[1].const_value is None and len(p.graph.initializers) == 1
+
+
+def test_the_raw_weight_is_not_kept_beside_the_folded_one() -> None:
+    p = prepare(ir.from_proto(_std_conv_model())).model
+    assert "w_flat" not in p.graph.initializers
