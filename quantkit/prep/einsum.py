@@ -8,8 +8,14 @@ axis is ``MatMul(x, W)`` (``W`` transposed once when it is written ``kd``)::
     Einsum("...d,dk->...k", x, W)  ==  MatMul(x, W)
     Einsum("btd,kd->btk", x, W)    ==  MatMul(x, W^T)
 
-Anything else (batched contractions between two activations - attention scores -, several contracted axes,
-repeated letters, broadcast ellipses in other places) is left as it is.  The node keeps its name and output,
+Keras' ``EinsumDense`` writes multi-head projections with 3-D weights: the contracted axes of ``W`` are then
+flattened into one (``x`` reshaped to match) and its kept axes into one (the output reshaped back)::
+
+    Einsum("abc,cde->abde", x, W)  ==  Reshape(MatMul(x, W.reshape(c, d * e)), [0, 0, d, e])
+    Einsum("abcd,cde->abe", x, W)  ==  MatMul(Reshape(x, [0, 0, c * d]), W.reshape(c * d, e))
+
+Anything else (contractions between two activations - attention scores -, a weight axis shared with ``x``'s
+batch axes, repeated letters, broadcast ellipses in other places) is left as it is.  The node keeps its name and output,
 and recipe overrides by ``op_type: Einsum`` keep matching (the original op type is kept in its metadata).
 """
 
@@ -20,7 +26,7 @@ import onnx_ir as ir
 
 from quantkit.lowering.select import ORIGINAL_OP_TYPE
 
-__all__ = ["einsum_to_matmul", "linear_einsum"]
+__all__ = ["einsum_layer", "einsum_to_matmul", "linear_einsum"]
 
 
 def linear_einsum(equation: str) -> bool | None:
@@ -52,39 +58,94 @@ def linear_einsum(equation: str) -> bool | None:
     return b[0] != contracted  # "kd": the weight is stored transposed
 
 
+def einsum_layer(equation: str) -> tuple[list[int], int, int] | None:
+    """For ``x, W -> y`` contracting trailing axes of ``x`` with axes of a constant ``W`` and appending ``W``'s
+    other axes (Keras' ``EinsumDense``: ``abc,cde->abde`` to heads, ``abcd,cde->abe`` back): ``(perm, k, r)`` -
+    ``W.transpose(perm)`` is ``[contracted (in x's order) ..., kept (in y's order) ...]`` with ``k`` contracted and
+    ``r`` kept axes; None when the equation is not such a layer."""
+    eq = equation.replace(" ", "")
+    if eq.count("->") != 1:
+        return None
+    lhs, out = eq.split("->")
+    parts = lhs.split(",")
+    if len(parts) != 2:
+        return None
+    a, b = parts
+    if a.startswith("..."):
+        if not out.startswith("..."):
+            return None
+        a, out = a[3:], out[3:]
+    if any("." in t for t in (a, b, out)) or not a or not b or len(set(a)) != len(a) or len(set(b)) != len(b):
+        return None
+    contracted = [c for c in a if c in b and c not in out]
+    kept_w = [c for c in out if c in b]
+    k, r = len(contracted), len(kept_w)
+    if not k or not r or a[len(a) - k:] != "".join(contracted) or set(b) != set(contracted) | set(kept_w):
+        return None
+    prefix = a[: len(a) - k]
+    if any(c in b for c in prefix) or out != prefix + "".join(kept_w):
+        return None
+    perm = [b.index(c) for c in contracted] + [b.index(c) for c in kept_w]
+    return perm, k, r
+
+
 def einsum_to_matmul(model: ir.Model) -> int:
-    """Rewrite every linear ``Einsum`` with a constant 2-D float weight (module doc); returns how many."""
+    """Rewrite every linear ``Einsum`` with a constant float weight (module doc); returns how many."""
     graph = model.graph
     done = 0
     for node in list(graph):
         if node.op_type != "Einsum" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
             continue
         eq = node.attributes.get("equation")
-        w = node.inputs[1]
-        if eq is None or w is None or w.const_value is None or node.inputs[0] is None:
+        w, x = node.inputs[1], node.inputs[0]
+        if eq is None or w is None or w.const_value is None or x is None:
             continue
-        transposed = linear_einsum(eq.as_string())
+        layer = einsum_layer(eq.as_string())
         arr = np.asarray(w.const_value.numpy())
-        if transposed is None or arr.ndim != 2 or not np.issubdtype(arr.dtype, np.floating):
+        if layer is None or not np.issubdtype(arr.dtype, np.floating) or arr.ndim != sum(layer[1:]):
             continue
+        perm, k, r = layer
+        rank = len(x.shape) if x.shape is not None else None
+        if (k > 1 or r > 1) and rank is None:
+            continue  # the Reshapes need the input's rank
+        w2 = np.ascontiguousarray(arr.transpose(perm))
+        kept_dims = [int(d) for d in w2.shape[k:]]
+        w2 = w2.reshape(int(np.prod(w2.shape[:k])), int(np.prod(kept_dims)))
+        base = node.name or w.name or "einsum"
         weight = w
-        if transposed:
-            t = np.ascontiguousarray(arr.T)
-            name = f"{node.name or w.name}_weight"
-            weight = ir.Value(name=name, type=ir.TensorType(ir.DataType.from_numpy(t.dtype)), shape=ir.Shape(t.shape),
-                              const_value=ir.tensor(t, name=name))
-            graph.register_initializer(weight)
-        mm = ir.node("MatMul", [node.inputs[0], weight], name=node.name, outputs=[ir.Value(name=None)])
+        if perm != list(range(arr.ndim)) or arr.ndim != 2:
+            weight = _const(graph, f"{base}_weight", w2)
+        data = x
+        if k > 1:  # x [..., c, d] -> [..., c * d]
+            shape = _const(graph, f"{base}_in_shape", np.array([0] * (rank - k) + [-1], np.int64))  # type: ignore[operator]
+            data = _node(graph, node, "Reshape", [x, shape], f"{base}/reshape_in")
+        mm = ir.node("MatMul", [data, weight], name=node.name, outputs=[ir.Value(name=None)])
         mm.metadata_props.update(node.metadata_props)
         mm.metadata_props[ORIGINAL_OP_TYPE] = "Einsum"
         graph.insert_before(node, mm)
+        result = mm.outputs[0]
+        if r > 1:  # [..., d * e] -> [..., d, e]
+            shape = _const(graph, f"{base}_out_shape", np.array([0] * (rank - k) + kept_dims, np.int64))  # type: ignore[operator]
+            result = _node(graph, node, "Reshape", [result, shape], f"{base}/reshape_out")
         old = node.outputs[0]
         name, old.name = old.name or "", None
-        out = mm.outputs[0]
-        out.name, out.type, out.shape = name, old.type, old.shape
-        old.replace_all_uses_with(out, replace_graph_outputs=True)
+        result.name, result.type, result.shape = name, old.type, old.shape
+        old.replace_all_uses_with(result, replace_graph_outputs=True)
         graph.remove(node, safe=True)
-        if transposed and not w.uses() and w.name and w.name in graph.initializers and not w.is_graph_output():
+        if weight is not w and not w.uses() and w.name and w.name in graph.initializers and not w.is_graph_output():
             del graph.initializers[w.name]
         done += 1
     return done
+
+
+def _const(graph: ir.Graph, name: str, value: np.ndarray) -> ir.Value:
+    v = ir.Value(name=name, type=ir.TensorType(ir.DataType.from_numpy(value.dtype)), shape=ir.Shape(value.shape),
+                 const_value=ir.tensor(value, name=name))
+    graph.register_initializer(v)
+    return v
+
+
+def _node(graph: ir.Graph, before: ir.Node, op: str, inputs: list[ir.Value], name: str) -> ir.Value:
+    n = ir.node(op, inputs, name=name, outputs=[ir.Value(name=f"{name}/output_0")])
+    graph.insert_before(before, n)
+    return n.outputs[0]

@@ -59,3 +59,38 @@ def test_the_rewrite_is_exact_and_the_layers_quantize() -> None:
     rec["quantization"] = {"overrides": [{"op_type": "Einsum", "format": "fp32"}]}
     res = quantkit.quantize(m, cal, rec, evaluate=False, progress=False)
     assert not res.plan.layers
+
+
+@pytest.mark.parametrize(("eq", "want"), [
+    ("abc,cde->abde", ([0, 1, 2], 1, 2)), ("abcd,cde->abe", ([0, 1, 2], 2, 1)), ("abc,dce->abde", ([1, 0, 2], 1, 2)),
+    ("aecd,abcd->acbe", None), ("abc,cde->abed", ([0, 2, 1], 1, 2)), ("abc,ace->abe", None),
+])
+def test_keras_einsum_dense_equations(eq: str, want: object) -> None:
+    from quantkit.prep.einsum import einsum_layer
+
+    assert einsum_layer(eq) == want
+
+
+def test_multi_head_projections_with_3d_weights_become_matmuls() -> None:
+    """Keras' EinsumDense: q = abc,cde->abde (to heads), o = abcd,cde->abe (back); exact, and both quantize."""
+    rng = np.random.default_rng(4)
+    inits = [numpy_helper.from_array((rng.standard_normal((16, 4, 8)) * 0.25).astype(np.float32), "wq"),
+             numpy_helper.from_array((rng.standard_normal((4, 8, 16)) * 0.25).astype(np.float32), "wo")]
+    nodes = [helper.make_node("Einsum", ["x", "wq"], ["q"], equation="abc,cde->abde", name="q_dense"),
+             helper.make_node("Relu", ["q"], ["r"], name="act"),
+             helper.make_node("Einsum", ["r", "wo"], ["y"], equation="abcd,cde->abe", name="o_dense")]
+    g = helper.make_graph(nodes, "k", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 5, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 5, 16])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    x = rng.standard_normal((3, 5, 16)).astype(np.float32)
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    p = prepare(ir.from_proto(m)).model
+    assert not any(n.op_type == "Einsum" for n in p.graph)
+    got = ort.InferenceSession(ir.to_proto(p).SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    cal = [{"x": rng.standard_normal((4, 5, 16)).astype(np.float32)} for _ in range(4)]
+    res = quantkit.quantize(m, cal, {"version": 1, "name": "k", "report": {"latency": {"enabled": False}}},
+                            evaluation_data=cal[:2], progress=False)
+    assert {"q_dense", "o_dense"} <= set(res.plan.layers) and res.report["fidelity"]["y"]["sqnr_db"] > 25
