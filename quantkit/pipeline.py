@@ -108,11 +108,11 @@ def eval_dataset(recipe: RecipeModel, loaded: LoadedModel, evaluation_data: Any,
     return None
 
 
-def check_shapes(ds: Dataset, inputs: Sequence[Any], what: str, hint: str = "") -> None:
-    """Refuse data whose first sample does not fit the model's inputs (``InputInfo``: rank, fixed dims) before any
-    work: ONNX Runtime would reject it only in the kernel check, after calibration, with its own message.
-    ``hint``: appended to the message (how to get a model with other sizes)."""
-    for feed in ds.batches(1):
+def check_shapes(ds: Dataset, inputs: Sequence[Any], what: str, hint: str = "", *, every: bool = False) -> None:
+    """Refuse data whose first sample (``every``: any sample - data in memory) does not fit the model's inputs
+    (``InputInfo``: rank, fixed dims) before any work: ONNX Runtime would reject it only in calibration or the
+    kernel check, with its own message.  ``hint``: appended to the message (how to get a model with other sizes)."""
+    for i, feed in enumerate(ds.batches(1)):
         for info in inputs:
             a = feed.get(info.name)
             if a is None or info.shape is None:
@@ -120,9 +120,11 @@ def check_shapes(ds: Dataset, inputs: Sequence[Any], what: str, hint: str = "") 
             got = tuple(np.shape(a))
             bad = len(got) != len(info.shape) or any(d is not None and g != d for g, d in zip(got, info.shape, strict=False))
             if bad:
-                raise DataError(f"{what}: input {info.name!r} of the first sample has shape {list(got)}, the model "
+                which = "the first sample" if i == 0 else f"sample {i}"
+                raise DataError(f"{what}: input {info.name!r} of {which} has shape {list(got)}, the model "
                                 f"takes {info.describe()} (? = any size); allowed: samples of that shape{hint}")
-        return
+        if not every:
+            return
 
 
 def decoder_context(model: ir.Model) -> int | None:

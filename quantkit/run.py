@@ -171,7 +171,8 @@ def load_inputs(model: Any, calibration_data: Any, rec: RecipeModel, *, example_
     if len(cal) == 0:
         raise DataError("the calibration dataset is empty")
     check_context(cal, decoder_context(float_model), "the calibration data")
-    check_shapes(cal, inputs, "the calibration data", TORCH_SIZES_HINT if loaded.kind == "torch" else "")
+    torch_model = loaded.kind == "torch"  # its data is in memory (tensors, arrays): every sample is checked
+    check_shapes(cal, inputs, "the calibration data", TORCH_SIZES_HINT if torch_model else "", every=torch_model)
     spec = rec.calibration.data.model_dump() if calibration_data is None and rec.calibration.data else None
     log.info("calibration set: %d samples (%s)", len(cal),
              ", ".join(f"{k}={v}" for k, v in spec.items()) if spec else "given through the API")

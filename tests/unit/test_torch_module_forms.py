@@ -69,3 +69,11 @@ def test_data_of_other_sizes_than_the_example_says_how_to_export_with_free_sizes
     with pytest.raises(DataError, match=r"the calibration data: input .* has shape \[1, 24\].*exported with the "
                                         r"sizes of example_inputs.*dynamic_dims="):
         quantkit.quantize(fc, data, RECIPE, example_inputs=torch.randn(2, 16), progress=False)
+
+
+def test_a_later_sample_of_another_size_is_named_with_the_hint_too() -> None:
+    from quantkit.errors import DataError
+
+    data = [np.zeros((2, 16), np.float32), np.zeros((2, 24), np.float32)]
+    with pytest.raises(DataError, match=r"input .* of sample 2 has shape \[1, 24\].*dynamic_dims="):
+        quantkit.quantize(torch.nn.Linear(16, 4), data, RECIPE, example_inputs=torch.randn(2, 16), progress=False)
