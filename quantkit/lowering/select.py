@@ -245,15 +245,28 @@ def _per_tensor_relative_error(c: np.ndarray) -> float:
     return float(np.max(np.abs(back - c)[nz] / np.abs(c)[nz])) if np.any(nz) else 0.0
 
 
+def _not_constant_why(w: ir.Value) -> str:
+    """Why a weight input is not a constant, in the words the report shows."""
+    prod = w.producer()
+    if prod is not None and prod.op_type in ("Transpose", "Reshape", "Cast") and prod.inputs and prod.inputs[0] is not None:
+        src = prod.inputs[0]
+        if src.const_value is not None and any(user is not prod for user, _ in src.uses()):
+            return (f"weight is a {prod.op_type} of the constant {src.name!r}, which other nodes read too (a tied "
+                    "embedding table and its head): kept as one float table, so this layer stays float (an int4 / "
+                    "int8_weight format quantizes a tied head with the table)")
+    return "weight is not a constant (activation x activation product stays float)"
+
+
 def _weighted_ok(node: ir.Node) -> str | None:
     """None if the weighted node can be quantized, else the reason it cannot."""
     spec = WEIGHTED[node.op_type]
     ins = list(node.inputs)
-    if len(ins) <= spec.weight_input or ins[spec.weight_input] is None:
+    w_in = ins[spec.weight_input] if len(ins) > spec.weight_input else None
+    if w_in is None:
         return "no weight input"
-    w = constant_array(ins[spec.weight_input])
+    w = constant_array(w_in)
     if w is None:
-        return "weight is not a constant (activation x activation product stays float)"
+        return _not_constant_why(w_in)
     if w.dtype != np.float32:
         return (f"weight dtype {w.dtype} is not float32 (quantkit quantizes float32 models: export the model in "
                 "float32, or convert its float16 tensors to float32 first)")

@@ -25,5 +25,5 @@ def test_initializers_listed_as_inputs_are_quantized_and_dropped_from_the_inputs
     res = quantize(model, image_batches(2), recipe, evaluation_data=image_batches(1, seed=2), progress=False)
     out = ir.to_proto(res.model)
     assert [i.name for i in out.graph.input] == ["input"]
-    assert len(res.plan.layers) == 2 and res.report["size"]["ratio"] < 0.5
+    assert len(res.plan.layers) == 2 and res.report["size"]["ratio"] < 0.6  # float weights kept: > 1
     assert res.report["quality"]["fidelity"]["y"]["sqnr_db"] > 25

@@ -96,3 +96,23 @@ def test_a_tied_table_under_the_lm_heads_transpose_is_not_copied() -> None:
 def test_the_raw_weight_is_not_kept_beside_the_folded_one() -> None:
     p = prepare(ir.from_proto(_std_conv_model())).model
     assert "w_flat" not in p.graph.initializers
+
+
+def test_a_tied_head_left_float_says_why() -> None:
+    """BERT's masked-LM decoder reads the transpose of the embedding table: the reason named it an activation x
+    activation product."""
+    rng = np.random.default_rng(5)
+    e = numpy_helper.from_array(rng.standard_normal((300, 64)).astype(np.float32), "E")
+    w = numpy_helper.from_array((rng.standard_normal((64, 64)) * 0.1).astype(np.float32), "W")
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["h"], name="embed"),
+             helper.make_node("MatMul", ["h", "W"], ["h2"], name="dense"),
+             helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0], name="head_t"),
+             helper.make_node("MatMul", ["h2", "Et"], ["logits"], name="decoder")]
+    g = helper.make_graph(nodes, "mlm", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 5])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 5, 300])], [e, w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    cal = [{"ids": np.random.default_rng(s).integers(0, 300, (2, 5)).astype(np.int64)} for s in range(3)]
+    res = quantkit.quantize(m, cal, {"version": 1, "name": "mlm", "report": {"latency": {"enabled": False}}},
+                            evaluate=False, progress=False)
+    assert "a tied embedding table" in res.plan.skipped["decoder"] and "dense" in res.plan.layers
