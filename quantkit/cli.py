@@ -44,7 +44,8 @@ def _build_parser() -> argparse.ArgumentParser:
     w.add_argument("--ray", default=None, metavar="ADDRESS",
                    help="evaluate the points as Ray tasks on this cluster ('local': a new local one; needs ray)")
     v = sub.add_parser("validate", help="validate a recipe and print it resolved")
-    v.add_argument("recipe")
+    v.add_argument("recipe", nargs="?", default=None, help="the recipe YAML (or --recipe, as calibrate takes it)")
+    v.add_argument("--recipe", dest="recipe_opt", default=None, metavar="RECIPE", help=argparse.SUPPRESS)
     k = sub.add_parser(
         "verify", help="check an emitted int8 model on this machine: do the fused kernels compute its QDQ math?"
     )
@@ -196,7 +197,9 @@ def _main(args: argparse.Namespace) -> int:
         if args.command == "validate":
             from quantkit.recipe import load_recipe
 
-            rec = load_recipe(args.recipe)
+            if (args.recipe is None) == (args.recipe_opt is None):
+                raise QuantkitError("validate takes one recipe: quantkit validate RECIPE.yaml (or --recipe RECIPE.yaml)")
+            rec = load_recipe(args.recipe or args.recipe_opt)
             print(rec.model_dump_json(indent=2))
             return 0
     except QuantkitError as exc:

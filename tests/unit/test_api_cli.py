@@ -158,3 +158,10 @@ def test_python_dash_m_quantkit_is_the_command_line() -> None:
     proc = subprocess.run([sys.executable, "-m", "quantkit", "calibrate", "--help"], capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode == 0 and "--recipe" in proc.stdout, proc.stderr
+
+
+def test_validate_takes_the_recipe_either_way(capsys: pytest.CaptureFixture[str]) -> None:
+    rec = str(Path(__file__).resolve().parents[2] / "recipes" / "llama-int4.yaml")
+    assert main(["validate", rec]) == 0 and '"name": "llama-int4"' in capsys.readouterr().out
+    assert main(["validate", "--recipe", rec]) == 0 and '"name": "llama-int4"' in capsys.readouterr().out
+    assert main(["validate"]) == 2 and "validate takes one recipe" in capsys.readouterr().err
