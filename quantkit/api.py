@@ -127,7 +127,9 @@ def quantize(
     finally:
         peak = meter.stop()
     if gguf is not None:
-        result.report["model"], result.report["model_read_from"] = gguf
+        result.report["model"], result.report["model_read_from"] = gguf[0], gguf[1]
+        if gguf[2]:
+            result.report.setdefault("warnings", []).append(gguf[2])
     summary = result.report.get("summary")
     if isinstance(summary, dict):  # warnings added after the report was built (the latency guard's) count too
         summary["warnings"] = len(result.report.get("warnings") or [])
@@ -138,20 +140,27 @@ def quantize(
     return result
 
 
-def _gguf_as_folder(model: Any, rec: RecipeModel) -> tuple[Any, tuple[str, str] | None]:
+def _gguf_as_folder(model: Any, rec: RecipeModel) -> tuple[Any, tuple[str, str, str] | None]:
     """A GGUF file (the ``model`` argument or the recipe's ``model.source``) as the Hugging Face folder it is
-    dequantized into once (:func:`quantkit.frontends.llm.gguf_folder`), with the report's ``model`` and
-    ``model_read_from``; any other model as it is (and None)."""
+    dequantized into once (:func:`quantkit.frontends.llm.gguf_folder`), with the report's ``model``,
+    ``model_read_from`` and a warning when its weights were quantized already; any other model as it is (and
+    None)."""
     from quantkit.frontends import ModelSource
-    from quantkit.frontends.llm import gguf_folder, is_gguf
+    from quantkit.frontends.llm import GGUF_FLOAT_TYPES, gguf_folder, gguf_tensor_types, is_gguf
 
     source = model if model is not None else (rec.model.source if rec.model is not None else None)
     if source is None or not is_gguf(source):
         return model, None
     folder = gguf_folder(str(source))
     graph = getattr(source, "graph", rec.model.graph if rec.model is not None else "auto")
+    quantized = sorted(((k, n) for k, n in gguf_tensor_types(str(source)).items() if k not in GGUF_FLOAT_TYPES),
+                       key=lambda kv: -kv[1])
+    warning = "" if not quantized else (
+        f"the GGUF file's weights are quantized already ({', '.join(f'{k} x{n}' for k, n in quantized)}): "
+        "quantizing them again stacks a second rounding on the first - start from an F16 / BF16 / F32 GGUF or the "
+        "original checkpoint when you have one")
     return ModelSource(str(folder), graph), (str(source), f"a GGUF file, dequantized once into the Hugging Face "
-                                                          f"folder {folder}")
+                                                          f"folder {folder}", warning)
 
 
 def _quantize_whole(model: Any, calibration_data: Any, rec: RecipeModel, evaluation_data: Any, evaluate: bool,

@@ -79,6 +79,7 @@ __all__ = [
     "linear_layers",
     "smollm2_folder",
     "gguf_folder",
+    "gguf_tensor_types",
     "is_gguf",
 ]
 
@@ -565,6 +566,23 @@ def gguf_parameters(path: str | os.PathLike[str]) -> int:
         return int(sum(int(np.prod([int(d) for d in t.shape])) for t in reader.tensors))
     except Exception as e:  # noqa: BLE001 - a damaged file: say so, naming it
         raise ModelError(f"cannot read the GGUF file {str(path)!r}: {type(e).__name__}: {e}") from e
+
+
+def gguf_tensor_types(path: str | os.PathLike[str]) -> dict[str, int]:
+    """``tensor type -> count`` of a GGUF file's tensors (``F32``, ``F16``, ``Q4_K`` ...), read from its header."""
+    try:
+        from gguf import GGUFReader
+
+        out: dict[str, int] = {}
+        for t in GGUFReader(str(path)).tensors:
+            out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + 1
+        return out
+    except Exception as e:  # noqa: BLE001 - a damaged file: say so, naming it
+        raise ModelError(f"cannot read the GGUF file {str(path)!r}: {type(e).__name__}: {e}") from e
+
+
+GGUF_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+"""GGUF tensor types that hold plain floats (any other is a quantized block format: Q4_K, Q8_0, IQ2_XS ...)."""
 
 
 def gguf_folder(path: str | os.PathLike[str], *, refresh: bool = False) -> Path:

