@@ -14,7 +14,10 @@ ends it once the datasets are built, so its memory is returned before the search
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 from quantkit.errors import ModelError
@@ -113,7 +116,8 @@ class WorkerTokenizer:
         mine, theirs = ctx.Pipe()
         proc = ctx.Process(target=_serve, args=(theirs, self.folder, without_torch), name="quantkit-tokenizer",
                            daemon=True)  # fmt: skip
-        proc.start()
+        with _main_not_rerun():
+            proc.start()
         theirs.close()
         try:
             kind, payload = mine.recv()
@@ -168,3 +172,20 @@ class WorkerTokenizer:
             self.release()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+@contextlib.contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """While a spawned worker starts: hide the user's script from multiprocessing, which would otherwise run it
+    again in the child to find ``__main__`` - a script without ``if __name__ == "__main__":`` then called
+    quantkit again there and the worker died ("ended without an answer").  The worker's code is quantkit's own."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(main, "__spec__", None) is not None or getattr(main, "__file__", None) is None:
+        yield
+        return
+    path = main.__file__
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path

