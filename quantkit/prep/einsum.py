@@ -30,32 +30,12 @@ __all__ = ["einsum_layer", "einsum_to_matmul", "linear_einsum"]
 
 
 def linear_einsum(equation: str) -> bool | None:
-    """For an equation ``x, W -> y`` of a linear layer: whether ``W`` is written ``kd`` (needs a transpose), or
-    None when the equation is not a linear layer over the last axis of ``x``."""
-    eq = equation.replace(" ", "")
-    if eq.count("->") != 1:
+    """For an equation ``x, W -> y`` of a linear layer with a 2-D ``W`` (:func:`einsum_layer` with one contracted
+    and one kept axis): whether ``W`` is written ``kd`` (needs a transpose); None for any other equation."""
+    layer = einsum_layer(equation)
+    if layer is None or layer[1:] != (1, 1):
         return None
-    lhs, out = eq.split("->")
-    parts = lhs.split(",")
-    if len(parts) != 2:
-        return None
-    a, b = parts
-    if "." in b or len(b) != 2 or b[0] == b[1]:
-        return None
-    a_core, out_core = a, out
-    if a.startswith("..."):
-        if not out.startswith("..."):
-            return None
-        a_core, out_core = a[3:], out[3:]
-    if "." in a_core or "." in out_core or not a_core or len(set(a_core)) != len(a_core):
-        return None
-    contracted = a_core[-1]
-    if contracted not in b or contracted in out_core:
-        return None
-    kept = b[1] if b[0] == contracted else b[0]
-    if kept in a_core or out_core != a_core[:-1] + kept:
-        return None
-    return b[0] != contracted  # "kd": the weight is stored transposed
+    return layer[0] != [0, 1]
 
 
 def einsum_layer(equation: str) -> tuple[list[int], int, int] | None:
