@@ -44,6 +44,12 @@ def test_a_child_that_dies_is_a_typed_error() -> None:
         in_child(os._exit, (3,))
 
 
+def interrupted() -> None:
+    """The work of an interrupted child: what Ctrl-C raises in it (raised here, whatever the signal disposition
+    the test run inherited)."""
+    raise KeyboardInterrupt
+
+
 def test_a_child_interrupted_after_its_parent_stopped_listening_exits_quietly(tmp_path: Path) -> None:
     """Ctrl-C reaches the parent and the child: the parent closes its end of the pipe, and the child's result
     (the KeyboardInterrupt) cannot be written - a BrokenPipeError traceback used to be printed before the CLI's
@@ -55,11 +61,12 @@ def test_a_child_interrupted_after_its_parent_stopped_listening_exits_quietly(tm
 
     driver = tmp_path / "driver.py"
     driver.write_text(
-        "import os, pickle, signal, subprocess, sys\n"
+        "import os, pickle, subprocess, sys\n"
         "r, w = os.pipe()\n"
         "os.close(r)  # the parent is gone: nobody reads the result\n"
+        "from tests.unit.test_child import interrupted\n"
         "p = subprocess.run([sys.executable, '-c', f'from quantkit.child import _main; _main({w})'],\n"
-        "                   input=pickle.dumps((signal.raise_signal, (signal.SIGINT,), {}, 0, None)),\n"
+        "                   input=pickle.dumps((interrupted, (), {}, 0, None)),\n"
         "                   pass_fds=(w,), capture_output=True, timeout=120)\n"
         "sys.stderr.buffer.write(p.stderr)\n"
         "sys.exit(p.returncode)\n")
