@@ -567,8 +567,8 @@ def _finish(result: Any, chosen: Any, chosen_blob: bytes | str, speedup: float |
 def _quantized_layers(result: Any) -> dict[str, str]:
     """``layer -> format`` of every layer the result's plan quantizes: the static-INT8 plan's layers and the
     layers the precision plan puts in a linear-only format (int4, int8_dynamic, fp16, ...) on an op it applies to."""
-    from quantkit.formats import LAYER_OPS
     from quantkit.lowering.select import layer_plan
+    from quantkit.ops import LAYER_OPS
 
     out = {n: lp.format for n, lp in result.plan.layers.items() if lp.format != "fp32"}
     for node in result.float_model.graph:

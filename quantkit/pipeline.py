@@ -458,14 +458,18 @@ def quantized_op_counts(model: ir.Model) -> dict[str, int]:
     out: dict[str, int] = {}
     nodes = [*model.graph.all_nodes(), *(n for f in model.functions.values() for n in f)]
     for n in nodes:
-        if n.op_type in _QUANTIZED_OPS or n.op_type.startswith("QLinear"):
+        if _is_quantized_op(n.op_type):
             out[n.op_type] = out.get(n.op_type, 0) + 1
     return out
 
 
+def _is_quantized_op(op_type: str) -> bool:
+    return op_type in _QUANTIZED_OPS or op_type.startswith("QLinear")
+
+
 def _has_quantized_ops(proto: onnx.ModelProto) -> bool:
     nodes = [*proto.graph.node, *(n for f in proto.functions for n in f.node)]
-    return any(n.op_type in _QUANTIZED_OPS or n.op_type.startswith("QLinear") for n in nodes)
+    return any(_is_quantized_op(n.op_type) for n in nodes)
 
 
 def first_feed(ds: Dataset, batch_size: int) -> dict[str, np.ndarray]:
@@ -573,9 +577,10 @@ def _fidelity_pass(float_model: bytes | str, quant_model: bytes | str, ds: Datas
                     s_f = make_session(float_model)
                 batched = s_f.run(names, feed)
                 checked = True
+                same = _same_outputs(ref, batched)
                 if memo is not None:
-                    memo.set_joined_verdict(_same_outputs(ref, batched))
-                if not _same_outputs(ref, batched):
+                    memo.set_joined_verdict(same)
+                if not same:
                     joined_ok = False
                     log.info("the FP32 model's outputs for a batch differ from its outputs one sample at a time (the "
                              "model mixes the samples of a batch): the evaluation runs FP32 in whole batches")

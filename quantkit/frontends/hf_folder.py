@@ -340,10 +340,9 @@ def from_hf_folder(
     tokenizer = load_hf_tokenizer(folder)
     auto = (AutoModelForCausalLM if task == "causal-lm" else
             getattr(transformers, HEADS[head][0]) if head is not None else AutoModel)
-    if task != "causal-lm":
-        limit = max_positions(config, tokenizer)
-        if limit is not None and seq_len > limit:
-            seq_len = max(2, limit)  # the tracing example; longer data is refused before calibration
+    limit = max_positions(config, tokenizer) if task != "causal-lm" else None
+    if limit is not None and seq_len > limit:
+        seq_len = max(2, limit)  # the tracing example; longer data is refused before calibration
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # weight-loading progress bar
             hf_model = auto.from_pretrained(
@@ -391,10 +390,8 @@ def from_hf_folder(
         from quantkit.frontends.llm import CausalLMNamesPass  # recipe overrides use, as on the LLaMA path
 
         CausalLMNamesPass()(model)
-    else:
-        limit = max_positions(config, tokenizer)
-        if limit is not None:  # read by quantkit.pipeline.check_context: longer token data is refused at once
-            model.metadata_props[MAX_POSITIONS_KEY] = str(limit)
+    elif limit is not None:  # read by quantkit.pipeline.check_context: longer token data is refused at once
+        model.metadata_props[MAX_POSITIONS_KEY] = str(limit)
     return model, tokenizer
 
 

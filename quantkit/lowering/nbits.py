@@ -86,14 +86,15 @@ def _drop_if_unused(graph: ir.Graph, v: ir.Value | None) -> None:
 
 
 def _replace_node(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
-    """Insert ``new`` before ``old``, move ``old``'s output (name, uses, graph-output slot) to it, remove ``old``."""
+    """Insert ``new`` before ``old``, move ``old``'s outputs (names, uses, graph-output slots) to ``new``'s, in
+    order, remove ``old``."""
     graph.insert_before(old, new)
-    out, nout = old.outputs[0], new.outputs[0]
-    nout.type, nout.shape = out.type, out.shape
-    out.replace_all_uses_with(nout, replace_graph_outputs=True)
-    name = out.name
-    out.name = None
-    nout.name = name
+    for out, nout in zip(old.outputs, new.outputs, strict=True):
+        nout.type, nout.shape = out.type, out.shape
+        out.replace_all_uses_with(nout, replace_graph_outputs=True)
+        name = out.name
+        out.name = None
+        nout.name = name
     graph.remove(old, safe=True)
 
 

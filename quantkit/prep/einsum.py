@@ -71,7 +71,11 @@ def einsum_layer(equation: str) -> tuple[list[int], int, int] | None:
 
 def einsum_to_matmul(model: ir.Model) -> int:
     """Rewrite every linear ``Einsum`` with a constant float weight (module doc); returns how many."""
+    from quantkit.lowering.nbits import _const, _drop_if_unused, _replace_node
+    from quantkit.lowering.qdq import _Namer
+
     graph = model.graph
+    namer = _Namer(graph)
     done = 0
     for node in list(graph):
         if node.op_type != "Einsum" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
@@ -85,47 +89,31 @@ def einsum_to_matmul(model: ir.Model) -> int:
         if layer is None or not np.issubdtype(arr.dtype, np.floating) or arr.ndim != sum(layer[1:]):
             continue
         perm, k, r = layer
-        rank = len(x.shape) if x.shape is not None else None
-        if (k > 1 or r > 1) and rank is None:
+        rank = len(x.shape) if x.shape is not None else 0
+        if (k > 1 or r > 1) and x.shape is None:
             continue  # the Reshapes need the input's rank
         w2 = np.ascontiguousarray(arr.transpose(perm))
         kept_dims = [int(d) for d in w2.shape[k:]]
         w2 = w2.reshape(int(np.prod(w2.shape[:k])), int(np.prod(kept_dims)))
         base = node.name or w.name or "einsum"
-        weight = w
-        if perm != list(range(arr.ndim)) or arr.ndim != 2:
-            weight = _const(graph, f"{base}_weight", w2)
+        weight = w if perm == [0, 1] else _const(graph, namer, f"{base}_weight", w2)
+        nodes: list[ir.Node] = []
         data = x
         if k > 1:  # x [..., c, d] -> [..., c * d]
-            shape = _const(graph, f"{base}_in_shape", np.array([0] * (rank - k) + [-1], np.int64))  # type: ignore[operator]
-            data = _node(graph, node, "Reshape", [x, shape], f"{base}/reshape_in")
-        mm = ir.node("MatMul", [data, weight], name=node.name, outputs=[ir.Value(name=None)])
+            shape = _const(graph, namer, f"{base}_in_shape", np.array([0] * (rank - k) + [-1], np.int64))
+            nodes.append(ir.node("Reshape", [x, shape], name=f"{base}/reshape_in"))
+            data = nodes[-1].outputs[0]
+        mm = ir.node("MatMul", [data, weight], name=node.name)
         mm.metadata_props.update(node.metadata_props)
         mm.metadata_props[ORIGINAL_OP_TYPE] = "Einsum"
-        graph.insert_before(node, mm)
-        result = mm.outputs[0]
+        nodes.append(mm)
         if r > 1:  # [..., d * e] -> [..., d, e]
-            shape = _const(graph, f"{base}_out_shape", np.array([0] * (rank - k) + kept_dims, np.int64))  # type: ignore[operator]
-            result = _node(graph, node, "Reshape", [result, shape], f"{base}/reshape_out")
-        old = node.outputs[0]
-        name, old.name = old.name or "", None
-        result.name, result.type, result.shape = name, old.type, old.shape
-        old.replace_all_uses_with(result, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
-        if weight is not w and not w.uses() and w.name and w.name in graph.initializers and not w.is_graph_output():
-            del graph.initializers[w.name]
+            shape = _const(graph, namer, f"{base}_out_shape", np.array([0] * (rank - k) + kept_dims, np.int64))
+            nodes.append(ir.node("Reshape", [mm.outputs[0], shape], name=f"{base}/reshape_out"))
+        for n in nodes[:-1]:
+            graph.insert_before(node, n)
+        _replace_node(graph, node, nodes[-1])
+        if weight is not w:
+            _drop_if_unused(graph, w)
         done += 1
     return done
-
-
-def _const(graph: ir.Graph, name: str, value: np.ndarray) -> ir.Value:
-    v = ir.Value(name=name, type=ir.TensorType(ir.DataType.from_numpy(value.dtype)), shape=ir.Shape(value.shape),
-                 const_value=ir.tensor(value, name=name))
-    graph.register_initializer(v)
-    return v
-
-
-def _node(graph: ir.Graph, before: ir.Node, op: str, inputs: list[ir.Value], name: str) -> ir.Value:
-    n = ir.node(op, inputs, name=name, outputs=[ir.Value(name=f"{name}/output_0")])
-    graph.insert_before(before, n)
-    return n.outputs[0]

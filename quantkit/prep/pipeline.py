@@ -235,6 +235,8 @@ def _split_sizes_below_opset_18(model: ir.Model) -> int:
     folding rewrites ``SplitToSequence`` (Longformer's chunked attention) as a ``Split`` with ``num_outputs``,
     an attribute that exists only from opset 18, whatever the model's opset - ONNX Runtime then refuses the
     graph.  The folding emits it only for an even split of a known dimension.  Returns the nodes rewritten."""
+    from quantkit.lowering.nbits import _replace_node
+
     opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18))
     if opset >= 18:
         return 0
@@ -256,15 +258,9 @@ def _split_sizes_below_opset_18(model: ir.Model) -> int:
         sizes = ir.Value(name=f"{node.name}_split_sizes", type=ir.TensorType(ir.DataType.INT64),
                          shape=ir.Shape([n]), const_value=ir.tensor(np.full(n, size // n, np.int64)))
         model.graph.register_initializer(sizes)
-        inputs = [x, sizes]
-        new = ir.node("Split", inputs, attributes={"axis": axis}, name=node.name,
+        new = ir.node("Split", [x, sizes], attributes={"axis": axis}, name=node.name,
                       outputs=[ir.Value(name=None) for _ in node.outputs])
-        model.graph.insert_before(node, new)
-        for old, out in zip(node.outputs, new.outputs, strict=True):
-            name, old.name = old.name, None
-            out.name, out.type, out.shape = name, old.type, old.shape
-            old.replace_all_uses_with(out, replace_graph_outputs=True)
-        model.graph.remove(node, safe=True)
+        _replace_node(model.graph, node, new)
         done += 1
     return done
 

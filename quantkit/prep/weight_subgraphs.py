@@ -97,17 +97,18 @@ def fold_weight_subgraphs(model: ir.Model) -> int:
             found.append((node, w, sub))  # type: ignore[arg-type]
     if not found:
         return 0
+    from quantkit.lowering.nbits import _const, _drop_if_unused
+    from quantkit.lowering.qdq import _Namer
+
     values = _evaluate(model, found)
     if values is None:
         return 0
+    namer = _Namer(graph)
+    folded = 0
     for (node, w, _sub), arr in zip(found, values, strict=True):
-        if arr.size > MAX_ELEMENTS:
-            continue
-        name = f"{w.name or node.name}_folded"
-        const = ir.Value(name=name, type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)), shape=ir.Shape(arr.shape),
-                         const_value=ir.tensor(arr, name=name))
-        graph.register_initializer(const)
-        node.replace_input_with(1, const)
+        if arr.size <= MAX_ELEMENTS:
+            node.replace_input_with(1, _const(graph, namer, f"{w.name or node.name}_folded", arr))
+            folded += 1
     order = {id(n): i for i, n in enumerate(graph)}
     dead = sorted({id(n): n for _, _, sub in found for n in sub}.values(), key=lambda n: -order[id(n)])
     consts = {id(v): v for n in dead for v in n.inputs if v is not None and v.const_value is not None}
@@ -115,9 +116,9 @@ def fold_weight_subgraphs(model: ir.Model) -> int:
         if all(not out.uses() and not out.is_graph_output() for out in n.outputs):
             graph.remove(n, safe=True)
     for v in consts.values():  # the raw weights the folded ones replace: not kept beside them
-        if not v.uses() and not v.is_graph_output() and not v.is_graph_input() and v.name and v.name in graph.initializers:
-            del graph.initializers[v.name]
-    return len(found)
+        if not v.is_graph_input():
+            _drop_if_unused(graph, v)
+    return folded
 
 
 def _evaluate(model: ir.Model, found: list[tuple[ir.Node, ir.Value, list[ir.Node]]]) -> list[np.ndarray] | None:
