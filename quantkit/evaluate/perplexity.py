@@ -28,7 +28,7 @@ import numpy as np
 from quantkit.errors import DataError, ModelError
 from quantkit.frontends.kv_cache import match_cache_feed
 
-__all__ = ["next_token_nll", "perplexity"]
+__all__ = ["next_token_nll", "perplexity", "ppl_from_nll"]
 
 _ROW_CHUNK = 64
 
@@ -141,4 +141,13 @@ def perplexity(
     if tokens == 0:
         raise DataError("perplexity: the data has no predicted token (empty, or every sample shorter than 2)")
     nll = nll_sum / tokens
-    return {"ppl": math.exp(nll), "nll": nll, "tokens": tokens, "windows": samples}
+    return {"ppl": ppl_from_nll(nll), "nll": nll, "tokens": tokens, "windows": samples}
+
+
+def ppl_from_nll(nll: float) -> float:
+    """``exp(nll)``; ``inf`` where that overflows a float (a model whose logits blew up: a mean NLL above ~709
+    nats), so a broken quantized model is reported with an infinite perplexity instead of failing the run."""
+    try:
+        return math.exp(nll)
+    except OverflowError:
+        return math.inf

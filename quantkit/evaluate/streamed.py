@@ -27,7 +27,6 @@ principle when the FP32 weights are larger than that peak (``evaluation.fp32_bas
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 from collections.abc import Iterator, Mapping
@@ -37,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from quantkit.errors import DataError, ModelError
+from quantkit.evaluate.perplexity import ppl_from_nll
 
 log = logging.getLogger("quantkit")
 
@@ -206,7 +206,7 @@ def streamed_perplexity(folder: str | os.PathLike[str], datasets: Mapping[str, A
         if tokens == 0:
             raise DataError(f"perplexity ({name}): the data has no predicted token (every window shorter than 2)")
         nll = total / tokens
-        out[name] = {"ppl": math.exp(nll), "nll": nll, "tokens": int(tokens), "windows": int(count)}
+        out[name] = {"ppl": ppl_from_nll(nll), "nll": nll, "tokens": int(tokens), "windows": int(count)}
     return out
 
 

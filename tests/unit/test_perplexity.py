@@ -69,6 +69,27 @@ def test_perplexity_matches_torch_loss(tiny: tuple[Any, ir.Model, Any]) -> None:
     assert perplexity(model, data, batch_size=2)["nll"] == pytest.approx(res["nll"], abs=1e-6)
 
 
+def test_blown_up_logits_give_an_infinite_perplexity() -> None:
+    """A quantized model whose logits blew up (mean NLL above ~709 nats): perplexity inf, not an OverflowError
+    (it ended a layer-wise run in an internal error after the whole build)."""
+    from onnx import TensorProto, helper
+
+    from quantkit.evaluate.perplexity import ppl_from_nll
+
+    V = 8
+    table = np.zeros((V, V), np.float32)
+    table[:, 0] = -1e4  # whatever the token, the next token 0 gets a logit 1e4 below the others
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "input_ids"], ["logits"])], "g",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "s"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "s", V])],
+        [helper.make_tensor("table", TensorProto.FLOAT, [V, V], table.ravel())])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    res = perplexity(model.SerializeToString(), ArrayDataset({"input_ids": np.zeros((1, 6), np.int64)}))
+    assert res["nll"] > 709 and res["ppl"] == math.inf and res["tokens"] == 5
+    assert ppl_from_nll(math.log(3.0)) == pytest.approx(3.0)
+
+
 def test_perplexity_errors(tiny: tuple[Any, ir.Model, Any]) -> None:
     _, model, _ = tiny
     data = ArrayDataset({"input_ids": np.zeros((1, 4), np.int64)})
