@@ -546,7 +546,8 @@ def build_report(
     if pf and pq:
         quality["perplexity_increase"] = pq["ppl"] / pf["ppl"] - 1.0
     leftovers = classify_leftovers(census)
-    warnings = _warnings(static_rows, unfused, woq, leftovers, latency, kernels or {}, zero_range)
+    warnings = _warnings(static_rows, unfused, woq, leftovers, latency, kernels or {}, zero_range,
+                         "evaluation" if evaluation_samples else "calibration")
     nodes = _graph_nodes(float_proto)
     warnings += unmatched_overrides(recipe, nodes)
     warnings += inapplicable_overrides(recipe, nodes, LAYER_OPS)
@@ -639,7 +640,7 @@ def _graph_nodes(proto: onnx.ModelProto) -> list[tuple[str, str, str | None]]:
 
 def _warnings(static_rows: list[dict[str, Any]], unfused: list[dict[str, Any]], woq: list[dict[str, Any]],
               leftovers: list[tuple[str, str]], latency: Mapping[str, Any], kernels: Mapping[str, Any],
-              zero_range: Sequence[str]) -> list[str]:
+              zero_range: Sequence[str], data: str = "evaluation") -> list[str]:
     out = []
     if unfused:
         out.append(f"{len(unfused)} of {len(static_rows)} quantized layers were NOT fused by ONNX Runtime "
@@ -653,7 +654,7 @@ def _warnings(static_rows: list[dict[str, Any]], unfused: list[dict[str, Any]], 
                    "graph (each is a float<->int8 conversion that costs time): " + "; ".join(stray[:5]))
     if latency and latency.get("speedup", 1.0) < 1.0:
         out.append(f"the quantized model is slower than FP32 (speedup {latency['speedup']:.2f}x)")
-    out += kernel_warnings(kernels)
+    out += kernel_warnings(kernels, data)
     if zero_range:
         out.append(f"{len(zero_range)} activation tensor(s) had zero range over the calibration data (constant or all "
                    f"zero: their scale is a placeholder and any other value will saturate): {', '.join(zero_range[:8])}"
@@ -671,6 +672,12 @@ def _json_safe(x: Any) -> Any:
     return x
 
 
+def check_data(rep: Mapping[str, Any]) -> str:
+    """Which samples the kernel check, the portability emulation and the latency ran on: ``evaluation``, or
+    ``calibration`` when the run had no evaluation data."""
+    return "evaluation" if ((rep.get("samples") or {}).get("evaluation") or 0) > 0 else "calibration"
+
+
 def data_lines(rep: Mapping[str, Any]) -> list[str]:
     """The calibration / evaluation data and the scheme, as the recipe set them (from the settings)."""
     st = rep.get("settings") or {}
@@ -680,7 +687,10 @@ def data_lines(rep: Mapping[str, Any]) -> list[str]:
 
     cal, ev = st.get("calibration") or {}, st.get("evaluation") or {}
     q = (st.get("quantization") or {}).get("default") or {}
-    out = [f"Calibration data: {spec(cal.get('data'))}. Evaluation data: {spec(ev.get('data'))}."]
+    ev_text = (spec(ev.get("data")) if isinstance(ev.get("data"), dict) or check_data(rep) == "evaluation" else
+               "none (no evaluation section: no accuracy figures; the kernel check and the latency ran on calibration "
+               "samples)")
+    out = [f"Calibration data: {spec(cal.get('data'))}. Evaluation data: {ev_text}."]
     out += method_lines(rep)
     if q:
         fmt = q.get("format")
@@ -766,8 +776,9 @@ def summary_lines(rep: Mapping[str, Any]) -> list[str]:
     return [*out, ""]
 
 
-def kernel_warnings(kernels: Mapping[str, Any]) -> list[str]:
-    """Warnings from the kernel check and the portability table (see :mod:`quantkit.lowering.kernel_check`)."""
+def kernel_warnings(kernels: Mapping[str, Any], data: str = "evaluation") -> list[str]:
+    """Warnings from the kernel check and the portability table (see :mod:`quantkit.lowering.kernel_check`);
+    ``data``: which samples they ran on (``evaluation`` | ``calibration``, :func:`check_data`)."""
     out = []
     cpu = (kernels.get("cpu") or {}).get("cpu_class", "?")
     chk = kernels.get("check")
@@ -791,7 +802,7 @@ def kernel_warnings(kernels: Mapping[str, Any]) -> list[str]:
     if broken:
         emu = (chk or {}).get("emulated_x86_avx2") or {}
         worst = max(emu.items(), key=lambda kv: kv[1]) if emu else None
-        seen = (f" (emulated on the evaluation data: up to {100 * worst[1]:.1f}% of the int32 accumulators of "
+        seen = (f" (emulated on the {data} data: up to {100 * worst[1]:.1f}% of the int32 accumulators of "
                 f"{worst[0]!r} wrong there)") if worst and worst[1] > 0 else ""
         out.append(
             "not exact on CPU class(es) " + ", ".join(broken) + ": " + "; ".join(port[c]["why"] for c in broken)
@@ -817,7 +828,7 @@ def kernel_lines(rep: Mapping[str, Any]) -> list[str]:
     if chk:
         verdict = "agree" if chk.get("agree") else "**DISAGREE**"
         lines.append(f"Fused kernels (ORT_ENABLE_ALL) vs QDQ reference (ORT_DISABLE_ALL) on {chk.get('samples')} "
-                     f"evaluation samples: {verdict}.")
+                     f"{check_data(rep)} samples: {verdict}.")
         for name, v in (chk.get("outputs") or {}).items():
             lines.append(f"- `{name}`: SQNR {_fmt(v.get('sqnr_db'), 1)} dB"
                          + (f", top-1 agreement {v['top1_agreement']:.3f}" if "top1_agreement" in v else ""))

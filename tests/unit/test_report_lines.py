@@ -96,6 +96,23 @@ def test_int8_report_names_its_calibrator_kernels_latency_and_model(tmp_path: Pa
     assert "calibrator" not in cal
 
 
+def test_a_run_without_evaluation_data_says_so_and_what_the_checks_ran_on(tmp_path: Path) -> None:
+    """No evaluation section (the CLI, a recipe without one): the report said "Evaluation data: given through the
+    API" and called the calibration samples the kernel check ran on "evaluation samples"."""
+    rec = {"version": 1, "target": {"isa": "x86-vnni"}, "report": {"latency": {"enabled": False}}}
+    md = render_markdown(quantize(tiny_cnn(), image_batches(4), rec, progress=False).report).splitlines()
+    cal = _line(md, "Calibration data: ")
+    assert ("Evaluation data: none (no evaluation section: no accuracy figures; the kernel check and the latency "
+            "ran on calibration samples)") in cal and "Evaluation data: given" not in cal
+    assert re.search(r" on \d+ calibration samples: agree\.$", _line(md, "Fused kernels (ORT_ENABLE_ALL) vs QDQ"))
+    assert not [line for line in md if "evaluation samples" in line or "evaluation data:" in line]
+    # data passed through the API is still named so
+    api = quantize(tiny_cnn(), image_batches(4), rec, evaluation_data=image_batches(2, seed=3), progress=False)
+    md = render_markdown(api.report).splitlines()
+    assert "Evaluation data: given through the API." in _line(md, "Calibration data: ")
+    assert re.search(r" on \d+ evaluation samples: agree\.$", _line(md, "Fused kernels (ORT_ENABLE_ALL) vs QDQ"))
+
+
 def test_weight_only_report_has_no_activation_calibrator_and_explains_a_slow_prefill(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.unit.test_weight_only import _recipe, tiny_lm, windows
