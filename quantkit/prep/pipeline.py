@@ -5,7 +5,9 @@ Rule
 ``prepare`` runs, in this order, on the ``onnx_ir`` model (in place):
 
 1. ``name_nodes`` — every node gets a unique non-empty name (before any other
-   pass, so that names given later by library passes never replace ours).
+   pass, so that names given later by library passes never replace ours); then a float16 model is rewritten
+   to compute in float32, its float16 inputs and outputs kept through ``Cast`` nodes
+   (:mod:`quantkit.prep.float16`).
 2. ``shape_inference`` — ONNX shape inference (``onnx_ir`` ``ShapeInferencePass``,
    non-strict: a node it cannot infer keeps its old type/shape).
 3. ``constant_folding`` (optional) — ``onnxscript.optimizer`` constant folding
@@ -285,6 +287,9 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
     namer = NameNodesPass()
     _run("name_nodes", namer, model)
     renamed = namer.renamed
+    from quantkit.prep.float16 import float16_to_float32
+
+    applied["float16_to_float32"] = float16_to_float32(model)
 
     applied["shape_inference"] = _shape_inference("shape_inference", model)
 
