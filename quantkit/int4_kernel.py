@@ -34,6 +34,7 @@ import onnx
 import onnx_ir as ir
 
 from quantkit.errors import ModelError, RecipeError
+from quantkit.irtools import proto_size
 
 log = logging.getLogger("quantkit")
 
@@ -362,7 +363,7 @@ def choose_for_model(model: ir.Model, proto: onnx.ModelProto, setting: int | str
                    accuracy_level=int(decided["accuracy_level"]), reused=True)
         level, how = sec["accuracy_level"], "reused"
     else:
-        level, how, short, why = _plan(setting, target_class, isa, latency_on, 2 * proto.ByteSize())
+        level, how, short, why = _plan(setting, target_class, isa, latency_on, 2 * proto_size(proto))
         sec.update(accuracy_level=level, how=how, not_measured=short or None, why=why)
     alt = proto
     if how == "measured" or level != build_level(setting):

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-__all__ = ["detached_initializers", "model_digest", "weightless_proto"]
+__all__ = ["detached_initializers", "model_digest", "proto_size", "weightless_proto"]
 
 
 @contextmanager
@@ -97,3 +97,25 @@ def fill_missing_types(model: ir.Model) -> int:
                 out.type = ir.TensorType(src.const_value.dtype)
                 filled += 1
     return filled
+
+
+def _piece_size(msg: Any) -> int:
+    """One sub-message's serialized size; a tensor over protobuf's limit by its raw bytes."""
+    try:
+        return int(msg.ByteSize())
+    except Exception:  # noqa: BLE001 - protobuf's EncodeError beyond 2 GB (its type depends on the backend)
+        raw = getattr(msg, "raw_data", b"")
+        return len(raw) + 1024
+
+
+def proto_size(proto: Any) -> int:
+    """The serialized size of the ``onnx.ModelProto`` ``proto`` in bytes - also of a model over protobuf's 2 GB
+    limit, where ``ByteSize()`` raises (a model loaded with its external data: the weights inline): then the sum of
+    its parts' sizes (initializers, nodes with their subgraphs, functions), a close upper bound."""
+    try:
+        return int(proto.ByteSize())
+    except Exception:  # noqa: BLE001 - see _piece_size
+        g = proto.graph
+        parts = [*g.initializer, *g.sparse_initializer, *g.node, *g.input, *g.output, *g.value_info,
+                 *proto.functions, *proto.metadata_props, *proto.opset_import]
+        return sum(_piece_size(m) for m in parts) + 1024

@@ -28,6 +28,7 @@ from quantkit.errors import DataError, ModelError, QuantkitError
 from quantkit.evaluate.latency import compare_latency, make_session
 from quantkit.evaluate.metrics import FidelityAccumulator
 from quantkit.frontends import LoadedModel
+from quantkit.irtools import proto_size
 from quantkit.lowering.select import QuantPlan
 from quantkit.recipe import RecipeModel
 from quantkit.staging import StagedModel
@@ -63,7 +64,7 @@ EXTERNAL_DATA_THRESHOLD = 1_800_000_000
 def save_model(model: ir.Model, path: Path, external: str = "auto") -> Path:
     """Serialize ``model`` atomically to ``path`` (external data ``path.data`` when large)."""
     proto = ir.to_proto(model)
-    use_external = external == "always" or (external == "auto" and proto.ByteSize() > EXTERNAL_DATA_THRESHOLD)
+    use_external = external == "always" or (external == "auto" and proto_size(proto) > EXTERNAL_DATA_THRESHOLD)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".quantkit-") as tmp:
         tmp_model = Path(tmp) / path.name

@@ -67,6 +67,7 @@ import onnxruntime as ort
 from google.protobuf.message import DecodeError
 
 from quantkit.errors import LoweringError, ModelError, QuantkitError
+from quantkit.irtools import proto_size
 
 __all__ = [
     "QUANTIZED_KERNELS",
@@ -236,7 +237,7 @@ def _optimize(
     with tempfile.TemporaryDirectory(prefix="quantkit-verify-") as tmp:
         source: str | bytes
         if isinstance(model, onnx.ModelProto):
-            if model.ByteSize() < _PROTO_LIMIT:
+            if proto_size(model) < _PROTO_LIMIT:
                 source = model.SerializeToString()
             else:
                 source = os.path.join(tmp, "input.onnx")

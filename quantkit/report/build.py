@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 
 from quantkit.evaluate.latency import load_average
+from quantkit.irtools import proto_size
 from quantkit.lowering.verify import Census
 from quantkit.ops import FUSED_KERNELS, LAYER_OPS, PASSTHROUGH
 from quantkit.recipe import RecipeModel
@@ -565,7 +566,7 @@ def build_report(
     counts: dict[str, int] = {}
     for f in formats.values():
         counts[f] = counts.get(f, 0) + 1
-    f_size, q_size = float_proto.ByteSize(), quant_proto.ByteSize()
+    f_size, q_size = proto_size(float_proto), proto_size(quant_proto)
     rep = {
         "kind": "mixed" if search is not None or len(families) > 1 else (families[0] if families else "float"),
         "recipe": recipe.name,
