@@ -13,12 +13,17 @@ guard, on by default (``report.latency.guard``):
    GEMM-like node, and the ``QuantizeLinear`` that feeds it from a float producer or a graph input
    (:func:`layer_regions`): what keeping the layer in float would remove.  A region is *slower in int8* only
    when its int8 time exceeds its float time in **every** round (:func:`slow_regions`);
-2. builds at most two candidates - the slower regions where an int8 chain *starts* (their region holds the
+2. builds at most three candidates - the slower regions where an int8 chain *starts* (their region holds the
    QuantizeLinear of their input: in float they also drop that Q, and the Q of their output replaces it, so
    they add no float island inside a chain; typically the stem), then all slower regions - each only when it
    removes at least :data:`AB_MARGIN` of the int8 model's kernel time (less could not pass the A/B below), the
    second only when it removes that much more than the first (it could replace a winning first candidate only
-   by beating it by the margin; an A/B of a third model costs a third more rounds of timing).
+   by beating it by the margin; an A/B of a third model costs a third more rounds of timing); and a *float
+   prefix* (:func:`float_prefix`): the first layers in graph order, up to the cut that removes the most profiled
+   time (the sum of int8 minus float region times before it), when that is at least :data:`AB_MARGIN` of the
+   kernel time - a model whose early, large activations cost more in int8 elementwise passes than its
+   convolutions save (a squeeze-excite / HardSwish CNN: its float stem and first blocks, then one QuantizeLinear
+   and an int8 tail; float islands inside an int8 chain lose there, each adding layout Transposes).
    Each candidate is the same plan with those layers kept in float (lowered only, reusing the calibrated ranges
    in memory; chain rules keep the float island's glue in float too), plus the int8 chains that this leaves
    *stranded* and that measured no faster in int8 than in float (:func:`stranded_layers`: a squeeze-excite
@@ -69,7 +74,8 @@ log = logging.getLogger("quantkit")
 __all__ = [
     "AB_ALPHA", "AB_EXTRA_ROUNDS", "AB_MARGIN", "AB_MIN_WINS", "AB_ROUNDS", "GEMM_LIKE", "PROFILE_ROUNDS", "TOTAL",
     "ab_compare", "wins_needed",
-    "apply_latency_guard", "layer_regions", "layer_times", "slow_int8_layers", "slow_regions", "stranded_layers",
+    "apply_latency_guard", "float_prefix", "layer_regions", "layer_times", "slow_int8_layers", "slow_regions",
+    "stranded_layers",
 ]
 
 GEMM_LIKE = ("Conv", "Gemm", "MatMul")
@@ -205,6 +211,21 @@ def slow_int8_layers(float_bytes: bytes | str, quant_bytes: bytes | str, float_m
     (:func:`region_times`, :func:`slow_regions`), with their median ``(fp32 ms, int8 ms)``."""
     return slow_regions(region_times(float_bytes, quant_bytes, float_model, layers, feed, threads=threads,
                                      rounds=rounds, runs=runs))
+
+
+def float_prefix(layers: list[str], medians: Mapping[str, tuple[float, float]]) -> tuple[list[str], float]:
+    """The first layers of ``layers`` (graph order) to keep in float and the profiled time that removes: the cut
+    ``k`` that maximises ``sum(int8 - fp32)`` over the regions before it (``medians``: ``layer -> (fp32 ms, int8
+    ms)``), the last layer always int8 (every layer in float is the FP32 fallback's case); ``([], 0.0)`` when no cut
+    removes time."""
+    best = run = 0.0
+    k = 0
+    for i, name in enumerate(layers[:-1], 1):
+        f, q = medians.get(name, (0.0, 0.0))
+        run += q - f
+        if run > best:
+            best, k = run, i
+    return layers[:k], best
 
 
 AB_ROUND_MS = 20.0
@@ -366,7 +387,8 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
     slow = slow_regions(times)
     record = {
         "rule": (f"region slower in int8 than in float in all {PROFILE_RUNS}-run profiles of {PROFILE_ROUNDS} "
-                 f"rounds; a candidate (the slower regions where an int8 chain starts, then all slower regions) is "
+                 f"rounds; a candidate (the slower regions where an int8 chain starts, then all slower regions; and "
+                 f"the float prefix that removes the most profiled time) is "
                  f"tried when it removes >= {AB_MARGIN:.0%} of the int8 kernel time (the second that much more than the "
                  f"first), and ships when it wins >= "
                  f"{AB_MIN_WINS} of {AB_ROUNDS} interleaved rounds against the all-int8 model by a median margin "
@@ -404,8 +426,20 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
         if full not in candidates.values():
             candidates[key] = full
             stranded[key] = sorted(extra)
+    # the float prefix: tried whenever it removes the margin, even less than the candidates above - their float
+    # islands inside int8 chains add layout Transposes the profile does not charge them (a squeeze-excite CNN:
+    # every island measured slower, the prefix faster); not when it is a set the rules above built already
+    prefix, gain = float_prefix(layers, medians)
+    if prefix and gain >= AB_MARGIN * total and sorted(prefix) not in (entry, sorted(slow)):
+        extra = stranded_layers(result.float_model, _float_plan(result, prefix), medians)
+        full = sorted({*prefix, *extra})
+        if full not in candidates.values():
+            candidates["float_prefix"] = full
+            stranded["float_prefix"] = sorted(extra)
     record["candidates"] = {k: {"float_layers": v, "stranded": stranded[k],
-                                "excess_ms": sum(slow[n][1] - slow[n][0] for n in v if n in slow)}
+                                "excess_ms": (sum(slow[n][1] - slow[n][0] for n in v if n in slow)
+                                              if k != "float_prefix" else
+                                              sum(medians[n][1] - medians[n][0] for n in v if n in medians))}
                             for k, v in candidates.items()}
     if not candidates:
         excess = sum(q - f for f, q in slow.values())

@@ -154,6 +154,37 @@ def test_a_larger_candidate_that_removes_less_than_the_margin_more_is_not_timed(
     assert g["float_layers"] == ["conv0"]
 
 
+def test_a_float_prefix_is_tried_beside_the_islands_and_ships_when_it_beats_them(monkeypatch: pytest.MonkeyPatch,
+                                                                                 tmp_path: Path) -> None:
+    """A squeeze-excite CNN's case: its first blocks cost more in int8 than in float, one of them not.  The
+    float islands (the chain entry; every slower region) are timed beside the float prefix - the first layers up to
+    the cut that removes the most profiled time, here the three convolutions, the classifier left int8 - and
+    the prefix ships when it beats them (float islands inside a chain add layout Transposes the profile does not
+    see: the prefix was the fastest form measured on MobileNetV3-Small and EfficientNet-B0)."""
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    import quantkit.guard as guard
+
+    _fake_profile(monkeypatch, {"conv0": (0.1, 0.4), "dwconv": (1.0, 0.95), "project": (0.1, 0.2)})
+    timed: list[list[str]] = []
+
+    def fake(blobs: dict[str, bytes], feed: Any, **kw: Any) -> dict[str, list[float]]:
+        timed.append(sorted(blobs))
+        times = {"fp32": 2.0, "int8": 1.0, "chain_entry": 0.99, "all_slower": 0.95, "float_prefix": 0.8,
+                 "shipped": 0.8}
+        return {k: [times[k]] * AB_ROUNDS for k in blobs}
+
+    monkeypatch.setattr(guard, "ab_compare", fake)
+    res = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, progress=False)
+    g = res.report["latency_guard"]
+    assert timed[0] == ["all_slower", "chain_entry", "float_prefix", "int8"]
+    assert g["candidates"]["float_prefix"]["float_layers"] == ["conv0", "dwconv", "project"]
+    assert g["candidates"]["float_prefix"]["excess_ms"] == pytest.approx(0.35)
+    assert g["candidates"]["all_slower"]["float_layers"] == ["conv0", "project"]
+    assert g["ab"]["float_prefix"]["vs_all_slower"]["faster"] is True
+    assert g["float_layers"] == ["conv0", "dwconv", "project"] and "fc" in res.plan.layers
+    assert "(float_prefix)" in g["decision"]
+
+
 def test_an_int8_chain_left_stranded_and_no_faster_joins_the_float_layers(monkeypatch: pytest.MonkeyPatch,
                                                                           tmp_path: Path) -> None:
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
