@@ -74,8 +74,8 @@ log = logging.getLogger("quantkit")
 __all__ = [
     "AB_ALPHA", "AB_EXTRA_ROUNDS", "AB_MARGIN", "AB_MIN_WINS", "AB_ROUNDS", "GEMM_LIKE", "PROFILE_ROUNDS", "TOTAL",
     "ab_compare", "wins_needed",
-    "apply_latency_guard", "float_prefix", "layer_regions", "layer_times", "slow_int8_layers", "slow_regions",
-    "stranded_layers",
+    "apply_latency_guard", "float_prefix", "layer_regions", "layer_times", "single_input_cuts", "slow_int8_layers",
+    "slow_regions", "stranded_layers",
 ]
 
 GEMM_LIKE = ("Conv", "Gemm", "MatMul")
@@ -213,17 +213,46 @@ def slow_int8_layers(float_bytes: bytes | str, quant_bytes: bytes | str, float_m
                                      rounds=rounds, runs=runs))
 
 
-def float_prefix(layers: list[str], medians: Mapping[str, tuple[float, float]]) -> tuple[list[str], float]:
+def single_input_cuts(model: Any, layers: Iterable[str]) -> set[str]:
+    """The layers of ``layers`` at which the graph (``model``, topologically sorted) can be cut with one tensor
+    crossing: the layer's own input is the only activation computed before it and read at or after it (a block
+    boundary of a CNN - not inside a residual or squeeze-excite block, not between a convolution and its
+    activation).  A float prefix cut there needs one QuantizeLinear and no DequantizeLinear."""
+    from quantkit.lowering.select import constant_array
+
+    nodes = list(model.graph)
+    pos = {id(n): i for i, n in enumerate(nodes)}
+    crossing = [0] * (len(nodes) + 1)
+    values: dict[int, Any] = {}
+    for n in nodes:
+        for v in n.inputs:
+            if v is not None and constant_array(v) is None:
+                values[id(v)] = v
+    for v in values.values():
+        p = v.producer()
+        start = pos[id(p)] + 1 if p is not None and id(p) in pos else 0
+        users = [pos[id(u)] for u, _ in v.uses() if id(u) in pos]
+        if not users:
+            continue
+        crossing[start] += 1  # a difference array: + at the first position the value is live, - after its last use
+        crossing[max(users) + 1] -= 1
+    live = np.cumsum(crossing)
+    wanted = set(layers)
+    return {n.name or "" for i, n in enumerate(nodes) if (n.name or "") in wanted and live[i] == 1}
+
+
+def float_prefix(layers: list[str], medians: Mapping[str, tuple[float, float]],
+                 cuts: set[str] | None = None) -> tuple[list[str], float]:
     """The first layers of ``layers`` (graph order) to keep in float and the profiled time that removes: the cut
     ``k`` that maximises ``sum(int8 - fp32)`` over the regions before it (``medians``: ``layer -> (fp32 ms, int8
-    ms)``), the last layer always int8 (every layer in float is the FP32 fallback's case); ``([], 0.0)`` when no cut
-    removes time."""
+    ms)``), the last layer always int8 (every layer in float is the FP32 fallback's case) and, with ``cuts``
+    (:func:`single_input_cuts`), the first int8 layer one of them; ``([], 0.0)`` when no cut removes time."""
     best = run = 0.0
     k = 0
     for i, name in enumerate(layers[:-1], 1):
         f, q = medians.get(name, (0.0, 0.0))
         run += q - f
-        if run > best:
+        if run > best and (cuts is None or layers[i] in cuts):
             best, k = run, i
     return layers[:k], best
 
@@ -429,7 +458,7 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
     # the float prefix: tried whenever it removes the margin, even less than the candidates above - their float
     # islands inside int8 chains add layout Transposes the profile does not charge them (a squeeze-excite CNN:
     # every island measured slower, the prefix faster); not when it is a set the rules above built already
-    prefix, gain = float_prefix(layers, medians)
+    prefix, gain = float_prefix(layers, medians, single_input_cuts(result.float_model, layers))
     if prefix and gain >= AB_MARGIN * total and sorted(prefix) not in (entry, sorted(slow)):
         extra = stranded_layers(result.float_model, _float_plan(result, prefix), medians)
         full = sorted({*prefix, *extra})

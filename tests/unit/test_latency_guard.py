@@ -185,6 +185,24 @@ def test_a_float_prefix_is_tried_beside_the_islands_and_ships_when_it_beats_them
     assert "(float_prefix)" in g["decision"]
 
 
+def test_a_float_prefix_ends_where_one_tensor_crosses_the_cut() -> None:
+    """Before the projection the block input is still live for the skip Add: a cut there would need a second
+    QuantizeLinear and leave a DequantizeLinear on the skip.  The prefix ends where one tensor crosses (before the
+    depthwise conv the block input is that tensor: the skip reads it too, quantized once)."""
+    import onnx_ir as ir
+
+    from quantkit.guard import float_prefix, single_input_cuts
+    from quantkit.prep.pipeline import prepare
+
+    model = prepare(ir.from_proto(tiny_cnn())).model
+    layers = ["conv0", "dwconv", "project", "fc"]
+    cuts = single_input_cuts(model, layers)
+    assert cuts == {"conv0", "dwconv", "fc"}
+    medians = {"conv0": (0.1, 0.4), "dwconv": (0.1, 0.3), "project": (0.1, 0.05), "fc": (1.0, 0.5)}
+    assert float_prefix(layers, medians) == (["conv0", "dwconv"], pytest.approx(0.5))
+    assert float_prefix(layers, medians, cuts) == (["conv0", "dwconv", "project"], pytest.approx(0.45))
+
+
 def test_an_int8_chain_left_stranded_and_no_faster_joins_the_float_layers(monkeypatch: pytest.MonkeyPatch,
                                                                           tmp_path: Path) -> None:
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
