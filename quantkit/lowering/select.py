@@ -50,6 +50,11 @@ Rules (see :mod:`quantkit.ops` for the op roles):
    lowering emits one ``MatMulIntegerToFloat`` with the bias inside, then that QuantizeLinear - one rounding,
    where a quantized product and a ``QLinearAdd`` of the bias would round twice (a LeViT-style block, whose
    BatchNorm folded into the MatMul leaves ``MatMul -> Add -> Reshape -> HardSwish``).
+9. An ``Add`` of an int8 branch and an upsampled one - ``Add(lateral, Resize(coarser))``, the top-down path of a
+   feature pyramid (FPN, UperNet, a U-Net decoder), the ``Resize`` bilinear so a float island - is kept in the
+   chain: the Resize output gets a QuantizeLinear of its own (calibrated on its range), and ``QLinearAdd`` adds
+   the two (a DequantizeLinear of the int8 lateral into a float ``Add``, then a QuantizeLinear for the next int8
+   Conv, was a stray round trip).
 """
 
 from __future__ import annotations
@@ -521,7 +526,12 @@ def _float_inputs_ok(plan: QuantPlan, node: ir.Node) -> bool:
     floats = _float_inputs(plan, node)
     if not floats:
         return True
-    return node.op_type == "Concat" and len(floats) < len(_activation_inputs(node))
+    if len(floats) >= len(_activation_inputs(node)):
+        return False
+    if node.op_type == "Concat":
+        return True
+    # rule 9: an Add of an int8 branch and an upsampled one (a feature pyramid's top-down path)
+    return node.op_type == "Add" and all((p := v.producer()) is not None and p.op_type == "Resize" for v in floats)
 
 
 def _add_tensor(plan: QuantPlan, v: ir.Value, lp: LayerPlan, consumer: str | None, **kw: object) -> None:

@@ -51,3 +51,38 @@ def test_a_model_quantized_already_is_refused_naming_its_quantized_ops() -> None
     once = quantkit.quantize(tiny_cnn(), image_batches(4), rec, evaluate=False, progress=False)
     with pytest.raises(ModelError, match=r"is quantized already \(.*QuantizeLinear.*quantkit verify"):
         quantkit.quantize(ir.to_proto(once.model), image_batches(4), rec, evaluate=False, progress=False)
+
+
+class _TopDown(torch.nn.Module):
+    """A feature pyramid's top-down path: an int8 lateral plus the coarser level upsampled by a bilinear Resize."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 16, 3, 2, 1)
+        self.c2 = torch.nn.Conv2d(16, 32, 3, 2, 1)
+        self.lat1, self.lat2 = torch.nn.Conv2d(16, 16, 1), torch.nn.Conv2d(32, 16, 1)
+        self.out = torch.nn.Conv2d(16, 4, 3, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(self.c1(x))
+        b = torch.relu(self.c2(a))
+        up = torch.nn.functional.interpolate(torch.relu(self.lat2(b)), size=a.shape[-2:], mode="bilinear")
+        return self.out(torch.relu(self.lat1(a)) + up)
+
+
+def test_an_add_of_an_int8_lateral_and_an_upsampled_level_is_a_qlinearadd() -> None:
+    """Select rule 9: the Add keeps the chain (the Resize output gets its own QuantizeLinear) - it used to stay float
+    between a stray DequantizeLinear of the lateral and the next Conv's QuantizeLinear (UperNet: 3 strays)."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    cal = [rng.standard_normal((4, 3, 32, 32)).astype(np.float32) for _ in range(4)]
+    rec = {"version": 1, "name": "fpn", "target": {"isa": "x86-vnni"}, "report": {"latency": {"enabled": False}}}
+    res = quantkit.quantize(_TopDown().eval(), cal, rec, example_inputs=torch.from_numpy(cal[0]),
+                            evaluation_data=cal[:2], progress=False)
+    from quantkit.report.build import classify_leftovers
+
+    kinds = [k for _, k in classify_leftovers(res.census)]
+    assert "stray" not in kinds, classify_leftovers(res.census)
+    assert res.report["census"]["quantized_kernels"].get("QLinearAdd") == 1
+    assert [n for n, lp in res.plan.layers.items() if lp.op_type == "Add"]
+    assert next(iter(res.report["fidelity"].values()))["sqnr_db"] > 25.0
