@@ -394,8 +394,9 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
     if cached is not None and set(cached["float_layers"]) <= set(result.plan.layers):
         record = {**cached, "cached": str(path)}
         # the earlier run's own measurement is not this run's: the report has this run's under latency
-        record["decision"] = re.sub(r"; the shipped model's own latency measurement: [0-9.]+x FP32", "",
-                                    str(record.get("decision", ""))) + " (decided by an earlier run on this machine)"
+        own = r"the shipped model's own latency measurement: [0-9.]+x FP32"
+        record["decision"] = re.sub(rf"; {own}| \({own}\)", "", str(record.get("decision", ""))) + (
+            " (decided by an earlier run on this machine)")
         record.pop("shipped_measured_speedup", None)
         float_layers = list(cached["float_layers"])
         log.info("latency guard: the decision for this int8 model on this machine is cached (%s): %s", path,
@@ -550,12 +551,16 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
         row = record["ab"][key]
         record["float_layers"] = names
         measured = ((getattr(chosen, "report", None) or {}).get("latency") or {}).get("speedup")
+        every = set(layers) <= set(names)  # every int8 layer: the model ships as the float model
         record["decision"] = (
-            f"shipped with {len(names)} layer(s) in float ({key}): faster than all-int8 in {row['wins']} of "
-            f"{len(ab['int8'])} rounds, median {row['median_ratio_to_int8']:.3f}x its time (estimated "
-            f"{_x(row['speedup'])} FP32 instead of {_x(i8_speedup)}: the first run's speedup over this A/B ratio"
-            + (f"; the shipped model's own latency measurement: {measured:.2f}x FP32)"
-               if isinstance(measured, (int, float)) else ")"))
+            (f"shipped in float (every layer: the {key} candidate holds all {len(layers)} int8 layers)" if every
+             else f"shipped with {len(names)} layer(s) in float ({key})")
+            + f": faster than all-int8 in {row['wins']} of {len(ab['int8'])} rounds, median "
+            f"{row['median_ratio_to_int8']:.3f}x its time (" + "; ".join(
+                ([] if every else [f"estimated {_x(row['speedup'])} FP32 instead of {_x(i8_speedup)}: the first "
+                                   "run's speedup over this A/B ratio"])
+                + ([f"the shipped model's own latency measurement: {measured:.2f}x FP32"]
+                   if isinstance(measured, (int, float)) else [])) + ")").replace(" ()", "")
     else:
         record["float_layers"] = []
         record["decision"] = "kept all layers int8: " + "; ".join(

@@ -203,6 +203,20 @@ def test_a_float_prefix_ends_where_one_tensor_crosses_the_cut() -> None:
     assert float_prefix(layers, medians, cuts) == (["conv0", "dwconv", "project"], pytest.approx(0.45))
 
 
+def test_a_candidate_holding_every_int8_layer_is_reported_as_the_float_model(monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path: Path) -> None:
+    """It read "shipped with 4 layer(s) in float (all_slower) ... estimated 1.13x FP32" beside "no layer was quantized:
+    the output is the float model" (a ConvMixer probe)."""
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    _fake_profile(monkeypatch, {n: (0.1, 0.3) for n in ("conv0", "dwconv", "project", "fc")})
+    _fake_ab(monkeypatch, 0.8)
+    res = quantkit.quantize(tiny_cnn(), image_batches(4), RECIPE, progress=False)
+    g = res.report["latency_guard"]
+    assert sorted(g["float_layers"]) == ["conv0", "dwconv", "fc", "project"]
+    assert g["decision"].startswith("shipped in float (every layer: the ") and "holds all 4 int8 layers" in g["decision"]
+    assert "estimated" not in g["decision"]
+
+
 def test_an_int8_chain_left_stranded_and_no_faster_joins_the_float_layers(monkeypatch: pytest.MonkeyPatch,
                                                                           tmp_path: Path) -> None:
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
