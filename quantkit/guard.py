@@ -20,10 +20,13 @@ guard, on by default (``report.latency.guard``):
    second only when it removes that much more than the first (it could replace a winning first candidate only
    by beating it by the margin; an A/B of a third model costs a third more rounds of timing); and a *float
    prefix* (:func:`float_prefix`): the first layers in graph order, up to the cut that removes the most profiled
-   time (the sum of int8 minus float region times before it), when that is at least :data:`AB_MARGIN` of the
-   kernel time - a model whose early, large activations cost more in int8 elementwise passes than its
+   time (the sum of int8 minus float region times before it) among the cuts one tensor crosses
+   (:func:`single_input_cuts`: block boundaries, one QuantizeLinear and no DequantizeLinear left on a skip), the
+   last layer int8, tried whenever it removes :data:`AB_MARGIN` of the kernel time, even less than the
+   candidates above - a model whose early, large activations cost more in int8 elementwise passes than its
    convolutions save (a squeeze-excite / HardSwish CNN: its float stem and first blocks, then one QuantizeLinear
-   and an int8 tail; float islands inside an int8 chain lose there, each adding layout Transposes).
+   and an int8 tail; float islands inside an int8 chain lose there, each adding layout Transposes the profile
+   does not charge them).
    Each candidate is the same plan with those layers kept in float (lowered only, reusing the calibrated ranges
    in memory; chain rules keep the float island's glue in float too), plus the int8 chains that this leaves
    *stranded* and that measured no faster in int8 than in float (:func:`stranded_layers`: a squeeze-excite
@@ -552,15 +555,15 @@ def apply_latency_guard(result: Any, rerun: Callable[[Any], Any], feed: dict[str
         record["float_layers"] = names
         measured = ((getattr(chosen, "report", None) or {}).get("latency") or {}).get("speedup")
         every = set(layers) <= set(names)  # every int8 layer: the model ships as the float model
+        detail = ([] if every else [f"estimated {_x(row['speedup'])} FP32 instead of {_x(i8_speedup)}: the first "
+                                    "run's speedup over this A/B ratio"])
+        if isinstance(measured, (int, float)):
+            detail.append(f"the shipped model's own latency measurement: {measured:.2f}x FP32")
         record["decision"] = (
             (f"shipped in float (every layer: the {key} candidate holds all {len(layers)} int8 layers)" if every
              else f"shipped with {len(names)} layer(s) in float ({key})")
             + f": faster than all-int8 in {row['wins']} of {len(ab['int8'])} rounds, median "
-            f"{row['median_ratio_to_int8']:.3f}x its time (" + "; ".join(
-                ([] if every else [f"estimated {_x(row['speedup'])} FP32 instead of {_x(i8_speedup)}: the first "
-                                   "run's speedup over this A/B ratio"])
-                + ([f"the shipped model's own latency measurement: {measured:.2f}x FP32"]
-                   if isinstance(measured, (int, float)) else [])) + ")").replace(" ()", "")
+            f"{row['median_ratio_to_int8']:.3f}x its time" + (f" ({'; '.join(detail)})" if detail else ""))
     else:
         record["float_layers"] = []
         record["decision"] = "kept all layers int8: " + "; ".join(
