@@ -66,7 +66,7 @@ def test_prep_computes_a_float16_model_in_float32_behind_its_float16_interface()
 
 def test_a_float16_model_is_quantized_to_int8_and_keeps_its_float16_interface() -> None:
     half = _as_float16(tiny_cnn())
-    rec = {"version": 1, "target": {"isa": "x86-vnni"}, "report": {"latency": {"enabled": False}}}
+    rec = {"version": 1, "target": {"isa": "portable"}, "report": {"latency": {"enabled": False}}}
     res = quantize(half, _half_batches(4, seed=1), rec, evaluation_data=_half_batches(2, seed=3), progress=False)
     kernels = res.report["census"]["quantized_kernels"]
     assert kernels.get("QLinearConv", 0) == 3 and kernels.get("QGemm", 0) == 1, kernels

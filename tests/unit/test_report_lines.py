@@ -99,7 +99,7 @@ def test_int8_report_names_its_calibrator_kernels_latency_and_model(tmp_path: Pa
 def test_a_run_without_evaluation_data_says_so_and_what_the_checks_ran_on(tmp_path: Path) -> None:
     """No evaluation section (the CLI, a recipe without one): the report said "Evaluation data: given through the
     API" and called the calibration samples the kernel check ran on "evaluation samples"."""
-    rec = {"version": 1, "target": {"isa": "x86-vnni"}, "report": {"latency": {"enabled": False}}}
+    rec = {"version": 1, "target": {"isa": "portable"}, "report": {"latency": {"enabled": False}}}
     md = render_markdown(quantize(tiny_cnn(), image_batches(4), rec, progress=False).report).splitlines()
     cal = _line(md, "Calibration data: ")
     assert ("Evaluation data: none (no evaluation section: no accuracy figures; the kernel check and the latency "
