@@ -279,6 +279,9 @@ class NpzDataset:
                 raise DataError(
                     f"npz file {str(f)!r}: arrays must share a leading (sample) dim; got "
                     + ", ".join(f"{n}: shape {list(e.shape)}" for n, e in entries.items())
+                    + " (the first axis of every array counts the samples, as quantkit batches and feeds them; an "
+                    "input whose batch axis is not the first - an RNN's initial state [layers, batch, hidden] - needs "
+                    "a model that takes it batch-first: export a wrapper that transposes it inside the graph)"
                 )
             for name, entry in entries.items():
                 _check_entry(f, keys[name], entry, limit)

@@ -98,6 +98,11 @@ def test_npz_file_folder_batches_and_validation(tmp_path: Path) -> None:
         NpzDataset(tmp_path / "two.npz", ["input_ids", "attention_mask"])
     with pytest.raises(DataError, match="does not exist"):
         NpzDataset(tmp_path / "missing.npz", ["input"])
+    # an RNN's initial state stored batch-second: the counts differ, and the error says what to do
+    np.savez(tmp_path / "rnn.npz", x=np.zeros((6, 5, 3), np.float32), h0=np.zeros((1, 6, 8), np.float32))
+    with pytest.raises(DataError, match=r"x: shape \[6, 5, 3\], h0: shape \[1, 6, 8\] \(the first axis of every "
+                                        r"array counts the samples.*batch-first"):
+        NpzDataset(tmp_path / "rnn.npz", ["x", "h0"])
 
 
 # ----------------------------------------------------------------------------- photos / images
