@@ -345,9 +345,9 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ModelError(f"graph preparation step 'preact_batchnorm' failed: {exc}") from exc
 
-    applied["identity_elimination"] = _run_counting_nodes(
-        "identity_elimination", common_passes.IdentityEliminationPass(), model
-    )
+    from quantkit.prep.identity import eliminate_identities
+
+    applied["identity_elimination"] = eliminate_identities(model)
     initializers_before = len(model.graph.initializers)
     removed_nodes = _run_counting_nodes("unused_removal", common_passes.RemoveUnusedNodesPass(), model)
     applied["unused_removal"] = removed_nodes + max(initializers_before - len(model.graph.initializers), 0)
