@@ -451,7 +451,12 @@ def verify_model(model: str | os.PathLike[str] | onnx.ModelProto, data: Any = No
 
 _QUANTIZED_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger",
                             "ConvInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "MatMulNBits",
-                            "GatherBlockQuantized", "QGemm"})  # fmt: skip
+                            "GatherBlockQuantized", "QGemm", "MatMulInteger16",
+                            # ONNX Runtime's contrib ops with integer weights or activations (quantize_dynamic's LSTM
+                            # and attention, the transformer optimizer's quantized fusions, 4-bit variants)
+                            "DynamicQuantizeLSTM", "QAttention", "QEmbedLayerNormalization", "MatMulBnb4",
+                            "MatMulFpQ4", "QuantizeWithOrder", "DequantizeWithOrder", "QuantizeBFP", "DequantizeBFP",
+                            "QMoE"})  # fmt: skip
 
 
 def quantized_op_counts(model: ir.Model) -> dict[str, int]:
@@ -465,7 +470,7 @@ def quantized_op_counts(model: ir.Model) -> dict[str, int]:
 
 
 def _is_quantized_op(op_type: str) -> bool:
-    return op_type in _QUANTIZED_OPS or op_type.startswith("QLinear")
+    return op_type in _QUANTIZED_OPS or op_type.startswith(("QLinear", "QOrdered"))
 
 
 def _has_quantized_ops(proto: onnx.ModelProto) -> bool:

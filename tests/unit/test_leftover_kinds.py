@@ -5,6 +5,8 @@ the latency guard rejects candidates with stray nodes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -51,6 +53,34 @@ def test_a_model_quantized_already_is_refused_naming_its_quantized_ops() -> None
     once = quantkit.quantize(tiny_cnn(), image_batches(4), rec, evaluate=False, progress=False)
     with pytest.raises(ModelError, match=r"is quantized already \(.*QuantizeLinear.*quantkit verify"):
         quantkit.quantize(ir.to_proto(once.model), image_batches(4), rec, evaluate=False, progress=False)
+
+
+def test_an_lstm_quantized_by_quantize_dynamic_is_refused(tmp_path: Path) -> None:
+    """ONNX Runtime's quantize_dynamic writes DynamicQuantizeLSTM (int8 weights, no QuantizeLinear node): it was
+    quantized again and its report called the quantized model "FP32"."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from quantkit.errors import ModelError
+
+    class _Lstm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm, self.head = torch.nn.LSTM(8, 16, batch_first=True), torch.nn.Linear(16, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.lstm(x)[0][:, -1])
+
+    torch.manual_seed(0)
+    src, dst = tmp_path / "lstm.onnx", tmp_path / "lstm_dynamic.onnx"
+    torch.onnx.export(_Lstm().eval(), (torch.randn(1, 5, 8),), str(src), input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "n"}, "y": {0: "n"}}, opset_version=17, dynamo=False)  # fmt: skip
+    quantize_dynamic(str(src), str(dst), op_types_to_quantize=["LSTM"], weight_type=QuantType.QInt8)
+    assert any(n.op_type == "DynamicQuantizeLSTM" for n in onnx.load(str(dst)).graph.node)
+    data = [{"x": np.random.default_rng(i).standard_normal((1, 5, 8)).astype(np.float32)} for i in range(4)]
+    rec = {"version": 1, "name": "lstm", "report": {"latency": {"enabled": False}}}
+    with pytest.raises(ModelError, match=r"is quantized already \(DynamicQuantizeLSTM x1\)"):
+        quantkit.quantize(str(dst), data, rec, evaluate=False, progress=False)
 
 
 class _TopDown(torch.nn.Module):
