@@ -45,6 +45,7 @@ rule applications for ``fold_batchnorm``, renamed nodes for ``name_nodes``, and
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -166,15 +167,63 @@ def check_runnable(model: ir.Model) -> None:
         )
 
 
+_KNOWN_QDQ_OPSET = 21
+"""A default-domain opset at which every supported ONNX Runtime runs QuantizeLinear / DequantizeLinear; a newer
+model's opset is probed (:func:`qdq_opset_limit`)."""
+
+
+@functools.cache
+def _qdq_runs(opset: int) -> bool:
+    """Whether this ONNX Runtime has QuantizeLinear / DequantizeLinear kernels at default-domain ``opset`` (a tiny
+    session, a few milliseconds)."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]), helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
+        "probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+        [numpy_helper.from_array(np.array(0.1, np.float32), "s"), numpy_helper.from_array(np.array(0, np.uint8), "z")],
+    )  # fmt: skip
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = onnx.IR_VERSION
+    try:
+        so = ort.SessionOptions()
+        so.log_severity_level = 4
+        ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
+            None, {"x": np.zeros(2, np.float32)})
+    except Exception:  # noqa: BLE001 - NOT_IMPLEMENTED / INVALID_GRAPH / ...: not runnable at this opset
+        return False
+    return True
+
+
+def qdq_opset_limit(version: int) -> int | None:
+    """``version`` when this ONNX Runtime runs QuantizeLinear / DequantizeLinear at that default-domain opset, else
+    the newest opset below it where it does (None: none down to :data:`MIN_OPSET`)."""
+    if version <= _KNOWN_QDQ_OPSET or _qdq_runs(version):
+        return version
+    return next((v for v in range(version - 1, MIN_OPSET - 1, -1) if v <= _KNOWN_QDQ_OPSET or _qdq_runs(v)), None)
+
+
 def upgrade_opset(model: ir.Model) -> ir.Model:
-    """``model`` itself when its default-domain opset is :data:`MIN_OPSET` or newer, else a converted copy.
+    """``model`` itself when its default-domain opset is :data:`MIN_OPSET` or newer and ONNX Runtime runs
+    QuantizeLinear / DequantizeLinear at it, else a converted copy (older: up to :data:`MIN_OPSET`; newer than this
+    ONNX Runtime's quantization kernels - a model exported at opset 28 for ONNX Runtime 1.32 - down to the newest
+    opset it has them for).
 
     Raises:
         ModelError: ``onnx.version_converter`` cannot convert it (naming the opset and what is allowed).
     """
     version = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
-    if version is None or version >= MIN_OPSET:
+    if version is None:
         return model
+    if version >= MIN_OPSET:
+        limit = qdq_opset_limit(version)
+        if limit == version:
+            return model
+        return _downgrade_opset(model, version, limit)
     import onnx
     from onnx import version_converter
 
@@ -191,6 +240,35 @@ def upgrade_opset(model: ir.Model) -> ir.Model:
         ) from None
     log.info("the model's opset %d was converted to opset %d (onnx.version_converter) before any work", version,
              MIN_OPSET)
+    return converted
+
+
+def _downgrade_opset(model: ir.Model, version: int, limit: int | None) -> ir.Model:
+    """``model`` converted down to opset ``limit`` (module :func:`upgrade_opset`).
+
+    Raises:
+        ModelError: no such opset, or ``onnx.version_converter`` cannot convert the model to it.
+    """
+    import onnx
+    import onnxruntime as ort
+    from onnx import version_converter
+
+    allowed = f"a model exported with a default-domain opset from {MIN_OPSET} to {limit}" if limit else "none"
+    if limit is None:
+        raise ModelError(f"the model's default-domain opset is {version}; ONNX Runtime {ort.__version__} has no "
+                         f"QuantizeLinear / DequantizeLinear kernel at it or at any opset down to {MIN_OPSET}")  # fmt: skip
+    try:
+        proto = version_converter.convert_version(ir.to_proto(model), limit)
+        onnx.checker.check_model(proto)
+        converted = ir.from_proto(proto)
+    except Exception as exc:  # noqa: BLE001 - the converter raises RuntimeError / ValidationError / ...
+        raise ModelError(
+            f"the model's default-domain opset is {version}; ONNX Runtime {ort.__version__} has QuantizeLinear / "
+            f"DequantizeLinear kernels up to opset {limit} only, and onnx.version_converter cannot convert the model "
+            f"down to it ({type(exc).__name__}: {str(exc).strip()[:300]}); allowed: {allowed}"
+        ) from None
+    log.warning("the model's opset %d is newer than ONNX Runtime %s's quantization kernels: converted to opset %d "
+                "(onnx.version_converter) before any work", version, ort.__version__, limit)  # fmt: skip
     return converted
 
 
