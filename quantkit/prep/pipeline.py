@@ -32,8 +32,9 @@ Rule
    names made unique, and a last shape inference so every value a calibrator
    might observe has a type and, where inferable, a shape.
 
-The opset imports are left as they are, except that a model older than opset 13 (:data:`MIN_OPSET`) is
-first converted with ``onnx.version_converter`` (:func:`upgrade_opset`). Every transform preserves the model's
+The opset imports are left as they are, except that a model older than opset 13 (:data:`MIN_OPSET`), or newer
+than this ONNX Runtime's QuantizeLinear / DequantizeLinear kernels, is first converted with
+``onnx.version_converter`` (:func:`upgrade_opset`). Every transform preserves the model's
 function: ``f_prepared(x) == f(x)`` up to float rounding (BN folding reorders
 a multiply and an add).
 
@@ -392,11 +393,13 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
 
     from quantkit.prep.einsum import einsum_to_matmul
     from quantkit.prep.gemm_to_matmul import fold_gemm_scales
+    from quantkit.prep.left_weight import constant_left_matmul
     from quantkit.prep.weight_subgraphs import fold_weight_subgraphs
 
     if fold_constants:
         applied["weight_subgraphs"] = fold_weight_subgraphs(model)
     applied["einsum_to_matmul"] = einsum_to_matmul(model)
+    applied["constant_left_matmul"] = constant_left_matmul(model)
     applied["gemm_scales"] = fold_gemm_scales(model)
     try:
         applied["fold_batchnorm"] = fold_batchnorm_rules().apply_to_model(model)
