@@ -40,7 +40,11 @@ if TYPE_CHECKING:
 
 __all__ = ["KernelCheck", "PairRisk", "emulate_saturation", "energies", "with_outputs", "kernel_vs_reference", "pair_risks", "portability"]
 
-_DIRECT_INT8 = {"MatMulInteger": 1, "MatMulIntegerToFloat": 1, "DynamicQuantizeMatMul": 1}
+_DIRECT_INT8 = {"MatMulInteger": 1, "MatMulIntegerToFloat": 1, "DynamicQuantizeMatMul": 1,
+                # QOperator-format models (ONNX Runtime's quantize_static with QuantFormat.QOperator)
+                "QLinearConv": 3, "ConvInteger": 1, "QGemm": 3, "QLinearMatMul": 3}  # fmt: skip
+_VIEW_KIND = {"QLinearConv": "Conv", "ConvInteger": "Conv", "QGemm": "Gemm"}
+"""The kernel layout of a direct int8 op's weight (:func:`quantkit.scheme.saturation.kernel_view`); others: MatMul."""
 _QDQ_WEIGHTED = {"Conv": 1, "Gemm": 1, "MatMul": 1}
 
 
@@ -90,10 +94,10 @@ def pair_risks(model: onnx.ModelProto) -> list[PairRisk]:
         if q is None or q.ndim < 2:
             continue
         group = _attr(node, "group", 1)
-        if node.op_type == "Conv" and is_depthwise(tuple(q.shape), group):
+        kind = _VIEW_KIND.get(node.op_type, node.op_type)
+        if kind == "Conv" and is_depthwise(tuple(q.shape), group):
             continue  # MLAS's depthwise kernel accumulates in int32: exact
-        view = kernel_view(q, "Conv" if node.op_type == "Conv" else node.op_type,
-                           trans_b=_attr(node, "transB", 0) == 1, group=group)
+        view = kernel_view(q, kind, trans_b=_attr(node, "transB", 0) == 1, group=group)
         bad = pair_violations(view)
         k = view.shape[-2]
         p = view.astype(np.int32)
@@ -368,6 +372,8 @@ def emulate_saturation(model: onnx.ModelProto, env: dict[str, np.ndarray], layer
     for node in model.graph.node:
         if node.name not in layers or len(node.input) < 2:
             continue
+        if node.op_type in _DIRECT_INT8 and _DIRECT_INT8[node.op_type] != 1:
+            continue  # QOperator ops: flagged by pair_risks, not emulated
         if node.op_type in _DIRECT_INT8:
             x, w, xzp = env.get(node.input[0]), arr(node.input[1]), 0
         else:

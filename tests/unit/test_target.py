@@ -253,3 +253,28 @@ def test_cli_verify_warns_about_other_classes_and_fails_when_kernels_part(
     (tmp_path / "empty").mkdir()
     assert main(["verify", str(tmp_path / "empty")]) == 2
     assert "is a folder without a model.onnx" in capsys.readouterr().err
+
+
+def test_pair_risks_read_qoperator_weights() -> None:
+    """A QOperator-format model (QLinearConv / QGemm, ORT's quantize_static with QuantFormat.QOperator): its int8
+    weights are checked too - `quantkit verify` said "exact on x86-avx2: all 0 int8 GEMM layers obey the bound"."""
+    rng = np.random.default_rng(5)
+    wc = rng.integers(70, 128, (8, 4, 3, 3)).astype(np.int8)  # every pair sums past 128
+    wg = rng.integers(-20, 20, (6, 8)).astype(np.int8)  # QGemm transB: [N, K], safe
+    f, u8, i8 = np.float32, np.uint8, np.int8
+    inits = [numpy_helper.from_array(wc, "wc"), numpy_helper.from_array(wg, "wg"),
+             numpy_helper.from_array(np.array(0.1, f), "s"), numpy_helper.from_array(np.array(128, u8), "z"),
+             numpy_helper.from_array(np.array(0, i8), "zw")]  # fmt: skip
+    nodes = [helper.make_node("QLinearConv", ["x", "s", "z", "wc", "s", "zw", "s", "z"], ["c"], name="conv"),
+             helper.make_node("GlobalAveragePool", ["c"], ["p"]),
+             helper.make_node("Flatten", ["p"], ["fl"]),
+             helper.make_node("QGemm", ["fl", "s", "z", "wg", "s", "zw", "", "s", "z"], ["y"], name="gemm",
+                              domain="com.microsoft", transB=1)]  # fmt: skip
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.UINT8, [1, 4, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.UINT8, [1, 6])], inits)  # fmt: skip
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19), helper.make_opsetid("com.microsoft", 1)])
+    risks = {r.layer: r for r in pair_risks(m)}
+    assert set(risks) == {"conv", "gemm"}
+    assert risks["conv"].at_risk > 0 and risks["gemm"].at_risk == 0
+    port = portability(m)
+    assert not port["classes"]["x86-avx2"]["exact"] and port["int8_gemm_layers"] == 2
