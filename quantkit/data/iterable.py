@@ -223,16 +223,25 @@ class IterableDataset:
         self._labels_read = True
 
     def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
-        """Stack ``batch_size`` samples at a time; hashes the content on the way."""
+        """Stack ``batch_size`` samples at a time; hashes the content on the way.  Samples of another shape than
+        the batch being filled (images of several sizes for a model with dynamic height / width) start a new batch:
+        batches hold consecutive samples of one shape, at most ``batch_size``."""
         check_batch_size(batch_size)
         h = self._hasher() if self._fp is None else None
         limit = self.fingerprint_samples
         count = 0
         chunk: list[dict[str, np.ndarray]] = []
+
+        def shapes(sample: Mapping[str, np.ndarray]) -> list[tuple[int, ...]]:
+            return [np.shape(sample[n]) for n in self.input_names if n in sample]
+
         for sample in self.samples():
             if h is not None and (limit is None or count < limit):
                 self._hash_sample(h, sample)
             count += 1
+            if chunk and shapes(sample) != shapes(chunk[0]):
+                yield self._stack(chunk)
+                chunk = []
             chunk.append(sample)
             if len(chunk) == batch_size:
                 yield self._stack(chunk)
