@@ -247,9 +247,14 @@ def check_array(info: InputInfo, array: np.ndarray, where: str, *, batched: bool
     if info.shape is None:
         return
     if len(shape) != len(info.shape):
+        hint = ""
+        if len(shape) == len(info.shape) + 1:  # the model reads this input whole, with no axis for the samples
+            hint = ("; quantkit stacks the samples of every input along its first axis, so an input without a batch "
+                    "axis (a scalar, a table the model reads whole) cannot be fed per sample: make it a constant of "
+                    "the model (an initializer) or export the model with a batch axis on it")  # fmt: skip
         raise DataError(
             f"{where}: input {info.name!r} expects rank {len(info.shape)} ({expected}, leading dim = batch), "
-            f"received shape {received}"
+            f"received shape {received}{hint}"
         )
     for axis, (want, got) in enumerate(zip(info.shape, shape, strict=True)):
         if axis > 0 and want is not None and want != got:

@@ -90,6 +90,9 @@ def test_npz_file_folder_batches_and_validation(tmp_path: Path) -> None:
     np.savez(tmp_path / "rank.npz", input=a[:, 0])
     with pytest.raises(DataError, match=r"'input' expects rank 4 .*received shape float32\[5, 224, 224\]"):
         NpzDataset(tmp_path / "rank.npz", ["input"]).validate(IMG)
+    np.savez(tmp_path / "table.npz", mean=np.zeros((5, 3), np.float32))  # a [3] input the model reads whole
+    with pytest.raises(DataError, match=r"'mean' expects rank 1 .*an input without a batch axis .* initializer"):
+        NpzDataset(tmp_path / "table.npz", ["mean"]).validate([InputInfo("mean", np.dtype(np.float32), (3,))])
     np.savez(tmp_path / "dim.npz", input=a[:, :, :100])
     with pytest.raises(DataError, match=r"float32\[\?,3,224,224\].*dim 2: 224 != 100"):
         NpzDataset(tmp_path / "dim.npz", ["input"]).validate(IMG)
