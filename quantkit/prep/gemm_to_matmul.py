@@ -22,7 +22,7 @@ import onnx_ir as ir
 from quantkit.lowering.select import ORIGINAL_OP_TYPE, constant_array, recipe_op_type
 from quantkit.ops import TORCH_NAME_SCOPES
 
-__all__ = ["fold_gemm_scales", "gemm_to_matmul"]
+__all__ = ["fold_gemm_scales", "gemm_to_matmul", "untranspose_gemm_inputs"]
 
 
 def _attr(node: ir.Node, name: str, default: float) -> float:
@@ -62,6 +62,30 @@ def fold_gemm_scales(model: ir.Model) -> int:
         for v in (b, c):
             if v is not None and not v.uses() and v.name in graph.initializers and not v.is_graph_output():
                 del graph.initializers[str(v.name)]
+        done += 1
+    return done
+
+
+def untranspose_gemm_inputs(model: ir.Model) -> int:
+    """``Gemm(A, B, transA=1)`` with a constant ``B`` and an activation ``A``: ``A`` transposed by a ``Transpose`` node
+    before it and ``transA`` cleared - the same product.  ONNX Runtime's ``QGemm`` takes ``transA = 0`` only, so the
+    layer stayed float ("Gemm with transA=1"); the Transpose moves 8-bit codes in an int8 chain.  Returns how many."""
+    from quantkit.lowering.qdq import _Namer
+
+    graph = model.graph
+    namer = _Namer(graph)
+    done = 0
+    for node in list(graph):
+        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        ta = node.attributes.get("transA")
+        a, b = node.inputs[0], node.inputs[1]
+        if ta is None or ta.as_int() != 1 or a is None or constant_array(a) is not None or constant_array(b) is None:
+            continue
+        t = ir.node("Transpose", [a], attributes={"perm": [1, 0]}, name=namer(f"{node.name or 'gemm'}/transpose_a"))
+        graph.insert_before(node, t)
+        node.replace_input_with(0, t.outputs[0])
+        node.attributes.pop("transA", None)
         done += 1
     return done
 

@@ -392,7 +392,7 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
     )
 
     from quantkit.prep.einsum import einsum_to_matmul
-    from quantkit.prep.gemm_to_matmul import fold_gemm_scales
+    from quantkit.prep.gemm_to_matmul import fold_gemm_scales, untranspose_gemm_inputs
     from quantkit.prep.left_weight import constant_left_matmul
     from quantkit.prep.weight_subgraphs import fold_weight_subgraphs
 
@@ -401,6 +401,7 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
     applied["einsum_to_matmul"] = einsum_to_matmul(model)
     applied["constant_left_matmul"] = constant_left_matmul(model)
     applied["gemm_scales"] = fold_gemm_scales(model)
+    applied["gemm_trans_a"] = untranspose_gemm_inputs(model)
     try:
         applied["fold_batchnorm"] = fold_batchnorm_rules().apply_to_model(model)
     except (ValueError, TypeError, RuntimeError) as exc:

@@ -55,3 +55,22 @@ def test_a_left_constant_matmul_is_quantized() -> None:
     ref, got = _run(m, x), _run(ir.to_proto(res.model), x)
     sqnr = 10 * np.log10(np.sum(ref**2) / np.sum((ref - got) ** 2))
     assert sqnr > 25, sqnr
+
+
+def test_a_gemm_with_trans_a_is_quantized() -> None:
+    """``Gemm(A, B, transA=1)``: A transposed before it (exact); it stayed float ("Gemm with transA=1")."""
+    g = h.make_graph([h.make_node("Transpose", ["x"], ["xt"], perm=[1, 0]),
+                      h.make_node("Gemm", ["xt", "B", "C"], ["g"], name="gemm", transA=1),
+                      h.make_node("Relu", ["g"], ["y"])],
+                     "g", [h.make_tensor_value_info("x", T.FLOAT, ["n", 16])], [h.make_tensor_value_info("y", T.FLOAT, ["n", 8])],
+                     [nh.from_array((RNG.standard_normal((16, 8)) / 4).astype(np.float32), "B"),
+                      nh.from_array(np.full(8, 0.1, np.float32), "C")])  # fmt: skip
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    m.ir_version = 8
+    data = [{"x": RNG.standard_normal((1, 16)).astype(np.float32)} for _ in range(16)]
+    rec = {"version": 1, "name": "trans-a", "report": {"latency": {"enabled": False}}}
+    res = quantkit.quantize(m, data, rec, evaluate=False, progress=False)
+    assert "gemm" not in {r["layer"] for r in res.report["float_layers"]}, res.report["float_layers"]
+    x = RNG.standard_normal((4, 16)).astype(np.float32)
+    ref, got = _run(m, x), _run(ir.to_proto(res.model), x)
+    assert 10 * np.log10(np.sum(ref**2) / np.sum((ref - got) ** 2)) > 25
