@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-__all__ = ["detached_initializers", "model_digest", "proto_size", "weightless_proto"]
+__all__ = ["all_graphs", "detached_initializers", "model_digest", "proto_size", "weightless_proto"]
 
 
 @contextmanager
@@ -119,3 +119,15 @@ def proto_size(proto: Any) -> int:
         parts = [*g.initializer, *g.sparse_initializer, *g.node, *g.input, *g.output, *g.value_info,
                  *proto.functions, *proto.metadata_props, *proto.opset_import]
         return sum(_piece_size(m) for m in parts) + 1024
+
+
+def all_graphs(model: ir.Model) -> list[ir.Graph]:
+    """``model``'s main graph and every subgraph (``If`` / ``Loop`` / ``Scan`` bodies, nested), main graph first."""
+    out = [model.graph]
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                out.append(attr.as_graph())
+            elif attr.type == ir.AttributeType.GRAPHS:
+                out.extend(attr.as_graphs())
+    return out

@@ -25,6 +25,8 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from quantkit.irtools import all_graphs
+
 __all__ = ["float16_to_float32"]
 
 log = logging.getLogger("quantkit")
@@ -38,17 +40,6 @@ def _f32_tensor(t: ir.TensorProtocol, name: str | None) -> ir.TensorProtocol:
     return ir.tensor(np.asarray(t.numpy(), np.float32), name=name)
 
 
-def _graphs(model: ir.Model) -> list[ir.Graph]:
-    out = [model.graph]
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                out.append(attr.as_graph())
-            elif attr.type == ir.AttributeType.GRAPHS:
-                out.extend(attr.as_graphs())
-    return out
-
-
 def _is_f16(v: ir.Value | None) -> bool:
     return v is not None and v.dtype == F16
 
@@ -56,7 +47,7 @@ def _is_f16(v: ir.Value | None) -> bool:
 def float16_to_float32(model: ir.Model) -> int:
     """Rewrite ``model`` (in place) as the module doc says; returns the number of float16 tensors and nodes
     converted (0: the model had none and is unchanged)."""
-    graphs = _graphs(model)
+    graphs = all_graphs(model)
     graph = model.graph
     changed = 0
     # the interface first: which inputs / outputs the user feeds and reads in float16

@@ -21,18 +21,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from quantkit.irtools import all_graphs
+
 __all__ = ["eliminate_identities"]
-
-
-def _graphs(model: ir.Model) -> list[ir.Graph]:
-    out = [model.graph]
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                out.append(attr.as_graph())
-            elif attr.type == ir.AttributeType.GRAPHS:
-                out.extend(attr.as_graphs())
-    return out
 
 
 def _output_of(value: ir.Value, graphs: list[ir.Graph]) -> list[ir.Graph]:
@@ -44,7 +35,7 @@ def eliminate_identities(model: ir.Model) -> int:
     """Remove the ``Identity`` nodes of ``model`` (all its graphs) that can go exactly (module doc); returns how
     many were removed."""
     removed = 0
-    graphs = _graphs(model)  # removing an Identity adds or drops no subgraph
+    graphs = all_graphs(model)  # removing an Identity adds or drops no subgraph
     for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
         if node.op_type != "Identity" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 1 \
                 or len(node.outputs) != 1 or node.inputs[0] is None:

@@ -225,23 +225,8 @@ def upgrade_opset(model: ir.Model) -> ir.Model:
         if limit == version:
             return model
         return _downgrade_opset(model, version, limit)
-    import onnx
-    from onnx import version_converter
-
-    try:
-        proto = version_converter.convert_version(ir.to_proto(model), MIN_OPSET)
-        proto.ir_version = max(proto.ir_version, 7)  # opset 13 needs IR version 7
-        onnx.checker.check_model(proto)
-        converted = ir.from_proto(proto)
-    except Exception as exc:  # noqa: BLE001 - the converter raises RuntimeError / ValidationError / ...
-        raise ModelError(
-            f"the model's default-domain opset is {version}; quantkit needs {MIN_OPSET} or newer, and "
-            f"onnx.version_converter cannot convert it ({type(exc).__name__}: {str(exc).strip()[:300]}); allowed: a "
-            f"model exported with opset >= {MIN_OPSET}"
-        ) from None
-    log.info("the model's opset %d was converted to opset %d (onnx.version_converter) before any work", version,
-             MIN_OPSET)
-    return converted
+    return _convert_opset(model, MIN_OPSET, why=f"quantkit needs {MIN_OPSET} or newer",
+                          allowed=f"a model exported with opset >= {MIN_OPSET}")
 
 
 def _downgrade_opset(model: ir.Model, version: int, limit: int | None) -> ir.Model:
@@ -250,26 +235,42 @@ def _downgrade_opset(model: ir.Model, version: int, limit: int | None) -> ir.Mod
     Raises:
         ModelError: no such opset, or ``onnx.version_converter`` cannot convert the model to it.
     """
-    import onnx
     import onnxruntime as ort
-    from onnx import version_converter
 
-    allowed = f"a model exported with a default-domain opset from {MIN_OPSET} to {limit}" if limit else "none"
     if limit is None:
         raise ModelError(f"the model's default-domain opset is {version}; ONNX Runtime {ort.__version__} has no "
                          f"QuantizeLinear / DequantizeLinear kernel at it or at any opset down to {MIN_OPSET}")  # fmt: skip
+    why = f"ONNX Runtime {ort.__version__} has QuantizeLinear / DequantizeLinear kernels up to opset {limit} only"
+    allowed = f"a model exported with a default-domain opset from {MIN_OPSET} to {limit}"
+    converted = _convert_opset(model, limit, why=why, allowed=allowed)
+    log.warning("the model's opset %d is newer than ONNX Runtime %s's quantization kernels: converted to opset %d "
+                "(onnx.version_converter) before any work", version, ort.__version__, limit)  # fmt: skip
+    return converted
+
+
+def _convert_opset(model: ir.Model, target: int, *, why: str, allowed: str) -> ir.Model:
+    """``model`` converted to default-domain opset ``target`` by ``onnx.version_converter`` and checked.
+
+    Raises:
+        ModelError: the converter or the checker fails (``why`` the conversion was needed, ``allowed`` what to give).
+    """
+    import onnx
+    from onnx import version_converter
+
+    version = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
     try:
-        proto = version_converter.convert_version(ir.to_proto(model), limit)
+        proto = version_converter.convert_version(ir.to_proto(model), target)
+        proto.ir_version = max(proto.ir_version, 7)  # opset 13 and later need IR version 7
         onnx.checker.check_model(proto)
         converted = ir.from_proto(proto)
     except Exception as exc:  # noqa: BLE001 - the converter raises RuntimeError / ValidationError / ...
         raise ModelError(
-            f"the model's default-domain opset is {version}; ONNX Runtime {ort.__version__} has QuantizeLinear / "
-            f"DequantizeLinear kernels up to opset {limit} only, and onnx.version_converter cannot convert the model "
-            f"down to it ({type(exc).__name__}: {str(exc).strip()[:300]}); allowed: {allowed}"
+            f"the model's default-domain opset is {version}; {why}, and onnx.version_converter cannot convert it to "
+            f"opset {target} ({type(exc).__name__}: {str(exc).strip()[:300]}); allowed: {allowed}"
         ) from None
-    log.warning("the model's opset %d is newer than ONNX Runtime %s's quantization kernels: converted to opset %d "
-                "(onnx.version_converter) before any work", version, ort.__version__, limit)  # fmt: skip
+    if target == MIN_OPSET and version is not None and version < MIN_OPSET:
+        log.info("the model's opset %d was converted to opset %d (onnx.version_converter) before any work", version,
+                 target)  # fmt: skip
     return converted
 
 
