@@ -13,8 +13,8 @@ onnx_ir's ``IdentityEliminationPass`` (1.1) removes ``y = Identity(x)`` where ``
 
 :func:`eliminate_identities` removes an ``Identity`` only where that is exact: its output is no graph's output
 (its readers then read ``x``), or its output is an output of the graph it lives in and ``x`` is produced by a node
-of that same graph, read by nothing else that is a graph output, and is neither a graph input nor an initializer
-(then ``x`` takes the output's name).  Every other ``Identity`` stays; ONNX Runtime runs it as a copy.
+of that same graph and is not itself an output, a graph input or an initializer of any graph (then ``x`` takes
+the output's name).  Every other ``Identity`` stays; ONNX Runtime runs it as a copy.
 """
 
 from __future__ import annotations
