@@ -43,6 +43,8 @@ __all__ = ["KernelCheck", "PairRisk", "emulate_saturation", "energies", "with_ou
 _DIRECT_INT8 = {"MatMulInteger": 1, "MatMulIntegerToFloat": 1, "DynamicQuantizeMatMul": 1,
                 # QOperator-format models (ONNX Runtime's quantize_static with QuantFormat.QOperator)
                 "QLinearConv": 3, "ConvInteger": 1, "QGemm": 3, "QLinearMatMul": 3}  # fmt: skip
+_EMULATED_DIRECT = ("MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul")
+"""The direct int8 ops :func:`emulate_saturation` emulates (activation codes input 0, weight input 1, a MatMul)."""
 _VIEW_KIND = {"QLinearConv": "Conv", "ConvInteger": "Conv", "QGemm": "Gemm"}
 """The kernel layout of a direct int8 op's weight (:func:`quantkit.scheme.saturation.kernel_view`); others: MatMul."""
 _QDQ_WEIGHTED = {"Conv": 1, "Gemm": 1, "MatMul": 1}
@@ -372,8 +374,8 @@ def emulate_saturation(model: onnx.ModelProto, env: dict[str, np.ndarray], layer
     for node in model.graph.node:
         if node.name not in layers or len(node.input) < 2:
             continue
-        if node.op_type in _DIRECT_INT8 and _DIRECT_INT8[node.op_type] != 1:
-            continue  # QOperator ops: flagged by pair_risks, not emulated
+        if node.op_type in _DIRECT_INT8 and node.op_type not in _EMULATED_DIRECT:
+            continue  # QOperator ops (QLinearConv, ConvInteger, ...): flagged by pair_risks, not emulated
         if node.op_type in _DIRECT_INT8:
             x, w, xzp = env.get(node.input[0]), arr(node.input[1]), 0
         else:

@@ -177,7 +177,6 @@ model's opset is probed (:func:`qdq_opset_limit`)."""
 def _qdq_runs(opset: int) -> bool:
     """Whether this ONNX Runtime has QuantizeLinear / DequantizeLinear kernels at default-domain ``opset`` (a tiny
     session, a few milliseconds)."""
-    import numpy as np
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -225,8 +224,11 @@ def upgrade_opset(model: ir.Model) -> ir.Model:
         if limit == version:
             return model
         return _downgrade_opset(model, version, limit)
-    return _convert_opset(model, MIN_OPSET, why=f"quantkit needs {MIN_OPSET} or newer",
-                          allowed=f"a model exported with opset >= {MIN_OPSET}")
+    converted = _convert_opset(model, MIN_OPSET, why=f"quantkit needs {MIN_OPSET} or newer",
+                               allowed=f"a model exported with opset >= {MIN_OPSET}")
+    log.info("the model's opset %d was converted to opset %d (onnx.version_converter) before any work", version,
+             MIN_OPSET)
+    return converted
 
 
 def _downgrade_opset(model: ir.Model, version: int, limit: int | None) -> ir.Model:
@@ -268,9 +270,6 @@ def _convert_opset(model: ir.Model, target: int, *, why: str, allowed: str) -> i
             f"the model's default-domain opset is {version}; {why}, and onnx.version_converter cannot convert it to "
             f"opset {target} ({type(exc).__name__}: {str(exc).strip()[:300]}); allowed: {allowed}"
         ) from None
-    if target == MIN_OPSET and version is not None and version < MIN_OPSET:
-        log.info("the model's opset %d was converted to opset %d (onnx.version_converter) before any work", version,
-                 target)  # fmt: skip
     return converted
 
 
