@@ -11,7 +11,8 @@ Usage::
     python eval/bench_readme.py --out eval/results/readme_main_job_x86-vnni.json [--work /tmp/readme-run]
 
 pip's wheels come from its own cache (not measured: a first download depends on the network). Needs ~3 GB in
-``--work``; the folder is removed first and kept afterwards for inspection.
+``--work``; the folder is removed first when this script wrote it (its ``.bench-readme`` marker; any other
+non-empty folder is refused) and kept afterwards for inspection.
 """
 
 from __future__ import annotations
@@ -70,8 +71,13 @@ def main() -> None:
     ap.add_argument("--repo", default=str(ROOT), help="the repository to clone (its HEAD)")
     args = ap.parse_args()
     work = Path(args.work)
-    shutil.rmtree(work, ignore_errors=True)
+    marker = work / ".bench-readme"
+    if work.exists() and any(work.iterdir()) and not marker.is_file():
+        raise SystemExit(f"--work {work} exists and was not written by this script (no {marker.name}): give an empty "
+                         "or new folder")  # fmt: skip
+    shutil.rmtree(work, ignore_errors=True)  # only a folder this script made before (its marker is there)
     work.mkdir(parents=True)
+    marker.write_text("written by eval/bench_readme.py; removed and rewritten by its next run\n", encoding="utf-8")
     clone = work / "clone"
     subprocess.run(["git", "clone", "-q", args.repo, str(clone)], check=True)
     head = subprocess.run(["git", "-C", str(clone), "rev-parse", "--short", "HEAD"], check=True, capture_output=True,
