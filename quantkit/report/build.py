@@ -139,6 +139,60 @@ _W8A8_HINT = ("for prefill-heavy use try int8_dynamic (W8A8) on the largest laye
               "search.metric: latency finds the mix)")
 
 
+GROUP_PADDING_NOTE = 0.02
+"""Share of the weight-only codes' bytes that are padding (group sizes that do not divide K) above which the report
+says so."""
+
+
+def _figures(r: Mapping[str, Any]) -> tuple[int, int, int, int] | None:
+    """A weight-only row's ``(K, N, group_size, bits)``, or None where one is missing (a per-channel layer)."""
+    v = tuple(r.get(c) for c in ("K", "N", "group_size", "bits"))
+    return v if all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v) else None  # type: ignore[return-value]
+
+
+def _stored_k(r: Mapping[str, Any], k: int, g: int) -> int:
+    """K as one column's codes are stored: rounded up to whole groups by a MatMulNBits (``[N, K / g, g / 2]``);
+    a GatherBlockQuantized table stores its rows unpadded (only its scales are per group)."""
+    return k if r.get("kernel") == "GatherBlockQuantized" else -(-k // g) * g
+
+
+def _group_bytes(r: Mapping[str, Any], k: int, n: int, g: int, bits: int) -> float:
+    """Bytes of one weight-only layer's codes, float16 scales and (asymmetric) packed zero points at group size g."""
+    return n * _stored_k(r, k, g) * bits / 8 + n * -(-k // g) * (2 + (0 if r.get("symmetric", True) else bits / 8))
+
+
+def group_padding_warnings(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Weight-only layers whose group size does not divide K: each column's last group is stored whole (a MatMulNBits
+    pads it with zero codes), so part of the codes' bytes - read on every token - hold nothing.  Above
+    :data:`GROUP_PADDING_NOTE` of the codes, a warning naming the layers' K and the largest power-of-two group size
+    below the chosen one that divides every K, with what it would change in bytes."""
+    rows_f = [(r, f) for r in rows if (f := _figures(r)) is not None]
+    padded = total = 0.0
+    ks: dict[int, int] = {}
+    for r, (k, n, g, bits) in rows_f:
+        stored = _stored_k(r, k, g)
+        padded += n * (stored - k) * bits / 8
+        total += n * stored * bits / 8
+        if stored != k:
+            ks[k] = ks.get(k, 0) + 1
+    if not ks or total <= 0 or padded / total < GROUP_PADDING_NOTE:
+        return []
+    groups = sorted({f[2] for _, f in rows_f})
+    fit = next((c for c in (groups[-1] >> i for i in range(1, 8))
+                if c >= 16 and all(f[0] % c == 0 for _, f in rows_f)), None)
+    which = ", ".join(f"K = {k} ({c} layer{'s' if c > 1 else ''})" for k, c in sorted(ks.items()))
+    if fit:
+        delta = sum(_group_bytes(r, k, n, fit, bits) - _group_bytes(r, k, n, g, bits) for r, (k, n, g, bits) in rows_f)
+        hint = (f"; group_size: {fit} divides every K: a finer grid without padding, "
+                f"{abs(delta) / 2**20:.1f} MiB {'smaller' if delta <= 0 else 'larger'} (codes, scales, zero points)")
+    else:
+        hint = "; no power-of-two group size from 16 up divides every K"
+    return [f"the group size ({'/'.join(str(x) for x in groups)}) does not divide the input width of "
+            f"{sum(ks.values())} weight-only layer(s) - {which}: each column's last group is padded with zero codes, "
+            f"{100 * padded / total:.1f}% of the weight codes' bytes ({padded / 2**20:.1f} MiB), which a MatMulNBits "
+            f"reads on every token{hint}"]
+
+
 def llm_latency_warnings(latency: Mapping[str, Any], int4_kernel: Mapping[str, Any] | None) -> list[str]:
     """A causal LM whose prefill is no faster than FP32 (at most :data:`PREFILL_NO_GAIN`): why, and what to try.
 
@@ -498,7 +552,7 @@ def complete_report(rep: dict[str, Any], *, load: Mapping[str, Any] | None = Non
     rep["measurement"] = measurement(rep, load)
     rep.setdefault("int4_kernel", None)
     rep["warnings"] = list(rep.get("warnings") or []) + llm_latency_warnings(
-        rep.get("latency") or {}, rep.get("int4_kernel"))
+        rep.get("latency") or {}, rep.get("int4_kernel")) + group_padding_warnings(rep.get("weight_only") or [])
     rep["method"] = method_of(rep)
     rep["summary"] = summary_of(rep, latency_note)
     return rep
