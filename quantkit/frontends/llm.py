@@ -61,7 +61,7 @@ import onnx_ir.passes
 
 from quantkit.errors import ModelError
 from quantkit.frontends.cache import atomic_write_dir, cache_dir, verified_entry
-from quantkit.frontends.torch_module import DEFAULT_OPSET, _quiet_export
+from quantkit.frontends.torch_module import DEFAULT_OPSET, _quiet_export, optimize_exported
 
 if TYPE_CHECKING:
     import torch
@@ -391,6 +391,7 @@ def export_causal_lm_with_cache(folder: str | Path, *, opset: int = DEFAULT_OPSE
                     dynamo=True,
                     external_data=True,
                     dynamic_shapes=dynamic,
+                    optimize=False,  # optimize_exported below
                 )
         except Exception as e:
             raise ModelError(
@@ -398,6 +399,7 @@ def export_causal_lm_with_cache(folder: str | Path, *, opset: int = DEFAULT_OPSE
                 f"exporter log (tail):\n{log.getvalue()[-4000:]}"
             ) from e
         model = onnx_ir.external_data.load_to_model(ir.load(path))
+        optimize_exported(model)
     # The present tensors' length is past_seq + seq; give the outputs a readable dim name.
     for out in model.graph.outputs[1:]:
         if out.shape is not None and len(out.shape) == 4:

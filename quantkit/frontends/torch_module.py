@@ -35,11 +35,89 @@ from quantkit.frontends._canonicalize import ReduceMeanToGlobalAveragePoolPass
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_OPSET", "example_from_loader", "from_torch"]
+__all__ = ["DEFAULT_OPSET", "example_from_loader", "from_torch", "optimize_exported"]
 
 #: The dynamo exporter's native opset in torch 2.13; asking for a lower one triggers a
 #: version conversion that fails on ``Pad`` (17), a higher one a conversion we do not need.
 DEFAULT_OPSET = 18
+
+
+def optimize_exported(model: ir.Model) -> None:
+    """What ``torch.onnx.export(..., optimize=True)`` does to the exported graph (onnxscript's ``optimize_ir``:
+    constant folding, its pattern rewrites, unused-node removal, lifting constants), in place - without its
+    arithmetic no-op rules.
+
+    Those rules drop ``Add(x, c)`` / ``Sub(x, c)`` as "x + 0" and ``Mul(x, c)`` / ``Div(x, c)`` as "x * 1" when
+    ``c`` is within onnxscript's pattern tolerance of 0 or 1 (absolute 1e-8, relative 1e-5): an RMSNorm with
+    ``eps = 1e-8`` (Helium's default) lost its epsilon, an all-zero embedding row (a padding token) became
+    ``rsqrt(0) = inf`` and NaN spread through attention to every position of the sequence, silently; a
+    ``Mul`` by 1.000001 vanished too.  Exact no-ops go afterwards (:func:`remove_exact_noops`).  Falls back to onnxscript's own ``optimize_ir`` when its rule tables are not where this version keeps them."""
+    from onnxscript import optimizer
+
+    try:
+        import onnx_ir.passes.common as common
+        from onnxscript import rewriter
+        from onnxscript.optimizer import _constant_folding
+        from onnxscript.rewriter.rules.common import _no_op
+
+        exact = {id(_no_op.dropout_zero_rule), id(_no_op.dropout_inference_rule)}
+        tolerant = {id(r) for r in _no_op.rules.rules if id(r) not in exact}
+        rules = [r for r in rewriter._DEFAULT_REWRITE_RULES if id(r) not in tolerant]
+    except (ImportError, AttributeError):
+        optimizer.optimize_ir(model)
+        return
+    ir.passes.Sequential(
+        common.InlinePass(),
+        ir.passes.PassManager([_constant_folding.FoldConstantsPass(
+                                   shape_inference=True,
+                                   input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
+                                   output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT),
+                               rewriter.RewritePass(rules), common.RemoveUnusedNodesPass(),
+                               common.RemoveUnusedFunctionsPass(), common.RemoveUnusedOpsetsPass()],
+                              steps=2, early_stop=True),
+        common.RemoveUnusedNodesPass(),
+        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common.LiftSubgraphInitializersToMainGraphPass(),
+        common.DeduplicateInitializersPass(),
+        common.CommonSubexpressionEliminationPass(),
+        common.OutputFixPass(),
+        common.NameFixPass(),
+    )(model)  # fmt: skip
+    remove_exact_noops(model)
+
+
+_NEUTRAL = {"Add": (0.0, (0, 1)), "Sub": (0.0, (1,)), "Mul": (1.0, (0, 1)), "Div": (1.0, (1,))}
+"""Binary ops that are the identity when one operand (at the positions given) is exactly this scalar."""
+
+
+def remove_exact_noops(model: ir.Model) -> int:
+    """Remove ``x + 0``, ``x - 0``, ``x * 1`` and ``x / 1`` from the main graph where the constant is a single element
+    exactly 0 / 1 and the result has ``x``'s element type and shape (the constant broadcasts to nothing); a graph
+    output is kept.  Returns how many were removed."""
+    import numpy as np
+
+    graph, removed = model.graph, 0
+    outputs = set(map(id, graph.outputs))
+    for node in list(graph):
+        rule = _NEUTRAL.get(node.op_type)
+        if rule is None or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2 or len(node.outputs) != 1:
+            continue
+        neutral, positions = rule
+        out = node.outputs[0]
+        if id(out) in outputs:
+            continue
+        for pos in positions:
+            c, x = node.inputs[pos], node.inputs[1 - pos]
+            tensor = None if c is None else ir.convenience.get_const_tensor(c)
+            if x is None or tensor is None or tensor.size != 1 or x.shape is None or x.type is None:
+                continue
+            if x.type != out.type or len(tensor.shape) > len(x.shape) or not np.all(tensor.numpy() == neutral):
+                continue
+            ir.convenience.replace_all_uses_with(out, x)
+            graph.remove(node, safe=True)
+            removed += 1
+            break
+    return removed
 
 
 @contextlib.contextmanager
@@ -299,6 +377,7 @@ def from_torch(
                         dynamo=True,
                         external_data=True,
                         dynamic_shapes=dynamic_shapes,
+                        optimize=False,  # optimize_exported below: onnxscript's optimizer minus its tolerant no-ops
                     )
             except Exception as e:
                 tail = log.getvalue()[-4000:]
@@ -309,6 +388,7 @@ def from_torch(
             model = ir.load(path)
             # Pull external data into memory before the temporary folder disappears.
             model = onnx_ir.external_data.load_to_model(model)
+            optimize_exported(model)
         if output_names is None:
             _name_outputs(model, program)
     finally:
