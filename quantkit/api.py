@@ -118,12 +118,20 @@ def quantize(
                                         evaluate=evaluate, measure_latency=measure_latency, progress=progress,
                                         t_start=t_start)  # fmt: skip
         else:
+            from quantkit.llm_run import unstreamed_decoder_note
             from quantkit.threads import blas_threads
+
+            unstreamed = unstreamed_decoder_note(model if model is not None else
+                                                 rec.model.source if rec.model is not None else None)
+            if unstreamed:
+                log.warning("%s", unstreamed)
 
             with blas_threads():  # NumPy's BLAS beside ONNX Runtime's pools: one thread (quantkit.threads)
                 result = _quantize_whole(model, calibration_data, rec, evaluation_data, evaluate, measure_latency,
                                          progress, use_cache, example_inputs, t_start)  # fmt: skip
             result.report.setdefault("memory", memory_section(route.estimate, route.available))
+            if unstreamed:
+                result.report.setdefault("warnings", []).append(unstreamed)
     finally:
         peak = meter.stop()
     if gguf is not None:

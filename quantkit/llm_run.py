@@ -15,6 +15,7 @@ that fit; the report's ``fp32_baseline`` says which and why.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
@@ -547,6 +548,33 @@ small model's peak is its activations, which the calibration bounds itself (``ma
 
 def _weights_large(est: Estimate) -> bool:
     return est.weights_bytes >= LARGE_MODEL_BYTES
+
+
+def unstreamed_decoder_note(source: Any) -> str | None:
+    """For a Hugging Face folder of a causal LM (``config.json`` names a ``...ForCausalLM`` / ``...LMHeadModel``
+    architecture) whose family the layer-wise builder does not support, what taking the whole-graph path instead
+    means for the user; None for anything else (a supported decoder, an encoder, an ONNX file, a module)."""
+    from quantkit.frontends.families import supported_model_types
+
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    cfg_path = Path(source).expanduser() / "config.json"
+    if not cfg_path.is_file() or decoder_folder(source) is not None:
+        return None
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError):
+        return None
+    archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+    if cfg.get("model_type") in supported_model_types():  # a supported family the builder refused: it says why
+        return None
+    if not isinstance(archs, list) or not any(isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel"))
+                                              for a in archs):
+        return None
+    return (f"model_type {str(cfg.get('model_type', '?'))!r} is not a decoder family the layer-wise builder supports "
+            f"({', '.join(supported_model_types())}): it is exported whole and quantized as one full-sequence graph "
+            "- no KV cache (`quantkit generate` cannot run it, decoding speed is not measured) and the FP32 model held "
+            "in memory several times over instead of one block at a time")  # fmt: skip
 
 
 def decoder_folder(source: Any) -> Path | None:

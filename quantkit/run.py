@@ -259,6 +259,12 @@ def _causal_logits(proto: onnx.ModelProto) -> bool:
         return False
     if a.ndim != 3 or a.shape[1] != seq or a.shape[2] <= 98:
         return False
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        log.warning("the FP32 model's logits are not finite (inf / NaN) on token ids %s: it is evaluated as a "
+                    "generic model (output fidelity), not as a causal LM (no perplexity, no greedy agreement). "
+                    "Check the float model first (a norm whose epsilon is missing, an overflow in float16)",
+                    " ".join(str(int(t)) for t in ids[0]))
+        return False
     return bool(np.allclose(a[:, :-1], b[:, :-1], rtol=1e-4, atol=1e-4) and not np.allclose(a[:, -1], b[:, -1]))
 
 
