@@ -51,7 +51,8 @@ def optimize_exported(model: ir.Model) -> None:
     ``c`` is within onnxscript's pattern tolerance of 0 or 1 (absolute 1e-8, relative 1e-5): an RMSNorm with
     ``eps = 1e-8`` (Helium's default) lost its epsilon, an all-zero embedding row (a padding token) became
     ``rsqrt(0) = inf`` and NaN spread through attention to every position of the sequence, silently; a
-    ``Mul`` by 1.000001 vanished too.  Exact no-ops go afterwards (:func:`remove_exact_noops`).  Falls back to onnxscript's own ``optimize_ir`` when its rule tables are not where this version keeps them."""
+    ``Mul`` by 1.000001 vanished too.  Exact no-ops go afterwards (:func:`remove_exact_noops`).  Falls back to
+    onnxscript's own ``optimize_ir`` when its rule tables are not where this version keeps them."""
     from onnxscript import optimizer
 
     try:

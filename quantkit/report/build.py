@@ -184,7 +184,9 @@ def group_padding_warnings(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     if fit:
         delta = sum(_group_bytes(r, k, n, fit, bits) - _group_bytes(r, k, n, g, bits) for r, (k, n, g, bits) in rows_f)
         hint = (f"; group_size: {fit} divides every K: a finer grid without padding, "
-                f"{abs(delta) / 2**20:.1f} MiB {'smaller' if delta <= 0 else 'larger'} (codes, scales, zero points)")
+                f"{abs(delta) / 2**20:.1f} MiB {'smaller' if delta <= 0 else 'larger'} (codes, scales, zero points); "
+                "but a MatMulNBits also pays per group at one token per call, so more, smaller groups can decode "
+                "slower than fewer padded ones: time both (report.latency) before choosing")
     else:
         hint = "; no power-of-two group size from 16 up divides every K"
     return [f"the group size ({'/'.join(str(x) for x in groups)}) does not divide the input width of "
