@@ -119,7 +119,8 @@ class Family:
     Mistral, Phi-3); ``layer_types`` (``config.layer_types``, or the family's default pattern)."""
     window_rule: str = ""
     """For ``windows="layer_types"`` without ``layer_types`` in config.json, which layers are windowed: ``every-2`` /
-    ``every-6`` (all but every n-th: Gemma 2 / 3), ``qwen`` (from ``max_window_layers`` on, and only with
+    ``every-6`` (all but every n-th: Gemma 2 / 3), ``all`` (every layer when ``sliding_window`` is set: Ministral),
+    ``qwen`` (from ``max_window_layers`` on, and only with
     ``use_sliding_window``, as Qwen2 / Qwen3), ``nope`` (the layers without RoPE, with ``use_sliding_window``:
     SmolLM3)."""
     nope_layers: bool = False
@@ -181,6 +182,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama", "smollm", "smollm2"), "LLaMA / SmolLM", genai_type="llama"),
     Family("mistral", ("mistral",), "Mistral", windows="all", defaults=(("sliding_window", 4096),),
            genai_type="mistral"),
+    Family("ministral", ("ministral",), "Ministral", windows="layer_types", window_rule="all",
+           defaults=(("sliding_window", 4096),), genai_type="mistral"),
     Family("qwen2", ("qwen2",), "Qwen2 / Qwen2.5", windows="layer_types", window_rule="qwen", genai_type="qwen2"),
     Family("qwen3", ("qwen3",), "Qwen3", names=Names(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm"),
            windows="layer_types", window_rule="qwen", genai_type="qwen3"),
@@ -540,6 +543,8 @@ def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, w
                 raise ModelError(f"{where}: layer_types {str(given)[:120]}; allowed: a list of {L} (num_hidden_layers) "
                                  f"entries, each {FULL!r} or {SLIDING!r}")  # fmt: skip
             types = tuple(given)
+        elif fam.window_rule == "all":  # every layer windowed when there is a window (Ministral's default)
+            types = tuple(SLIDING if window is not None else FULL for _ in range(L))
         elif fam.window_rule.startswith("every-"):
             n = int(fam.window_rule.split("-")[1])
             types = tuple(SLIDING if (i + 1) % n else FULL for i in range(L))
@@ -557,8 +562,8 @@ def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, w
                 raise ModelError(f"{where}: layer_types has sliding_attention layers but sliding_window is null; "
                                  "allowed: an integer >= 1")  # fmt: skip
             types = ()
-        if SLIDING not in types:
-            types = ()
+        if SLIDING not in types:  # every layer full: no window anywhere (an empty layer_types windows them all)
+            types, window = (), None
     elif fam.windows == "none":
         window = None
     extra["sliding_window"] = window

@@ -86,13 +86,16 @@ def _spec(kind: str) -> tuple[Any, Any]:
                                                      sliding_window=_WINDOW)
     if kind == "mistral_window":
         return t.MistralForCausalLM, t.MistralConfig(**c, sliding_window=_WINDOW)
+    if kind == "ministral":  # Mistral's block with per-layer windows (layer_types)
+        return t.MinistralForCausalLM, t.MinistralConfig(**c, head_dim=16, sliding_window=_WINDOW,
+                                                         layer_types=["sliding_attention", "full_attention"])
     if kind == "qwen2_window":  # the sliding window from layer max_window_layers on
         return t.Qwen2ForCausalLM, t.Qwen2Config(**c, use_sliding_window=True, sliding_window=_WINDOW, max_window_layers=1)
     raise AssertionError(kind)
 
 
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
-         "qwen2_window", "llama_dynamic"]
+         "qwen2_window", "llama_dynamic", "ministral"]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
@@ -460,3 +463,23 @@ def test_mixture_of_experts_is_refused_on_both_paths_naming_why(tmp_path: Path, 
         with pytest.raises(ModelError, match=r"is a mixture-of-experts decoder \(num_\w+: \d\); quantkit does not "
                                              r"support MoE models.*whole-graph path cannot export it"):
             call(tmp_path)
+
+
+@pytest.mark.parametrize(("cfg", "windows"), [
+    ({"model_type": "ministral", "sliding_window": 8}, [8, 8, 8]),  # no layer_types: every layer (transformers' default)
+    ({"model_type": "ministral", "sliding_window": None}, [None, None, None]),
+    ({"model_type": "ministral", "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention",
+                                                                      "full_attention"]}, [8, None, None]),
+    # the window starts at max_window_layers; past the depth no layer is windowed (it used to window them all)
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 28},
+     [None, None, None]),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, [None, 8, 8]),
+    ({"model_type": "gemma2", "sliding_window": 8, "layer_types": ["full_attention"] * 3}, [None, None, None]),
+])  # fmt: skip
+def test_which_layers_attend_through_a_window(cfg: dict[str, Any], windows: list[int | None]) -> None:
+    from quantkit.frontends.families import parse_config
+
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)  # fmt: skip
+    c = parse_config({**base, **cfg}, "config.json")
+    assert [c.window(i) for i in range(3)] == windows
