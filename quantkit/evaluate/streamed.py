@@ -122,6 +122,7 @@ def streamed_perplexity(folder: str | os.PathLike[str], datasets: Mapping[str, A
     from quantkit.evaluate.latency import make_session
     from quantkit.evaluate.perplexity import next_token_nll
     from quantkit.frontends.llm_builder import (
+        HEAD_BIAS,
         _Checkpoint,
         block_model,
         block_tensor_names,
@@ -184,10 +185,15 @@ def streamed_perplexity(folder: str | os.PathLike[str], datasets: Mapping[str, A
         ((_, head),) = list(ckpt.read([f"{names.embed}.weight" if tied else "lm_head.weight"]))
         wt = np.ascontiguousarray(_f32(head).T)  # [H, V], as the decoder's MatMul reads it
         del head
+        head_bias = _f32(dict(ckpt.read([HEAD_BIAS]))[HEAD_BIAS]) if HEAD_BIAS in ckpt else None
         sums: dict[str, list[float]] = {name: [0.0, 0, 0] for name in datasets}
         for j, (name, ids, mask) in enumerate(wins):
             y = _final_norm(cfg, cur.read(j)[0], gamma, beta)
             logits = (y @ wt)[None]
+            if head_bias is not None:  # Phi-2
+                logits = logits + head_bias
+            if cfg.logits_scaling is not None:  # Granite
+                logits = (logits / np.float32(cfg.logits_scaling)).astype(np.float32)
             if cfg.final_softcap is not None:
                 cap = np.float32(cfg.final_softcap)
                 logits = (np.tanh(logits / cap) * cap).astype(np.float32)
@@ -255,8 +261,10 @@ def truncate_decoder(path: str | os.PathLike[str], blocks: int, out_path: str | 
     g = m.graph
     by_name = {n.name: n for n in g.node}
     final = by_name.get(cfg.spec.names.final_norm)
-    cut = by_name.get(f"{block_prefix(cfg, blocks)}.{cfg.spec.names.attn_norm}")
-    if final is None or cut is None or final.op_type not in _SKIP_NORMS or cut.op_type not in _SKIP_NORMS:
+    attn_norm = cfg.spec.names.attn_norm  # None: the block adds its input without a norm (OLMo-2)
+    cut = by_name.get(f"{block_prefix(cfg, blocks)}.{attn_norm}" if attn_norm else f"{block_prefix(cfg, blocks)}/input_add")
+    if (final is None or cut is None or final.op_type not in _SKIP_NORMS
+            or cut.op_type not in (_SKIP_NORMS if attn_norm else ("Add",))):  # fmt: skip
         raise ModelError(f"{path}: no final norm / input norm of block {blocks} fusing the residual add: not a "
                          "decoder of quantkit's builder")  # fmt: skip
     final.input[0], final.input[1] = cut.input[0], cut.input[1]

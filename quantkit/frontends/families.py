@@ -64,9 +64,12 @@ class Names:
     positions: str | None = None
     layers: str = "model.layers"
     final_norm: str = "model.norm"
-    attn_norm: str = "input_layernorm"
+    attn_norm: str | None = "input_layernorm"
+    """None: attention reads the residual stream itself (OLMo-2 normalizes only the block's outputs)."""
     attn_post_norm: str | None = None
-    mlp_norm: str = "post_attention_layernorm"
+    mlp_norm: str | None = "post_attention_layernorm"
+    """None: the MLP reads the attention's input norm (Phi-2's parallel block has one norm), or, in a sequential
+    block, the residual stream itself (OLMo-2)."""
     mlp_post_norm: str | None = None
     q: str | None = "self_attn.q_proj"
     k: str | None = "self_attn.k_proj"
@@ -74,12 +77,20 @@ class Names:
     qkv: str | None = None
     q_norm: str | None = None
     k_norm: str | None = None
+    qk_norm_whole: bool = False
+    """q / k norms over the whole projection (``[heads * head_dim]`` weights, OLMo-2) instead of per head."""
     o: str = "self_attn.o_proj"
     gate: str | None = "mlp.gate_proj"
     up: str | None = "mlp.up_proj"
     gate_up: str | None = None
     down: str = "mlp.down_proj"
     act: str = "mlp.act_fn"
+    qkv_per_head: bool = False
+    """The packed ``qkv`` weight interleaves per head (``[q_0 k_0 v_0 q_1 k_1 v_1 ...]``, GPT-NeoX); its rows are
+    reordered to ``[q | k | v]`` as they are read."""
+    stored_aliases: tuple[tuple[str, str], ...] = ()
+    """``(graph name, stored name)`` of tensors that older checkpoints store under another name (GPT-NeoX's
+    ``embed_out.weight`` for ``lm_head.weight``)."""
     stored_prefix: str = ""
     """A prefix that checkpoints may lack (GPT-2 on the Hub stores ``h.0.attn...``, ``save_pretrained`` of
     ``GPT2LMHeadModel`` ``transformer.h.0.attn...``): such a tensor is read under the shorter name."""
@@ -137,6 +148,18 @@ class Family:
     ``null`` stays null), where they differ from the builder's generic defaults."""
     intermediate_default: int = 0
     """``intermediate_size`` as a multiple of ``hidden_size`` when config.json has none (GPT-2's ``n_inner``: 4)."""
+    parallel: str = "never"
+    """Whether attention and MLP read the same stream and add to it together (``x + attn(n1(x)) + mlp(n2(x))``):
+    ``never``; ``always`` (Phi-2); ``config`` (as ``use_parallel_residual`` says, :attr:`parallel_default` when it
+    is absent: StableLM, GPT-NeoX)."""
+    parallel_default: bool = False
+    parallel_shared_norm: bool = True
+    """In a parallel block the MLP reads the attention's input norm (Phi-2, StableLM; ``names.mlp_norm`` is then
+    not in the checkpoint); False: its own norm of the block input (GPT-NeoX)."""
+    multipliers: bool = False
+    """Granite's scalars are read: ``embedding_multiplier`` (the embedding rows), ``residual_multiplier`` (attention
+    and MLP outputs before each residual add), ``attention_multiplier`` (the attention scale, instead of
+    ``head_dim ** -0.5``) and ``logits_scaling`` (the logits are divided by it)."""
     genai_type: str = ""
 
     @property
@@ -167,6 +190,8 @@ class Family:
                     "moved across a rotation)")  # fmt: skip
         if self.names.positions is not None:
             return "it adds a learned position table to the stream"
+        if self.parallel != "never":
+            return "its attention and MLP read the block input in parallel (not handled by the rotation)"
         return None
 
     @property
@@ -223,6 +248,31 @@ FAMILIES: tuple[Family, ...] = (
                            ("intermediate_size", "n_inner"), ("rms_norm_eps", "layer_norm_epsilon")),
            refuse_true=("add_cross_attention",), defaults=(("n_positions", 1024), ("layer_norm_epsilon", 1e-5)),
            intermediate_default=4, genai_type="gpt2"),
+    Family("granite", ("granite",), "Granite (3.x dense)", multipliers=True, genai_type="granite"),
+    Family("phi", ("phi",), "Phi-1 / Phi-1.5 / Phi-2",
+           names=Names(final_norm="model.final_layernorm", mlp_norm=None, o="self_attn.dense", gate=None,
+                       up="mlp.fc1", down="mlp.fc2", act="mlp.activation_fn"),
+           norm="layer", mlp="plain", act_default="gelu_new", default_rope_partial=True, parallel="always",
+           config_aliases=(("rms_norm_eps", "layer_norm_eps"),), refuse_true=("qk_layernorm",),
+           defaults=(("partial_rotary_factor", 0.5), ("layer_norm_eps", 1e-5)), genai_type="phi"),
+    Family("gpt_neox", ("gpt_neox",), "GPT-NeoX / Pythia",
+           names=Names(embed="gpt_neox.embed_in", layers="gpt_neox.layers", final_norm="gpt_neox.final_layer_norm",
+                       q=None, k=None, v=None, qkv="attention.query_key_value", o="attention.dense", gate=None,
+                       up="mlp.dense_h_to_4h", down="mlp.dense_4h_to_h", act="mlp.act", qkv_per_head=True,
+                       stored_aliases=(("lm_head.weight", "embed_out.weight"),)),
+           norm="layer", mlp="plain", act_default="gelu", default_rope_partial=True, parallel="config",
+           parallel_default=True, parallel_shared_norm=False,
+           config_aliases=(("rms_norm_eps", "layer_norm_eps"), ("rope_theta", "rotary_emb_base"),
+                           ("partial_rotary_factor", "rotary_pct")),
+           defaults=(("partial_rotary_factor", 0.25), ("layer_norm_eps", 1e-5)), genai_type="decoder"),
+    Family("olmo2", ("olmo2",), "OLMo-2",
+           names=Names(attn_norm=None, attn_post_norm="post_attention_layernorm", mlp_norm=None,
+                       mlp_post_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm",
+                       k_norm="self_attn.k_norm", qk_norm_whole=True),
+           defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
+    Family("stablelm", ("stablelm",), "StableLM / StableLM 2", norm="layer", default_rope_partial=True,
+           parallel="config", config_aliases=(("rms_norm_eps", "layer_norm_eps"),), refuse_true=("qk_layernorm",),
+           defaults=(("partial_rotary_factor", 0.25), ("layer_norm_eps", 1e-5)), genai_type="decoder"),
 )  # fmt: skip
 
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
@@ -322,6 +372,14 @@ class DecoderConfig:
     """Gemma 3: the RoPE of the sliding layers (None: the same as the full ones)."""
     rope_layers: tuple[bool, ...] = ()
     """Per layer, whether it applies the rotary embedding (SmolLM3's NoPE layers); empty: every layer does."""
+    parallel_residual: bool = False
+    """Attention and MLP read the same block input; their outputs are added to the stream together (Phi-2)."""
+    embedding_multiplier: float | None = None
+    """The embedding rows are multiplied by this (Gemma: ``sqrt(hidden_size)``; Granite: ``embedding_multiplier``)."""
+    residual_multiplier: float | None = None
+    """Attention and MLP outputs are multiplied by this before the residual add (Granite)."""
+    logits_scaling: float | None = None
+    """The logits are divided by this (Granite)."""
 
     @property
     def spec(self) -> Family:
@@ -347,6 +405,13 @@ class DecoderConfig:
             limit = min(self.max_position_embeddings, int(orig or 0)) if _num(orig) else self.max_position_embeddings
             return min(limit, ROTARY_CACHE_POSITIONS)
         return min(self.max_position_embeddings, ROTARY_CACHE_POSITIONS)
+
+    @property
+    def mlp_norm(self) -> str | None:
+        """The norm the MLP reads (a block suffix), None when it reads the attention's input norm."""
+        if self.parallel_residual and self.spec.parallel_shared_norm:
+            return None
+        return self.spec.names.mlp_norm
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` (keys it attends to, itself included), None when it sees all."""
@@ -453,10 +518,12 @@ def parse_config(raw: Any, where: str) -> DecoderConfig:
             else:  # transformers < 5: rope_theta / rope_scaling for the full layers, rope_local_base_freq
                 theta, scaling = _split_rope({**cfg, "rope_theta": cfg.get("rope_theta", 1e6)}, None, fam)
                 local_theta, local_scaling = cfg.get("rope_local_base_freq", 1e4), None
-        partial = cfg.get("partial_rotary_factor", (rope_params or {}).get("partial_rotary_factor", 1.0)
-                          if isinstance(rope_params, dict) else 1.0)  # fmt: skip
+        # config.json's own value, else the RoPE parameters', else the family's default (Phi-2: 0.5)
+        partial = _normalized(raw, fam).get("partial_rotary_factor")
+        if partial is None and isinstance(rope_params, dict):
+            partial = rope_params.get("partial_rotary_factor")
         if partial is None:
-            partial = 1.0
+            partial = dict(fam.defaults).get("partial_rotary_factor", 1.0)
         out = DecoderConfig(
             model_type=model_type,
             hidden_size=hidden,
@@ -577,6 +644,19 @@ def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, w
         if not cfg.get("scale_attn_weights", True):
             extra["attention_scale"] = 1.0
         extra["scale_by_inverse_layer"] = bool(cfg.get("scale_attn_by_inverse_layer_idx", False))
+    if fam.parallel != "never":
+        par = True if fam.parallel == "always" else cfg.get("use_parallel_residual", fam.parallel_default)
+        if not isinstance(par, bool):
+            raise ModelError(f"{where}: use_parallel_residual {par!r}; allowed: true or false")
+        extra["parallel_residual"] = par
+    if fam.multipliers:  # Granite: a value of 1 is no-op and writes no node
+        for key, name in (("embedding_multiplier", "embedding_multiplier"), ("residual_multiplier",
+                          "residual_multiplier"), ("attention_multiplier", "attention_scale"),
+                          ("logits_scaling", "logits_scaling")):  # fmt: skip
+            v = cfg.get(key, 1.0)
+            if not _num(v):
+                raise ModelError(f"{where}: {key} {v!r}; allowed: a finite number > 0")
+            extra[name] = float(v) if (float(v) != 1.0 or name == "attention_scale") else None
     if fam.softcap:
         for key, name in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
             v = cfg.get(key)

@@ -101,6 +101,8 @@ __all__ = [
 ]
 
 OPSET = 21
+HEAD_BIAS = "lm_head.bias"
+"""The lm_head's bias (Phi-2), added to the logits when the checkpoint has it."""
 _MS = "com.microsoft"
 _ALIGN = 4096  # external-data offsets page-aligned: ORT can memory-map them
 _SUPPORTED_TYPES = supported_model_types()  # every model_type of quantkit.frontends.families
@@ -181,8 +183,9 @@ class _Checkpoint:
     """Tensor name -> shard file of a safetensors checkpoint; reads tensors as float32, a few at a time.
 
     With ``cfg``, names are the family's graph names: a tensor stored without the family's optional prefix
-    (GPT-2's ``h.0...`` for ``transformer.h.0...``) is found under it, and ``Conv1D`` weights (stored ``[K, N]``)
-    are returned transposed (a view), as ``nn.Linear`` stores them (``[N, K]``)."""
+    (GPT-2's ``h.0...`` for ``transformer.h.0...``) or under an older name (GPT-NeoX's ``embed_out``) is found
+    under it, ``Conv1D`` weights (stored ``[K, N]``) are returned transposed (a view), as ``nn.Linear`` stores
+    them (``[N, K]``), and a per-head interleaved ``qkv`` (GPT-NeoX) is returned as ``[q | k | v]``."""
 
     def __init__(self, folder: Path, cfg: DecoderConfig | None = None) -> None:
         # the headers are checked (lengths, offsets inside the files, float dtypes) and the index's weight_map
@@ -194,6 +197,7 @@ class _Checkpoint:
         self.cfg = cfg
         self.stored: dict[str, str] = {}  # graph name -> stored name, where they differ
         self.transposed: set[str] = set()  # graph names of Conv1D weights
+        self.reordered: dict[str, np.ndarray] = {}  # graph name -> the order its rows are read in
         if cfg is not None:
             fam = cfg.spec
             prefix = fam.names.stored_prefix
@@ -201,9 +205,17 @@ class _Checkpoint:
                 for k in list(self.tensors):
                     if not k.startswith(prefix) and prefix + k not in self.tensors:
                         self.stored[prefix + k] = k
+            for graph, stored in fam.names.stored_aliases:
+                if graph not in self.tensors and stored in self.tensors:
+                    self.stored[graph] = stored
             if fam.conv1d:
                 self.transposed = {f"{fam.names.layers}.{i}.{s}.weight" for i in range(cfg.num_hidden_layers)
                                    for s in linear_shapes(cfg)}  # fmt: skip
+            if fam.names.qkv_per_head and fam.names.qkv is not None:  # [q_h k_h v_h] per head -> [q | k | v]
+                nh, hd = cfg.num_attention_heads, cfg.head_dim
+                rows = np.arange(3 * nh * hd).reshape(nh, 3, hd).transpose(1, 0, 2).reshape(-1)
+                self.reordered = {f"{fam.names.layers}.{i}.{fam.names.qkv}.{t}": rows
+                                  for i in range(cfg.num_hidden_layers) for t in ("weight", "bias")}  # fmt: skip
 
     def _name(self, name: str) -> str:
         return self.stored.get(name, name)
@@ -233,6 +245,9 @@ class _Checkpoint:
             raise ModelError(f"checkpoint lacks tensors {missing[:4]}")
         for n in names:
             t = read_tensor(self.tensors[self._name(n)])
+            order = self.reordered.get(n)
+            if order is not None and t.shape[:1] == order.shape:
+                t = t[order]
             yield n, (t.T if n in self.transposed else t)
 
 
@@ -565,7 +580,7 @@ def linear_groups(cfg: DecoderConfig) -> tuple[tuple[str, ...], ...]:
 def block_norms(cfg: DecoderConfig) -> list[str]:
     """A block's norms (suffixes), in graph order."""
     n = cfg.spec.names
-    return [s for s in (n.attn_norm, n.attn_post_norm, n.mlp_norm, n.mlp_post_norm) if s is not None]
+    return [s for s in (n.attn_norm, n.attn_post_norm, cfg.mlp_norm, n.mlp_post_norm) if s is not None]
 
 
 def _norm_params(cfg: DecoderConfig, name: str) -> list[str]:
@@ -599,13 +614,15 @@ def check_checkpoint(cfg: DecoderConfig, ckpt: _Checkpoint) -> None:
     want.update({t: (H,) for t in _norm_params(cfg, n.final_norm)})
     if not (cfg.tie_word_embeddings or "lm_head.weight" not in ckpt):
         want["lm_head.weight"] = (V, H)
+    if HEAD_BIAS in ckpt:
+        want[HEAD_BIAS] = (V,)
     for i in range(cfg.num_hidden_layers):
         p = block_prefix(cfg, i)
         for s in block_norms(cfg):
             want.update({t: (H,) for t in _norm_params(cfg, f"{p}.{s}")})
-        for qk in (n.q_norm, n.k_norm):
+        for qk, heads in ((n.q_norm, cfg.num_attention_heads), (n.k_norm, cfg.num_key_value_heads)):
             if qk is not None:
-                want[f"{p}.{qk}.weight"] = (cfg.head_dim,)
+                want[f"{p}.{qk}.weight"] = (cfg.head_dim * (heads if n.qk_norm_whole else 1),)
         for s, shape in linear_shapes(cfg).items():
             want[f"{p}.{s}.weight"] = shape
             if f"{p}.{s}.bias" in ckpt:
@@ -788,7 +805,10 @@ def _norm(g: _GraphBuilder, name: str, x: str, skip: str | None, gamma: Any, bet
 
 
 def _head_norm(g: _GraphBuilder, x: str, name: str, gamma: Any, heads: int) -> str:
-    """RMSNorm of every head of ``x`` (``[B, S, heads * head_dim]``) over its ``head_dim`` (Qwen3, Gemma 3)."""
+    """RMSNorm of every head of ``x`` (``[B, S, heads * head_dim]``) over its ``head_dim`` (Qwen3, Gemma 3), or
+    over the whole projection when the family says so (OLMo-2)."""
+    if g.cfg.spec.names.qk_norm_whole:
+        return _rms_norm(g, x, g.external(f"{name}.weight", gamma), name, g.cfg.rms_norm_eps)
     hd = g.cfg.head_dim
     r = g.node("Reshape", [x, g.const([0, 0, heads, hd])], [f"{name}/Reshape/output_0"], f"{name}/Reshape")[0]
     y = _rms_norm(g, r, g.external(f"{name}.weight", gamma), name, g.cfg.rms_norm_eps)
@@ -835,9 +855,17 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
         q.update(dict(zip(readers, folded, strict=True)))
         return _norm(g, name, x, skip, gamma, beta)
 
-    # input norm (+ the residual add of the previous block, or of the learned positions)
-    h, added = norm(n.attn_norm, residual, pending, attn_in)
-    residual = added or residual
+    # input norm (+ the residual add of the previous block, or of the learned positions); in a parallel block
+    # whose MLP reads the same norm (Phi-2), an AWQ scale folds into it only when all of its readers share one
+    mlp_norm = cfg.mlp_norm
+    shared = cfg.parallel_residual and mlp_norm is None
+    if n.attn_norm is None:  # OLMo-2: attention reads the stream itself
+        if pending is not None:
+            residual = g.node("Add", [residual, pending], [f"{p}/input_add/output_0"], f"{p}/input_add")[0]
+        h = residual
+    else:
+        h, added = norm(n.attn_norm, residual, pending, attn_in + (mlp_in if shared else ()))
+        residual = added or residual
     for s in attn_in:
         taps[f"{p}.{s}"] = h
     fused = None if fam.qk_norm or len(attn_in) == 1 else _fusable([q[s] for s in attn_in])
@@ -852,7 +880,7 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
                for s in attn_in]  # fmt: skip
         if len(qkv) == 1:  # a packed checkpoint weight (Phi-3's qkv_proj, GPT-2's c_attn)
             qkv += ["", ""]
-        if n.q_norm is not None and n.k_norm is not None:  # RMSNorm per head before the rotary embedding
+        if n.q_norm is not None and n.k_norm is not None:  # RMSNorm per head (or whole) before the rotary embedding
             qkv[0] = _head_norm(g, qkv[0], f"{p}.{n.q_norm}", norm_gamma(cfg, w.pop(f"{p}.{n.q_norm}.weight")), nh)
             qkv[1] = _head_norm(g, qkv[1], f"{p}.{n.k_norm}", norm_gamma(cfg, w.pop(f"{p}.{n.k_norm}.weight")), nkv)
     attrs = {"num_heads": nh, "kv_num_heads": nkv, "scale": cfg.scale(i), "do_rotary": int(cfg.uses_rope(i)),
@@ -868,9 +896,17 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
                 q[o_proj])  # fmt: skip
     if n.attn_post_norm is not None:  # Gemma 2: a norm of the attention output before the residual add
         o, _ = norm(n.attn_post_norm, o, None)
-    h, added = norm(n.mlp_norm, residual, o, mlp_in)
-    assert added is not None  # noqa: S101 - a norm with a skip input returns the sum
-    residual = added
+    o = _residual_scaled(g, o, f"{p}.{o_proj}")
+    if cfg.parallel_residual:
+        if mlp_norm is not None:  # GPT-NeoX: the MLP's own norm of the block input (else it reads h, shared)
+            h, _ = norm(mlp_norm, residual, None, mlp_in)
+    elif mlp_norm is None:  # OLMo-2: the MLP reads the stream itself
+        residual = g.node("Add", [residual, o], [f"{p}/attn_add/output_0"], f"{p}/attn_add")[0]
+        h = residual
+    else:
+        h, added = norm(mlp_norm, residual, o, mlp_in)
+        assert added is not None  # noqa: S101 - a norm with a skip input returns the sum
+        residual = added
     for s in mlp_in:
         taps[f"{p}.{s}"] = h
     a = f"{p}.{n.act}"
@@ -901,7 +937,19 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
                       w.pop(f"{p}.{down_proj}.bias", None), q[down_proj])  # fmt: skip
     if n.mlp_post_norm is not None:  # Gemma 2: a norm of the MLP output before the residual add
         pending, _ = norm(n.mlp_post_norm, pending, None)
+    pending = _residual_scaled(g, pending, f"{p}.{down_proj}")
+    if cfg.parallel_residual:  # x + (attn + mlp), the order transformers adds them in
+        pending = g.node("Add", [o, pending], [f"{p}/parallel_add/output_0"], f"{p}/parallel_add")[0]
     return _BlockIO(residual, pending, taps)
+
+
+def _residual_scaled(g: _GraphBuilder, x: str, prefix: str) -> str:
+    """``x * residual_multiplier`` (Granite) before the residual add; ``x`` when there is none."""
+    r = g.cfg.residual_multiplier
+    if r is None:
+        return x
+    return g.node("Mul", [x, g.const(np.float32(r), np.float32)], [f"{prefix}/residual_scale/output_0"],
+                  f"{prefix}/residual_scale")[0]  # fmt: skip
 
 
 def _past_io(cfg: DecoderConfig, layers: Iterable[int]) -> tuple[list[Any], list[Any]]:
@@ -1079,6 +1127,8 @@ def embedded_stream(cfg: DecoderConfig, rows: np.ndarray, positions: np.ndarray 
     out = np.asarray(rows, np.float32)
     if cfg.spec.embed_scale:
         out = (out * np.float32(math.sqrt(cfg.hidden_size))).astype(np.float32)
+    if cfg.embedding_multiplier is not None:
+        out = (out * np.float32(cfg.embedding_multiplier)).astype(np.float32)
     if positions is not None:
         out = (out + np.asarray(positions, np.float32)).astype(np.float32)
     return out
@@ -1120,6 +1170,10 @@ def _build(
         scale = g.const(np.float32(math.sqrt(H)), np.float32)
         residual = g.node("Mul", [residual, scale], [f"{emb_out[:-len('/output_0')]}/scale/output_0"],
                           f"{n.embed}/scale")[0]  # fmt: skip
+    if cfg.embedding_multiplier is not None:  # Granite
+        scale = g.const(np.float32(cfg.embedding_multiplier), np.float32)
+        residual = g.node("Mul", [residual, scale], [f"{emb_out[:-len('/output_0')]}/multiplier/output_0"],
+                          f"{n.embed}/multiplier")[0]  # fmt: skip
     pending = _learned_positions(g, wpe) if wpe is not None else None
     del wpe
 
@@ -1142,7 +1196,10 @@ def _build(
     hidden, _ = _norm(g, n.final_norm, io.residual, io.pending, gamma, beta, out="/model/norm/output_0",
                       residual_out=False)  # fmt: skip
     hidden = _keep_last(g, hidden)
-    logits = "logits" if cfg.final_softcap is None else "lm_head/output_0"
+    head_bias = HEAD_BIAS in ckpt
+    post = [s for s, on in (("bias_add", head_bias), ("scaling", cfg.logits_scaling is not None),
+                            ("softcap", cfg.final_softcap is not None)) if on]  # fmt: skip
+    logits = "logits" if not post else "lm_head/output_0"
     if tied and q_emb is not None and not untie:
         def read_table() -> Any:
             ((_, table_w),) = list(ckpt.read([f"{n.embed}.weight"]))
@@ -1172,11 +1229,20 @@ def _build(
         else:
             _matmul_nbits(g, _scaled_input(g, hidden, "lm_head", q_lm), "lm_head", q_lm, out=logits)
         del lm
-    if cfg.final_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
-        cap = g.const(np.float32(cfg.final_softcap), np.float32)
-        d = g.node("Div", [logits, cap], ["lm_head/softcap/Div/output_0"], "lm_head/softcap/Div")[0]
-        t = g.node("Tanh", [d], ["lm_head/softcap/Tanh/output_0"], "lm_head/softcap/Tanh")[0]
-        g.node("Mul", [t, cap], ["logits"], "lm_head/softcap")
+    for j, step in enumerate(post):  # after the lm_head's MatMul, in transformers' order; the last writes logits
+        out = "logits" if j == len(post) - 1 else f"lm_head/{step}/output_0"
+        if step == "bias_add":  # Phi-2's lm_head has a bias
+            ((_, hb),) = list(ckpt.read([HEAD_BIAS]))
+            logits = g.node("Add", [logits, g.external(HEAD_BIAS, _float32_rows(hb, 0, V))], [out],
+                            "lm_head/bias_add")[0]  # fmt: skip
+        elif step == "scaling":  # Granite: logits / logits_scaling
+            logits = g.node("Div", [logits, g.const(np.float32(cfg.logits_scaling), np.float32)], [out],
+                            "lm_head/scaling")[0]  # fmt: skip
+        else:  # Gemma 2: cap * tanh(logits / cap)
+            cap = g.const(np.float32(cfg.final_softcap), np.float32)
+            d = g.node("Div", [logits, cap], ["lm_head/softcap/Div/output_0"], "lm_head/softcap/Div")[0]
+            t = g.node("Tanh", [d], ["lm_head/softcap/Tanh/output_0"], "lm_head/softcap/Tanh")[0]
+            logits = g.node("Mul", [t, cap], [out], "lm_head/softcap")[0]
     hook.finish()
 
     f32 = TensorProto.FLOAT

@@ -91,11 +91,30 @@ def _spec(kind: str) -> tuple[Any, Any]:
                                                          layer_types=["sliding_attention", "full_attention"])
     if kind == "qwen2_window":  # the sliding window from layer max_window_layers on
         return t.Qwen2ForCausalLM, t.Qwen2Config(**c, use_sliding_window=True, sliding_window=_WINDOW, max_window_layers=1)
+    if kind == "granite":  # every multiplier away from 1, biases on the attention and MLP linears
+        return t.GraniteForCausalLM, t.GraniteConfig(**c, embedding_multiplier=3.0, residual_multiplier=0.4,
+                                                     attention_multiplier=0.2, logits_scaling=4.0,
+                                                     attention_bias=True, mlp_bias=True)  # fmt: skip
+    if kind == "olmo2":  # norms after attention and MLP only, q / k norms over the whole projection
+        return t.Olmo2ForCausalLM, t.Olmo2Config(**c)
+    c.pop("rms_norm_eps")
+    if kind == "phi":  # one LayerNorm read by attention and MLP in parallel, biases everywhere (lm_head too)
+        c.update(num_attention_heads=2, num_key_value_heads=2)  # head_dim 32, rotary on half of it
+        return t.PhiForCausalLM, t.PhiConfig(**c, partial_rotary_factor=0.5, layer_norm_eps=1e-5)
+    if kind in ("stablelm", "stablelm_parallel"):  # head_dim 64, rotary on a quarter (the default), q/k/v biases
+        c.update(hidden_size=128, num_attention_heads=2, num_key_value_heads=2)
+        return t.StableLmForCausalLM, t.StableLmConfig(**c, use_qkv_bias=True,
+                                                       use_parallel_residual=kind == "stablelm_parallel")
+    if kind in ("gpt_neox", "gpt_neox_serial"):  # packed per-head qkv, rotary on a quarter, two norms in parallel
+        c.update(hidden_size=128, num_attention_heads=2)
+        del c["num_key_value_heads"]
+        return t.GPTNeoXForCausalLM, t.GPTNeoXConfig(**c, layer_norm_eps=1e-5,
+                                                     use_parallel_residual=kind == "gpt_neox")
     raise AssertionError(kind)
 
 
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
-         "qwen2_window", "llama_dynamic", "ministral"]
+         "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2"]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
@@ -305,7 +324,7 @@ def test_quantkit_calibrate_layerwise_awq(built: Any, kind: str, tmp_path: Path)
     assert genai["model"]["type"] == read_decoder_config(b.folder).spec.genai_type
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3_text", "phi3", "gpt2"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3_text", "phi3", "gpt2", "granite", "phi"])
 def test_quantkit_generate_equals_transformers_greedy(built: Any, kind: str, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """``quantkit generate`` (prefill, then one token per step with the KV cache) writes transformers' greedy text."""
@@ -377,6 +396,62 @@ def test_gpt2_hub_names_without_the_transformer_prefix(built: Any, tmp_path: Pat
     np.testing.assert_array_equal(LLMSession(path)(ids), LLMSession(b.path)(ids))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_truncated_decoder_equals_a_shallower_build(built: Any, kind: str, tmp_path: Path) -> None:
+    """``truncate_decoder`` (the streamed run times and checks the first blocks of a decoder with it) cut after
+    block 0 gives the logits of the same checkpoint built with one layer."""
+    import shutil
+
+    from quantkit.evaluate.streamed import truncate_decoder
+
+    b = built(kind)
+    cut = truncate_decoder(b.path, 1, b.path.with_name(f"model.first-1-{kind}.onnx"))
+    folder = tmp_path / "one"
+    shutil.copytree(b.folder, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    for key in ("num_hidden_layers", "n_layer"):
+        if key in cfg:
+            cfg[key] = 1
+    for key in ("layer_types", "no_rope_layers"):
+        if isinstance(cfg.get(key), list):
+            cfg[key] = cfg[key][:1]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    one = build_llm(folder, tmp_path / "o" / "model.onnx")
+    ids = _ids(12, 9)
+    np.testing.assert_allclose(LLMSession(cut)(ids), LLMSession(one)(ids), rtol=0, atol=1e-5)
+
+
+def test_gpt_neox_hub_layout_embed_out_and_legacy_rotary_keys(built: Any, tmp_path: Path) -> None:
+    """Pythia on the Hub stores the lm_head as ``embed_out.weight`` (``save_pretrained`` writes it so too) and
+    writes ``rotary_pct`` / ``rotary_emb_base`` instead of RoPE parameters: the same decoder is built from either
+    name and either set of keys (and a rotary base other than the default is honoured)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    b = built("gpt_neox")
+    folder = tmp_path / "hub"
+    shutil.copytree(b.folder, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert "embed_out.weight" in tensors and "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = tensors.pop("embed_out.weight")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg.pop("partial_rotary_factor", None)
+    cfg.update(rotary_pct=0.25, rotary_emb_base=10000)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    path = build_llm(folder, tmp_path / "o" / "model.onnx")
+    ids = _ids(12, 8)
+    np.testing.assert_array_equal(LLMSession(path)(ids), LLMSession(b.path)(ids))
+    cfg.update(rotary_pct=0.5, rotary_emb_base=500)  # other values: other logits, as transformers computes them
+    (folder / "config.json").write_text(json.dumps(cfg))
+    other = transformers.GPTNeoXForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert other.config.rope_parameters["rope_theta"] == 500  # transformers read the legacy keys too
+    _assert_exact(LLMSession(build_llm(folder, tmp_path / "o2" / "model.onnx"))(ids), _reference(other, ids),
+                  "gpt_neox rotary_pct 0.5, base 500")  # fmt: skip
+
+
 # -- refusals: before any tokenization, with what is allowed ------------------------------------------------
 
 
@@ -423,7 +498,7 @@ def test_unknown_family_is_refused_by_calibrate_at_once(tmp_path: Path, capsys: 
 
     folder = tmp_path / "hf"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 64, "num_hidden_layers": 2,
+    (folder / "config.json").write_text(json.dumps({"model_type": "falcon", "hidden_size": 64, "num_hidden_layers": 2,
                                                     "num_attention_heads": 4, "vocab_size": 256}))
     rec = {"version": 1, "model": {"source": str(folder)},
            "calibration": {"layerwise": True, "data": {"kind": "text", "source": "austen:prideprejudice",
@@ -435,7 +510,7 @@ def test_unknown_family_is_refused_by_calibrate_at_once(tmp_path: Path, capsys: 
     took = time.perf_counter() - t
     err = capsys.readouterr().err
     assert code == 2 and took < 1.0, (code, took, err)
-    assert "model_type 'gpt_neox'" in err and "calibration.layerwise: false" in err
+    assert "model_type 'falcon'" in err and "calibration.layerwise: false" in err
     assert all(t in err for t in ("llama", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2"))
     assert not (tmp_path / "o").exists()
 
