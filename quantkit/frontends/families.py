@@ -115,6 +115,8 @@ class Family:
     """Activation names the family's transformers code reads differently (Gemma: ``gelu`` is the tanh one)."""
     rotary: bool = True
     """False: learned absolute positions (``names.positions``), no rotary embedding."""
+    rotary_interleaved: bool = False
+    """RoPE rotates adjacent pairs ``(x0, x1), (x2, x3) ...`` instead of the two halves (Helium)."""
     default_rope_partial: bool = False
     """The family's default RoPE honours ``partial_rotary_factor`` (Phi-3); elsewhere only the scaled RoPE types do."""
     embed_scale: bool = False
@@ -270,6 +272,13 @@ FAMILIES: tuple[Family, ...] = (
                        mlp_post_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm",
                        k_norm="self_attn.k_norm", qk_norm_whole=True),
            defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
+    Family("starcoder2", ("starcoder2",), "StarCoder2",
+           names=Names(gate=None, up="mlp.c_fc", down="mlp.c_proj", act="mlp.act"), norm="layer", mlp="plain",
+           act_default="gelu_pytorch_tanh", windows="all", tie_default=True,
+           config_aliases=(("rms_norm_eps", "norm_epsilon"),), defaults=(("norm_epsilon", 1e-5),),
+           genai_type="decoder"),
+    Family("helium", ("helium",), "Helium", rotary_interleaved=True, defaults=(("rms_norm_eps", 1e-8),),
+           genai_type="decoder"),
     Family("stablelm", ("stablelm",), "StableLM / StableLM 2", norm="layer", default_rope_partial=True,
            parallel="config", config_aliases=(("rms_norm_eps", "layer_norm_eps"),), refuse_true=("qk_layernorm",),
            defaults=(("partial_rotary_factor", 0.25), ("layer_norm_eps", 1e-5)), genai_type="decoder"),

@@ -884,7 +884,7 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
             qkv[0] = _head_norm(g, qkv[0], f"{p}.{n.q_norm}", norm_gamma(cfg, w.pop(f"{p}.{n.q_norm}.weight")), nh)
             qkv[1] = _head_norm(g, qkv[1], f"{p}.{n.k_norm}", norm_gamma(cfg, w.pop(f"{p}.{n.k_norm}.weight")), nkv)
     attrs = {"num_heads": nh, "kv_num_heads": nkv, "scale": cfg.scale(i), "do_rotary": int(cfg.uses_rope(i)),
-             "rotary_interleaved": 0, "local_window_size": cfg.window(i) or -1, "softcap": cfg.attn_softcap or 0.0}
+             "rotary_interleaved": int(fam.rotary_interleaved), "local_window_size": cfg.window(i) or -1, "softcap": cfg.attn_softcap or 0.0}
     ins = [*qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_len]
     if cfg.uses_rope(i):
         ins += list(rotary[cfg.is_local(i)])
@@ -1199,7 +1199,8 @@ def _build(
     head_bias = HEAD_BIAS in ckpt
     post = [s for s, on in (("bias_add", head_bias), ("scaling", cfg.logits_scaling is not None),
                             ("softcap", cfg.final_softcap is not None)) if on]  # fmt: skip
-    logits = "logits" if not post else "lm_head/output_0"
+    # (not "lm_head/output_0": a hot-rows head names its full-vocabulary MatMulNBits output so)
+    logits = "logits" if not post else "lm_head/logits/output_0"
     if tied and q_emb is not None and not untie:
         def read_table() -> Any:
             ((_, table_w),) = list(ckpt.read([f"{n.embed}.weight"]))

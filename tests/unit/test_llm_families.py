@@ -97,7 +97,11 @@ def _spec(kind: str) -> tuple[Any, Any]:
                                                      attention_bias=True, mlp_bias=True)  # fmt: skip
     if kind == "olmo2":  # norms after attention and MLP only, q / k norms over the whole projection
         return t.Olmo2ForCausalLM, t.Olmo2Config(**c)
+    if kind == "helium":  # RoPE on adjacent pairs
+        return t.HeliumForCausalLM, t.HeliumConfig(**c, head_dim=16)
     c.pop("rms_norm_eps")
+    if kind == "starcoder2":  # LayerNorm, biases, a plain GELU MLP, a sliding window on every layer, tied
+        return t.Starcoder2ForCausalLM, t.Starcoder2Config(**c, sliding_window=_WINDOW, norm_epsilon=1e-5)
     if kind == "phi":  # one LayerNorm read by attention and MLP in parallel, biases everywhere (lm_head too)
         c.update(num_attention_heads=2, num_key_value_heads=2)  # head_dim 32, rotary on half of it
         return t.PhiForCausalLM, t.PhiConfig(**c, partial_rotary_factor=0.5, layer_norm_eps=1e-5)
@@ -114,7 +118,8 @@ def _spec(kind: str) -> tuple[Any, Any]:
 
 
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
-         "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2"]
+         "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
+         "starcoder2", "helium"]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
@@ -322,6 +327,32 @@ def test_quantkit_calibrate_layerwise_awq(built: Any, kind: str, tmp_path: Path)
     assert float(np.corrcoef(got.ravel(), ref.ravel())[0, 1]) > 0.9
     genai = json.loads((tmp_path / "o" / "genai_config.json").read_text())
     assert genai["model"]["type"] == read_decoder_config(b.folder).spec.genai_type
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "phi", "granite"])
+def test_hot_rows_lm_head_before_the_logits_post_processing(built: Any, kind: str, tmp_path: Path) -> None:
+    """An lm_head with hot rows (8-bit columns scattered over the 4-bit logits) followed by soft-capping (Gemma 2),
+    the lm_head's bias (Phi-2) or ``logits_scaling`` (Granite): the graph loads (before, soft-capping's
+    intermediate took the hot head's output name: "Duplicate definition of name") and the hot columns' logits are
+    closer to FP32 than the same build without hot rows."""
+    from quantkit.cli import main
+
+    b = built(kind)
+    ids = _ids(16, 5, rows=3)
+    np.savez(tmp_path / "cal.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    head = {"layer": "lm_head", "format": "int4", "group_size": 32, "algorithm": "rtn"}
+    errors = []
+    for hot in (0, 64):
+        rec = {"version": 1, "name": kind, "model": {"source": str(b.folder)},
+               "calibration": {"layerwise": True, "data": {"kind": "npz", "path": str(tmp_path / "cal.npz")}},
+               "quantization": {"default": {"format": "fp32"}, "overrides": [head | ({"hot_rows": hot} if hot else {})]},
+               "report": {"formats": ["json"], "latency": {"enabled": False}}}  # fmt: skip
+        (tmp_path / f"r{hot}.yaml").write_text(yaml.safe_dump(rec))
+        assert main(["calibrate", "-q", "--recipe", str(tmp_path / f"r{hot}.yaml"), "--output", str(tmp_path / f"o{hot}")]) == 0
+        got = LLMSession(tmp_path / f"o{hot}" / "model.onnx")(_ids(12, 7))
+        ref = _reference(b.model, _ids(12, 7))
+        errors.append(float(np.abs(got - ref).mean()))
+    assert errors[1] < errors[0], errors
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3_text", "phi3", "gpt2", "granite", "phi"])
