@@ -135,7 +135,9 @@ class Family:
     ``every-6`` (all but every n-th: Gemma 2 / 3), ``all`` (every layer when ``sliding_window`` is set: Ministral),
     ``qwen`` (from ``max_window_layers`` on, and only with
     ``use_sliding_window``, as Qwen2 / Qwen3), ``nope`` (the layers without RoPE, with ``use_sliding_window``:
-    SmolLM3)."""
+    SmolLM3), ``pattern`` (every ``sliding_window_pattern``-th layer full: EXAONE 4)."""
+    rope_sliding_only: bool = False
+    """When ``sliding_window`` is set, only the sliding layers apply RoPE, the full ones none (EXAONE 4)."""
     nope_layers: bool = False
     """``no_rope_layers`` (or every ``no_rope_layer_interval``-th layer) attend without a rotary embedding (SmolLM3)."""
     per_type_rope: bool = False
@@ -272,6 +274,12 @@ FAMILIES: tuple[Family, ...] = (
                        mlp_post_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm",
                        k_norm="self_attn.k_norm", qk_norm_whole=True),
            defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
+    Family("exaone4", ("exaone4",), "EXAONE 4",
+           names=Names(attn_norm=None, attn_post_norm="post_attention_layernorm", mlp_norm=None,
+                       mlp_post_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm",
+                       k_norm="self_attn.k_norm"),
+           windows="layer_types", window_rule="pattern", rope_sliding_only=True,
+           defaults=(("rms_norm_eps", 1e-5), ("sliding_window", 4096)), genai_type="decoder"),
     Family("starcoder2", ("starcoder2",), "StarCoder2",
            names=Names(gate=None, up="mlp.c_fc", down="mlp.c_proj", act="mlp.act"), norm="layer", mlp="plain",
            act_default="gelu_pytorch_tanh", windows="all", tie_default=True,
@@ -631,8 +639,18 @@ def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, w
             types = tuple(SLIDING if i >= first else FULL for i in range(L))
         elif fam.window_rule == "nope" and use and window is not None:  # the layers without RoPE
             types = tuple(SLIDING if rope_layers and not rope_layers[i] else FULL for i in range(L))
+        elif fam.window_rule == "pattern" and window is not None:  # every n-th layer full (EXAONE 4)
+            n = cfg.get("sliding_window_pattern", 4)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ModelError(f"{where}: sliding_window_pattern {n!r}; allowed: an integer >= 1 (or layer_types)")
+            types = tuple(SLIDING if (i + 1) % n else FULL for i in range(L))
         if fam.window_rule == "qwen" and not use:
             window = None  # transformers drops it: every layer is full
+        if fam.window_rule == "pattern" and window is None:
+            types = ()  # no window: every layer full (and rotated)
+        if fam.rope_sliding_only and window is not None:  # EXAONE 4: the full layers attend without RoPE
+            rope_layers = tuple(t == SLIDING for t in (types or (FULL,) * L))
+            extra["rope_layers"] = () if all(rope_layers) else rope_layers
         if SLIDING in types and window is None:
             if fam.window_rule != "qwen":
                 raise ModelError(f"{where}: layer_types has sliding_attention layers but sliding_window is null; "

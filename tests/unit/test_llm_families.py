@@ -97,6 +97,11 @@ def _spec(kind: str) -> tuple[Any, Any]:
                                                      attention_bias=True, mlp_bias=True)  # fmt: skip
     if kind == "olmo2":  # norms after attention and MLP only, q / k norms over the whole projection
         return t.Olmo2ForCausalLM, t.Olmo2Config(**c)
+    if kind == "exaone4":  # post-norms only, per-head q/k norms, layer 0 windowed with RoPE, layer 1 full without
+        return t.Exaone4ForCausalLM, t.Exaone4Config(**c, head_dim=16, sliding_window=_WINDOW, sliding_window_pattern=2)
+    if kind == "exaone4_full":  # no window: every layer full, with RoPE
+        return t.Exaone4ForCausalLM, t.Exaone4Config(**c, head_dim=16, sliding_window=None,
+                                                     layer_types=["full_attention"] * 2)
     if kind == "helium":  # RoPE on adjacent pairs
         return t.HeliumForCausalLM, t.HeliumConfig(**c, head_dim=16)
     c.pop("rms_norm_eps")
@@ -119,7 +124,7 @@ def _spec(kind: str) -> tuple[Any, Any]:
 
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
-         "starcoder2", "helium"]
+         "starcoder2", "helium", "exaone4", "exaone4_full"]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
