@@ -280,6 +280,15 @@ FAMILIES: tuple[Family, ...] = (
                        k_norm="self_attn.k_norm"),
            windows="layer_types", window_rule="pattern", rope_sliding_only=True,
            defaults=(("rms_norm_eps", 1e-5), ("sliding_window", 4096)), genai_type="decoder"),
+    Family("arcee", ("arcee",), "Arcee (AFM)", names=Names(gate=None), mlp="plain", act_default="relu2",
+           genai_type="decoder"),
+    Family("seed_oss", ("seed_oss",), "Seed-OSS", genai_type="decoder"),
+    Family("ernie4_5", ("ernie4_5",), "ERNIE 4.5 (dense)", rotary_interleaved=True, tie_default=True,
+           defaults=(("head_dim", 128),), genai_type="decoder"),
+    Family("glm", ("glm",), "GLM-4 (glm)", names=Names(gate=None, up=None, gate_up="mlp.gate_up_proj"),
+           rotary_interleaved=True, default_rope_partial=True,
+           defaults=(("partial_rotary_factor", 0.5), ("head_dim", 128), ("rms_norm_eps", 1.5625e-07)),
+           genai_type="decoder"),
     Family("starcoder2", ("starcoder2",), "StarCoder2",
            names=Names(gate=None, up="mlp.c_fc", down="mlp.c_proj", act="mlp.act"), norm="layer", mlp="plain",
            act_default="gelu_pytorch_tanh", windows="all", tie_default=True,
@@ -294,8 +303,9 @@ FAMILIES: tuple[Family, ...] = (
 
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-                "gelu_fast": "gelu_tanh", "gelu": "gelu"}  # fmt: skip
-"""config.json activation names -> the kernel written (``gelu_tanh``: ONNX ``Gelu`` with ``approximate="tanh"``)."""
+                "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}  # fmt: skip
+"""config.json activation names -> the kernel written (``gelu_tanh``: ONNX ``Gelu`` with ``approximate="tanh"``;
+``relu2``: ``relu(x) ** 2``, as ``Relu`` x itself)."""
 _ROPE_TYPES = ("default", "linear", "llama3", "longrope", "dynamic")
 """RoPE variants the builder computes exactly.  ``dynamic`` (dynamic NTK) is plain RoPE until a sequence passes the
 original context, where transformers starts rescaling the frequencies by the sequence length: the built decoder's

@@ -817,8 +817,12 @@ def _head_norm(g: _GraphBuilder, x: str, name: str, gamma: Any, heads: int) -> s
 
 
 def _activation(g: _GraphBuilder, x: str, name: str) -> str:
-    """The MLP's activation named ``name``: SiLU as ``Sigmoid`` x ``Mul``; GELU (tanh or exact) as ONNX ``Gelu``."""
+    """The MLP's activation named ``name``: SiLU as ``Sigmoid`` x ``Mul``; GELU (tanh or exact) as ONNX ``Gelu``;
+    ReLU squared as ``Relu`` x ``Mul``."""
     kind = g.cfg.activation
+    if kind == "relu2":  # ReLU squared (Arcee)
+        r = g.node("Relu", [x], [f"{name}/Relu/output_0"], f"{name}/Relu")[0]
+        return g.node("Mul", [r, r], [f"{name}/output_0"], f"{name}/Mul")[0]
     if kind == "silu":
         sig = g.node("Sigmoid", [x], [f"{name}/Sigmoid/output_0"], f"{name}/Sigmoid")[0]
         return g.node("Mul", [x, sig], [f"{name}/output_0"], f"{name}/Mul")[0]

@@ -102,6 +102,15 @@ def _spec(kind: str) -> tuple[Any, Any]:
     if kind == "exaone4_full":  # no window: every layer full, with RoPE
         return t.Exaone4ForCausalLM, t.Exaone4Config(**c, head_dim=16, sliding_window=None,
                                                      layer_types=["full_attention"] * 2)
+    if kind == "arcee":  # LLaMA with a plain ReLU-squared MLP
+        return t.ArceeForCausalLM, t.ArceeConfig(**c, head_dim=16)
+    if kind == "seed_oss":  # LLaMA with q/k/v and o biases
+        return t.SeedOssForCausalLM, t.SeedOssConfig(**c, head_dim=16, attention_out_bias=True)
+    if kind == "ernie4_5":  # RoPE on adjacent pairs, biases, tied
+        return t.Ernie4_5ForCausalLM, t.Ernie4_5Config(**c, head_dim=16, use_bias=True)
+    if kind == "glm":  # RoPE on adjacent pairs of half of each head, packed gate_up, q/k/v biases
+        c.update(num_attention_heads=2, num_key_value_heads=1)
+        return t.GlmForCausalLM, t.GlmConfig(**c, head_dim=32)
     if kind == "helium":  # RoPE on adjacent pairs
         return t.HeliumForCausalLM, t.HeliumConfig(**c, head_dim=16)
     c.pop("rms_norm_eps")
@@ -124,7 +133,7 @@ def _spec(kind: str) -> tuple[Any, Any]:
 
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
-         "starcoder2", "helium", "exaone4", "exaone4_full"]
+         "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm"]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
@@ -506,7 +515,7 @@ def _config(tmp_path: Path, kind: str, **changes: Any) -> Path:
     ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping -1.0; allowed: a finite number > 0"),
     ("gemma2", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar 0; allowed"),
     ("gemma2", {"layer_types": ["full_attention"]}, "layer_types .* allowed: a list of 2"),
-    ("gemma2", {"hidden_activation": "relu2"}, "hidden_activation 'relu2' is not supported; allowed: .*gelu_pytorch_tanh"),
+    ("gemma2", {"hidden_activation": "relu6"}, "hidden_activation 'relu6' is not supported; allowed: .*gelu_pytorch_tanh.*relu2"),
     ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention True is not supported"),
     ("gpt2", {"add_cross_attention": True}, "add_cross_attention True is not supported"),
     ("gpt2", {"n_embd": 0}, r"n_embd as hidden_size.*hidden_size 0 is out of range"),
