@@ -1,5 +1,5 @@
 """Layer-wise, streaming weight-only quantization of a decoder checkpoint, block by block (the families of
-:mod:`quantkit.frontends.families`: LLaMA, Mistral, Qwen2 / 3, SmolLM3, Gemma 1 / 2 / 3, Phi-3, GPT-2).
+:mod:`quantkit.frontends.families`: LLaMA, Mistral, Qwen2 / 3, Gemma 1 / 2 / 3, Phi-2 / 3, GPT-2, GPT-NeoX, OLMo-2 ...).
 
 The whole-graph path (:mod:`quantkit.weight_only`) loads the FP32 model and runs it in ONNX Runtime
 once per stage: fine for SmolLM2 (0.5 GB), impossible for a 7B model (28 GB in FP32) on a 24 GB machine.

@@ -1,15 +1,18 @@
 """Decoder families of the streaming builder, each a small declarative description.
 
 :mod:`quantkit.frontends.llm_builder` writes one decoder graph for every family: embedding, a stack of
-pre-norm blocks (norm, attention through ``GroupQueryAttention``, norm, MLP, residual adds), a final norm
-and the lm_head.  What differs between LLaMA, Qwen3, Gemma, Phi-3 or GPT-2 is described here, as data:
+blocks (norm, attention through ``GroupQueryAttention``, norm, MLP, residual adds), a final norm and the
+lm_head.  What differs between LLaMA, Qwen3, Gemma, Phi-2, GPT-NeoX or OLMo-2 is described here, as data:
 
 * :class:`Family` - the norm kind (RMSNorm, Gemma's RMSNorm with ``1 + weight``, LayerNorm with a bias),
   the MLP (gated ``act(gate) * up`` or plain ``act(fc)``), how the activation is named in ``config.json``,
-  the positions (rotary, or a learned absolute table), the attention extras (per-head q/k RMSNorm, soft-capping,
-  the query scale, alternating sliding-window layers), Gemma 2's norms after attention and MLP, the embedding
-  scale, the ``config.json`` key aliases (GPT-2's ``n_embd`` ...) and the tensor names (:class:`Names`:
-  packed ``qkv`` / ``gate_up`` weights as Phi-3 stores them, GPT-2's ``Conv1D`` weights stored ``[K, N]``);
+  the positions (rotary - halves or adjacent pairs, full or partial -, or a learned absolute table), the attention
+  extras (q/k RMSNorm per head or over the whole projection, soft-capping, the query scale, sliding-window
+  layers, layers without RoPE), norms after attention and MLP (Gemma 2, with or without norms before them:
+  OLMo-2), parallel attention + MLP blocks (Phi-2, GPT-NeoX), the embedding scale and Granite's multipliers, the
+  ``config.json`` key aliases (GPT-2's ``n_embd`` ...) and the tensor names (:class:`Names`: packed ``qkv`` /
+  ``gate_up`` weights as Phi-3 stores them, GPT-NeoX's per-head interleaved ``qkv``, GPT-2's ``Conv1D`` weights
+  stored ``[K, N]``);
 * :class:`DecoderConfig` - one checkpoint's values, read and checked by :func:`parse_config` before anything
   is tokenized, allocated or computed: an unknown ``model_type`` or a value the builder cannot honour is a
   :class:`~quantkit.errors.ModelError` naming it, what is allowed, and what to try instead.

@@ -1,7 +1,7 @@
 """A streaming builder of decoder LLMs with ONNX Runtime's fused contrib ops.
 
-The families it builds (LLaMA / SmolLM, Mistral, Qwen2, Qwen3, SmolLM3, Gemma, Gemma 2, Gemma 3 text, Phi-3, GPT-2) are
-declarative descriptions in :mod:`quantkit.frontends.families` (norm kind, MLP and activation, positions,
+The families it builds (LLaMA / SmolLM, Mistral, Qwen2 / 3, Gemma 1 / 2 / 3, Phi-2 / 3, GPT-2, GPT-NeoX, OLMo-2 ...:
+:data:`~quantkit.frontends.families.FAMILIES`) are declarative descriptions in :mod:`quantkit.frontends.families` (norm kind, MLP and activation, positions,
 attention extras, tensor names) over the shared building blocks below; ``docs/llm-families.md`` lists them.
 The LLaMA layout is described here; the others differ as their :class:`~quantkit.frontends.families.Family` says.
 
