@@ -102,6 +102,33 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "model_type": "gpt2", "n_embd": 1024, "n_head": 16, "n_layer": 24, "n_positions": 1024, "vocab_size": 50257,
         "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "bos_token_id": 50256,
         "eos_token_id": 50256}},
+    "phi": {"from": "microsoft/phi-2 (width; 1 and 4 of its 32 layers)", "layers": (1, 4), "config": {
+        "model_type": "phi", "hidden_size": 2560, "intermediate_size": 10240, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "num_hidden_layers": 32, "vocab_size": 51200, "max_position_embeddings": 2048,
+        "partial_rotary_factor": 0.4, "rope_theta": 10000.0, "layer_norm_eps": 1e-5, "hidden_act": "gelu_new",
+        "qk_layernorm": False, "tie_word_embeddings": False, "bos_token_id": 50256, "eos_token_id": 50256}},
+    "gpt_neox": {"from": "EleutherAI/pythia-410m", "layers": (6, 24), "config": {
+        "model_type": "gpt_neox", "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,
+        "num_hidden_layers": 24, "vocab_size": 50304, "max_position_embeddings": 2048, "rotary_pct": 0.25,
+        "rotary_emb_base": 10000, "layer_norm_eps": 1e-5, "hidden_act": "gelu", "use_parallel_residual": True,
+        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0}},
+    "stablelm": {"from": "stabilityai/stablelm-2-1_6b (width; 2 and 8 of its 24 layers)", "layers": (2, 8), "config": {
+        "model_type": "stablelm", "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "num_hidden_layers": 24, "vocab_size": 100352, "max_position_embeddings": 4096,
+        "partial_rotary_factor": 0.25, "rope_theta": 10000.0, "layer_norm_eps": 1e-5, "use_qkv_bias": True,
+        "use_parallel_residual": False, "qk_layernorm": False, "hidden_act": "silu", "tie_word_embeddings": False,
+        "bos_token_id": 100257, "eos_token_id": 100257}},
+    "olmo2": {"from": "allenai/OLMo-2-0425-1B (width; 2 and 8 of its 16 layers)", "layers": (2, 8), "config": {
+        "model_type": "olmo2", "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "num_hidden_layers": 16, "vocab_size": 100352, "max_position_embeddings": 4096,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
+        "bos_token_id": None, "eos_token_id": 100257, "pad_token_id": 100277}},
+    "granite": {"from": "ibm-granite/granite-3.1-2b (width; 2 and 8 of its 40 layers)", "layers": (2, 8), "config": {
+        "model_type": "granite", "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "num_hidden_layers": 40, "vocab_size": 49155, "max_position_embeddings": 131072,
+        "rope_theta": 5000000.0, "rms_norm_eps": 1e-5, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+        "attention_multiplier": 0.015625, "logits_scaling": 8.0, "hidden_act": "silu", "tie_word_embeddings": True,
+        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}},
 }  # fmt: skip
 
 # Child: write the folder (torch + transformers live only here).  argv: folder, config (JSON), layers.

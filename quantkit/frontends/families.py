@@ -309,7 +309,7 @@ _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh
                 "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}  # fmt: skip
 """config.json activation names -> the kernel written (``gelu_tanh``: ONNX ``Gelu`` with ``approximate="tanh"``;
 ``relu2``: ``relu(x) ** 2``, as ``Relu`` x itself)."""
-_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "dynamic")
+_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "dynamic", "yarn")
 """RoPE variants the builder computes exactly.  ``dynamic`` (dynamic NTK) is plain RoPE until a sequence passes the
 original context, where transformers starts rescaling the frequencies by the sequence length: the built decoder's
 context stops there (:attr:`DecoderConfig.context_length`), and a longer sequence is refused."""
@@ -493,6 +493,10 @@ def _split_rope(cfg: Mapping[str, Any], rope: Any, fam: Family) -> tuple[float, 
             scaling["rope_type"] = "longrope"
         if _rope_kind(scaling) == "longrope":
             scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        if _rope_kind(scaling) == "yarn":  # as transformers: config.json's own value first, else the context
+            if cfg.get("original_max_position_embeddings") is not None:
+                scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+            scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
     return theta, scaling
 
 
@@ -713,13 +717,18 @@ def _check_rope(sc: Mapping[str, Any] | None, rotary_dim: int, where: str) -> No
     sc = sc or {}
     keys = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                               "original_max_position_embeddings"),
-            "longrope": ("original_max_position_embeddings",)}.get(kind, ())  # fmt: skip
+            "longrope": ("original_max_position_embeddings",),
+            "yarn": ("original_max_position_embeddings",)}.get(kind, ())  # fmt: skip
     for key in keys:
         if not _num(sc.get(key)):
             raise ModelError(f"{where}: rope_scaling {kind} {key} {sc.get(key)!r}; allowed: a finite number > 0")
     if kind == "llama3" and float(sc["high_freq_factor"]) == float(sc["low_freq_factor"]):
         raise ModelError(f"{where}: rope_scaling llama3 high_freq_factor equals low_freq_factor "
                          f"({sc['low_freq_factor']}); allowed: two different numbers")  # fmt: skip
+    if kind == "yarn":
+        for key in ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            if sc.get(key) is not None and not _num(sc[key]):
+                raise ModelError(f"{where}: rope_scaling yarn {key} {sc[key]!r}; allowed: a finite number > 0")
     if kind == "longrope":
         for key in ("short_factor", "long_factor"):
             f = sc.get(key)

@@ -133,6 +133,9 @@ def _inv_freq(cfg: DecoderConfig, theta: float, sc: dict[str, Any] | None, long:
         if attention is None:
             attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
         return inv, float(attention)
+    if kind == "yarn":
+        assert sc is not None  # noqa: S101 - checked by parse_config
+        return _yarn(cfg, theta, sc, shape)
     inv = (1.0 / (np.float32(theta) ** shape)).astype(np.float32)
     if kind == "linear":
         assert sc is not None  # noqa: S101 - checked by parse_config
@@ -148,6 +151,42 @@ def _inv_freq(cfg: DecoderConfig, theta: float, sc: dict[str, Any] | None, long:
         medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
         inv = np.where(medium, smoothed, scaled).astype(np.float32)
     return inv, 1.0
+
+
+def _yarn(cfg: DecoderConfig, theta: float, sc: dict[str, Any], shape: np.ndarray) -> tuple[np.ndarray, float]:
+    """YaRN's inverse frequencies and cos / sin scale, as transformers computes them (``_compute_yarn_parameters``):
+    interpolated (divided by ``factor``) below a ramp over the dimensions between ``beta_fast`` and ``beta_slow``
+    rotations in the original context, extrapolated (plain) above it."""
+    dim = cfg.rotary_dim
+    orig = float(sc["original_max_position_embeddings"])
+    factor = sc.get("factor")
+    factor = float(factor) if factor is not None else cfg.max_position_embeddings / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = sc.get("attention_factor")
+    if attention is None:
+        m, m_all = sc.get("mscale"), sc.get("mscale_all_dim")
+        attention = mscale(factor, float(m)) / mscale(factor, float(m_all)) if m and m_all else mscale(factor)
+    fast, slow = float(sc.get("beta_fast") or 32), float(sc.get("beta_slow") or 1)
+
+    def correction(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction(fast), correction(slow)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos = (np.float32(theta) ** shape).astype(np.float32)
+    extrapolated = (np.float32(1.0) / pos).astype(np.float32)
+    interpolated = (np.float32(1.0) / (np.float32(factor) * pos)).astype(np.float32)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1.0) - ramp).astype(np.float32)  # the share of the extrapolated (plain) frequency
+    inv = (interpolated * (np.float32(1.0) - keep) + extrapolated * keep).astype(np.float32)
+    return inv, float(attention)
 
 
 def rotary_caches(cfg: DecoderConfig, length: int | None = None, *, local: bool = False,

@@ -76,7 +76,7 @@ def test_the_early_message_is_the_builders(tmp_path: Path) -> None:
 @pytest.mark.parametrize("change, named", [
     ({"hidden_act": "relu"}, "hidden_act 'relu'"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "rope_scaling type 'mrope'"),
     ({"max_position_embeddings": 1 << 30}, "max_position_embeddings"),
 ])  # fmt: skip
 def test_a_bad_value_of_a_supported_family_is_refused_early(tmp_path: Path, change: dict[str, object],

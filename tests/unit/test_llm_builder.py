@@ -255,9 +255,9 @@ def test_config_variants(tmp_path: Path) -> None:
     cos, sin = llm_builder.rotary_caches(cfg, 4)
     assert cos.shape == sin.shape == (4, 8) and cos.dtype == np.float32
     (tmp_path / "config.json").write_text(
-        json.dumps(base | {"rope_scaling": {"type": "yarn", "factor": 2.0}})
+        json.dumps(base | {"rope_scaling": {"type": "mrope", "factor": 2.0}})
     )
-    with pytest.raises(ModelError, match="yarn"):
+    with pytest.raises(ModelError, match="mrope"):
         read_decoder_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(base | {"model_type": "falcon"}))
     with pytest.raises(ModelError, match="model_type 'falcon' is not .*supported model_types: llama.*gpt2.*"

@@ -75,6 +75,14 @@ def _spec(kind: str) -> tuple[Any, Any]:
         rope = {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(16)],
                 "long_factor": [2.0 + 0.3 * i for i in range(16)]}  # fmt: skip
         return t.Phi3ForCausalLM, t.Phi3Config(**c, rope_scaling=rope, original_max_position_embeddings=PROMPT)
+    if kind == "qwen3_yarn":  # YaRN as Qwen3's long-context setting (factor 4 over an original context of 8)
+        rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 10000.0}
+        return t.Qwen3ForCausalLM, t.Qwen3Config(**c, head_dim=16, rope_parameters=rope)
+    if kind == "llama_yarn":  # YaRN with every option away from its default (DeepSeek-style mscale ratio)
+        c.update(num_attention_heads=2, num_key_value_heads=1)  # head_dim 32: a ramp over 16 frequencies
+        rope = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "rope_theta": 5000.0,
+                "beta_fast": 8.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False}
+        return t.LlamaForCausalLM, t.LlamaConfig(**c, rope_parameters=rope)
     if kind == "llama_dynamic":  # dynamic NTK RoPE: plain RoPE within the original context (64 positions)
         rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
         return t.LlamaForCausalLM, t.LlamaConfig(**c, rope_parameters=rope)
@@ -133,7 +141,8 @@ def _spec(kind: str) -> tuple[Any, Any]:
 
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
-         "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm"]
+         "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm",
+         "qwen3_yarn", "llama_yarn"]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
@@ -524,8 +533,8 @@ def _config(tmp_path: Path, kind: str, **changes: Any) -> Path:
     ("phi3_longrope", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 3,
                                            "long_factor": [1.0] * 16, "original_max_position_embeddings": 8}},
      r"short_factor .*allowed: a list of 16"),
-    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
-     "rope_scaling type 'yarn' is not supported"),
+    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": -2.0}},
+     "rope_scaling yarn factor -2.0; allowed: a finite number > 0"),
     ("qwen2_window", {"layer_types": None, "max_window_layers": "one"}, "max_window_layers 'one'; allowed: an integer"),
     ("smollm3", {"no_rope_layers": [1, 2]}, r"no_rope_layers \[1, 2\]; allowed: a list of 2 .* each 0 or 1"),
 ])  # fmt: skip
