@@ -145,6 +145,9 @@ class Family:
     """``no_rope_layers`` (or every ``no_rope_layer_interval``-th layer) attend without a rotary embedding (SmolLM3)."""
     per_type_rope: bool = False
     """RoPE parameters per layer type (Gemma 3: ``rope_local_base_freq`` for the sliding layers)."""
+    local_rope_key: bool = True
+    """Without per-type RoPE parameters, the sliding layers' theta is ``rope_local_base_freq`` (Gemma 3; default
+    1e4); False: the full layers' (OLMo-3)."""
     tie_default: bool = False
     config_aliases: tuple[tuple[str, str], ...] = ()
     """``(builder key, this family's config.json key)``: GPT-2's ``n_embd`` is the ``hidden_size``."""
@@ -277,6 +280,13 @@ FAMILIES: tuple[Family, ...] = (
                        mlp_post_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm",
                        k_norm="self_attn.k_norm", qk_norm_whole=True),
            defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
+    Family("olmo3", ("olmo3",), "OLMo-3",
+           names=Names(attn_norm=None, attn_post_norm="post_attention_layernorm", mlp_norm=None,
+                       mlp_post_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm",
+                       k_norm="self_attn.k_norm", qk_norm_whole=True),
+           windows="layer_types", window_rule="every-4", per_type_rope=True, local_rope_key=False,
+           defaults=(("rms_norm_eps", 1e-5), ("sliding_window", 4096), ("rope_theta", 500000.0)),
+           genai_type="decoder"),
     Family("exaone4", ("exaone4",), "EXAONE 4",
            names=Names(attn_norm=None, attn_post_norm="post_attention_layernorm", mlp_norm=None,
                        mlp_post_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm",
@@ -546,12 +556,17 @@ def parse_config(raw: Any, where: str) -> DecoderConfig:
         local_theta, local_scaling = None, None
         rope_params = cfg.get("rope_parameters")
         if fam.per_type_rope:
+            # the family's defaults (Gemma 3: 1e6 for the full layers, rope_local_base_freq 1e4 for the sliding ones;
+            # OLMo-3: rope_theta for both)
+            full_theta = cfg.get("rope_theta", 1e6)
+            local_default = cfg.get("rope_local_base_freq", 1e4) if fam.local_rope_key else full_theta
             if isinstance(rope_params, dict) and (FULL in rope_params or SLIDING in rope_params):
-                theta, scaling = _split_rope({}, rope_params.get(FULL) or {"rope_theta": 1e6}, fam)
-                local_theta, local_scaling = _split_rope({}, rope_params.get(SLIDING) or {"rope_theta": 1e4}, fam)
+                theta, scaling = _split_rope({}, rope_params.get(FULL) or {"rope_theta": full_theta}, fam)
+                local_theta, local_scaling = _split_rope({}, rope_params.get(SLIDING) or {"rope_theta": local_default},
+                                                         fam)  # fmt: skip
             else:  # transformers < 5: rope_theta / rope_scaling for the full layers, rope_local_base_freq
-                theta, scaling = _split_rope({**cfg, "rope_theta": cfg.get("rope_theta", 1e6)}, None, fam)
-                local_theta, local_scaling = cfg.get("rope_local_base_freq", 1e4), None
+                theta, scaling = _split_rope({**cfg, "rope_theta": full_theta}, None, fam)
+                local_theta, local_scaling = local_default, None
         # config.json's own value, else the RoPE parameters', else the family's default (Phi-2: 0.5)
         partial = _normalized(raw, fam).get("partial_rotary_factor")
         if partial is None and isinstance(rope_params, dict):

@@ -105,6 +105,12 @@ def _spec(kind: str) -> tuple[Any, Any]:
                                                      attention_bias=True, mlp_bias=True)  # fmt: skip
     if kind == "olmo2":  # norms after attention and MLP only, q / k norms over the whole projection
         return t.Olmo2ForCausalLM, t.Olmo2Config(**c)
+    if kind == "olmo3":  # OLMo-2's block, layer 0 windowed, YaRN on the full layer only
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                   "rope_theta": 10000.0}}  # fmt: skip
+        return t.Olmo3ForCausalLM, t.Olmo3Config(**c, sliding_window=_WINDOW, rope_parameters=rope,
+                                                 layer_types=["sliding_attention", "full_attention"])
     if kind == "exaone4":  # post-norms only, per-head q/k norms, layer 0 windowed with RoPE, layer 1 full without
         return t.Exaone4ForCausalLM, t.Exaone4Config(**c, head_dim=16, sliding_window=_WINDOW, sliding_window_pattern=2)
     if kind == "exaone4_full":  # no window: every layer full, with RoPE
@@ -142,7 +148,7 @@ def _spec(kind: str) -> tuple[Any, Any]:
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm",
-         "qwen3_yarn", "llama_yarn"]
+         "qwen3_yarn", "llama_yarn", "olmo3"]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:

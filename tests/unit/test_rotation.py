@@ -134,7 +134,7 @@ def test_kv_cache_decode_with_rotation_equals_recomputation(folders: Any, tmp_pa
     np.testing.assert_allclose(np.concatenate(steps, axis=1), LLMSession(path)(ids), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gpt2", "gemma3_text", "phi", "stablelm"])
+@pytest.mark.parametrize("kind", ["gemma2", "gpt2", "gemma3_text", "phi", "stablelm", "olmo2", "exaone4"])
 def test_non_invariant_families_are_refused(folders: Any, kind: str, tmp_path: Path) -> None:
     folder = folders(kind)
     cfg = read_decoder_config(folder)
