@@ -128,6 +128,7 @@ def streamed_perplexity(folder: str | os.PathLike[str], datasets: Mapping[str, A
         block_tensor_names,
         embedded_stream,
         norm_gamma,
+        norm_params,
         read_decoder_config,
     )
     from quantkit.progress import tqdm
@@ -177,8 +178,7 @@ def streamed_perplexity(folder: str | os.PathLike[str], datasets: Mapping[str, A
             cur, nxt = nxt, cur
             bar.update(1)
         # the final norm, the lm_head (float32) and the next-token log-likelihood, window by window
-        norm = dict(ckpt.read([f"{names.final_norm}.weight"]
-                              + ([f"{names.final_norm}.bias"] if cfg.spec.norm == "layer" else [])))  # fmt: skip
+        norm = dict(ckpt.read(norm_params(cfg, names.final_norm)))
         gamma = _f32(norm_gamma(cfg, norm[f"{names.final_norm}.weight"]))
         beta = _f32(norm[f"{names.final_norm}.bias"]) if f"{names.final_norm}.bias" in norm else None
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
@@ -194,6 +194,8 @@ def streamed_perplexity(folder: str | os.PathLike[str], datasets: Mapping[str, A
                 logits = logits + head_bias
             if cfg.logits_scaling is not None:  # Granite
                 logits = (logits / np.float32(cfg.logits_scaling)).astype(np.float32)
+            if cfg.logit_scale is not None:  # Cohere
+                logits = (logits * np.float32(cfg.logit_scale)).astype(np.float32)
             if cfg.final_softcap is not None:
                 cap = np.float32(cfg.final_softcap)
                 logits = (np.tanh(logits / cap) * cap).astype(np.float32)

@@ -139,8 +139,13 @@ class Family:
     ``qwen`` (from ``max_window_layers`` on, and only with
     ``use_sliding_window``, as Qwen2 / Qwen3), ``nope`` (the layers without RoPE, with ``use_sliding_window``:
     SmolLM3), ``pattern`` (every ``sliding_window_pattern``-th layer full: EXAONE 4)."""
-    rope_sliding_only: bool = False
-    """When ``sliding_window`` is set, only the sliding layers apply RoPE, the full ones none (EXAONE 4)."""
+    rope_sliding_only: str = ""
+    """Only the sliding layers apply RoPE, the full ones none: ``windowed`` when ``sliding_window`` is set (without
+    one every layer is full and rotated: EXAONE 4); ``always`` (without a window no layer is rotated: Cohere 2)."""
+    norm_bias: bool = True
+    """A LayerNorm family's norms have a bias (False: Cohere's LayerNorm, weight only)."""
+    logit_scale: bool = False
+    """The logits are multiplied by ``logit_scale`` (Cohere)."""
     nope_layers: bool = False
     """``no_rope_layers`` (or every ``no_rope_layer_interval``-th layer) attend without a rotary embedding (SmolLM3)."""
     per_type_rope: bool = False
@@ -291,7 +296,7 @@ FAMILIES: tuple[Family, ...] = (
            names=Names(attn_norm=None, attn_post_norm="post_attention_layernorm", mlp_norm=None,
                        mlp_post_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm",
                        k_norm="self_attn.k_norm"),
-           windows="layer_types", window_rule="pattern", rope_sliding_only=True,
+           windows="layer_types", window_rule="pattern", rope_sliding_only="windowed",
            defaults=(("rms_norm_eps", 1e-5), ("sliding_window", 4096)), genai_type="decoder"),
     Family("arcee", ("arcee",), "Arcee (AFM)", names=Names(gate=None), mlp="plain", act_default="relu2",
            genai_type="decoder"),
@@ -301,6 +306,16 @@ FAMILIES: tuple[Family, ...] = (
     Family("glm", ("glm",), "GLM-4 (glm)", names=Names(gate=None, up=None, gate_up="mlp.gate_up_proj"),
            rotary_interleaved=True, default_rope_partial=True,
            defaults=(("partial_rotary_factor", 0.5), ("head_dim", 128), ("rms_norm_eps", 1.5625e-07)),
+           genai_type="decoder"),
+    Family("cohere", ("cohere",), "Cohere (Command R, Aya Expanse)", names=Names(mlp_norm=None), norm="layer",
+           norm_bias=False, rotary_interleaved=True, parallel="always", logit_scale=True, tie_default=True,
+           config_aliases=(("rms_norm_eps", "layer_norm_eps"),), refuse_true=("use_qk_norm",),
+           defaults=(("layer_norm_eps", 1e-5), ("logit_scale", 0.0625)), genai_type="decoder"),
+    Family("cohere2", ("cohere2",), "Cohere 2 (Command R7B)", names=Names(mlp_norm=None), norm="layer",
+           norm_bias=False, rotary_interleaved=True, parallel="always", logit_scale=True, tie_default=True,
+           windows="layer_types", window_rule="pattern", rope_sliding_only="always",
+           config_aliases=(("rms_norm_eps", "layer_norm_eps"),),
+           defaults=(("layer_norm_eps", 1e-5), ("logit_scale", 0.0625), ("sliding_window", 4096)),
            genai_type="decoder"),
     Family("starcoder2", ("starcoder2",), "StarCoder2",
            names=Names(gate=None, up="mlp.c_fc", down="mlp.c_proj", act="mlp.act"), norm="layer", mlp="plain",
@@ -420,6 +435,8 @@ class DecoderConfig:
     """Attention and MLP outputs are multiplied by this before the residual add (Granite)."""
     logits_scaling: float | None = None
     """The logits are divided by this (Granite)."""
+    logit_scale: float | None = None
+    """The logits are multiplied by this (Cohere)."""
 
     @property
     def spec(self) -> Family:
@@ -680,7 +697,8 @@ def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, w
             window = None  # transformers drops it: every layer is full
         if fam.window_rule == "pattern" and window is None:
             types = ()  # no window: every layer full (and rotated)
-        if fam.rope_sliding_only and window is not None:  # EXAONE 4: the full layers attend without RoPE
+        if fam.rope_sliding_only == "always" or (fam.rope_sliding_only and window is not None):  # the full layers
+            # attend without RoPE (EXAONE 4, Cohere 2)
             rope_layers = tuple(t == SLIDING for t in (types or (FULL,) * L))
             extra["rope_layers"] = () if all(rope_layers) else rope_layers
         if SLIDING in types and window is None:
@@ -716,6 +734,11 @@ def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, w
             if not _num(v):
                 raise ModelError(f"{where}: {key} {v!r}; allowed: a finite number > 0")
             extra[name] = float(v) if (float(v) != 1.0 or name == "attention_scale") else None
+    if fam.logit_scale:
+        v = cfg.get("logit_scale")
+        if v is not None and not _num(v):
+            raise ModelError(f"{where}: logit_scale {v!r}; allowed: a finite number > 0 or null")
+        extra["logit_scale"] = float(v) if v is not None and float(v) != 1.0 else None
     if fam.softcap:
         for key, name in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
             v = cfg.get(key)

@@ -97,6 +97,7 @@ __all__ = [
     "linear_groups",
     "linear_shapes",
     "norm_gamma",
+    "norm_params",
     "read_decoder_config",
 ]
 
@@ -622,16 +623,16 @@ def block_norms(cfg: DecoderConfig) -> list[str]:
     return [s for s in (n.attn_norm, n.attn_post_norm, cfg.mlp_norm, n.mlp_post_norm) if s is not None]
 
 
-def _norm_params(cfg: DecoderConfig, name: str) -> list[str]:
+def norm_params(cfg: DecoderConfig, name: str) -> list[str]:
     """The tensors of the norm ``name``: its weight, and its bias for a LayerNorm."""
-    return [f"{name}.weight"] + ([f"{name}.bias"] if cfg.spec.norm == "layer" else [])
+    return [f"{name}.weight"] + ([f"{name}.bias"] if cfg.spec.norm == "layer" and cfg.spec.norm_bias else [])
 
 
 def block_tensor_names(cfg: DecoderConfig, index: int, has: Any) -> list[str]:
     """The checkpoint tensors of block ``index`` (``has(name)``: whether an optional bias exists)."""
     p = block_prefix(cfg, index)
     n = cfg.spec.names
-    names = [t for s in block_norms(cfg) for t in _norm_params(cfg, f"{p}.{s}")]
+    names = [t for s in block_norms(cfg) for t in norm_params(cfg, f"{p}.{s}")]
     names += [f"{p}.{s}.weight" for s in (n.q_norm, n.k_norm) if s is not None]
     names += [f"{p}.{s}.weight" for s in linear_shapes(cfg)]
     names += [f"{p}.{s}.bias" for s in linear_shapes(cfg) if has(f"{p}.{s}.bias")]
@@ -650,7 +651,7 @@ def check_checkpoint(cfg: DecoderConfig, ckpt: _Checkpoint) -> None:
     want: dict[str, tuple[int, ...]] = {f"{n.embed}.weight": (V, H)}
     if n.positions is not None:
         want[f"{n.positions}.weight"] = (cfg.max_position_embeddings, H)
-    want.update({t: (H,) for t in _norm_params(cfg, n.final_norm)})
+    want.update({t: (H,) for t in norm_params(cfg, n.final_norm)})
     if not (cfg.tie_word_embeddings or "lm_head.weight" not in ckpt):
         want["lm_head.weight"] = (V, H)
     if HEAD_BIAS in ckpt:
@@ -658,7 +659,7 @@ def check_checkpoint(cfg: DecoderConfig, ckpt: _Checkpoint) -> None:
     for i in range(cfg.num_hidden_layers):
         p = block_prefix(cfg, i)
         for s in block_norms(cfg):
-            want.update({t: (H,) for t in _norm_params(cfg, f"{p}.{s}")})
+            want.update({t: (H,) for t in norm_params(cfg, f"{p}.{s}")})
         for qk, heads in ((n.q_norm, cfg.num_attention_heads), (n.k_norm, cfg.num_key_value_heads)):
             if qk is not None:
                 want[f"{p}.{qk}.weight"] = (cfg.head_dim * (heads if n.qk_norm_whole else 1),)
@@ -831,11 +832,11 @@ def _norm(g: _GraphBuilder, name: str, x: str, skip: str | None, gamma: Any, bet
     ln = g.external(f"{name}.weight", gamma)
     out = out or f"{name}/output_0"
     outs = [out, "", "", f"{name}/output_3"] if residual_out else [out]
-    if g.cfg.spec.norm == "layer":
-        b = g.external(f"{name}.bias", beta)
+    if g.cfg.spec.norm == "layer":  # the bias is optional in both (Cohere's LayerNorm has none)
+        b = [g.external(f"{name}.bias", beta)] if beta is not None else []
         if skip is None:
-            return g.node("LayerNormalization", [x, ln, b], [out], name, axis=-1, epsilon=eps)[0], None
-        res = g.node("SkipLayerNormalization", [x, skip, ln, b], outs, name, _MS, epsilon=eps)
+            return g.node("LayerNormalization", [x, ln, *b], [out], name, axis=-1, epsilon=eps)[0], None
+        res = g.node("SkipLayerNormalization", [x, skip, ln, *b], outs, name, _MS, epsilon=eps)
     else:
         if skip is None:
             return _rms_norm(g, x, ln, name, eps), None
@@ -1231,7 +1232,7 @@ def _build(
         io = _emit_block(g, i, w, io, packed, seqlens_k, total_len, rotary)
         del w, packed
 
-    norm_w = dict(ckpt.read(_norm_params(cfg, n.final_norm)))
+    norm_w = dict(ckpt.read(norm_params(cfg, n.final_norm)))
     gamma, beta = norm_gamma(cfg, norm_w[f"{n.final_norm}.weight"]), norm_w.get(f"{n.final_norm}.bias")
     head_gamma = gamma  # the factor the lm_head's rewrite folds in (the final norm keeps transform.final_norm's)
     if transform is not None:
@@ -1241,7 +1242,8 @@ def _build(
     hidden = _keep_last(g, hidden)
     head_bias = HEAD_BIAS in ckpt
     post = [s for s, on in (("bias_add", head_bias), ("scaling", cfg.logits_scaling is not None),
-                            ("softcap", cfg.final_softcap is not None)) if on]  # fmt: skip
+                            ("scale", cfg.logit_scale is not None), ("softcap", cfg.final_softcap is not None))
+            if on]  # fmt: skip
     # (not "lm_head/output_0": a hot-rows head names its full-vocabulary MatMulNBits output so)
     logits = "logits" if not post else "lm_head/logits/output_0"
     if tied and q_emb is not None and not untie:
@@ -1282,6 +1284,9 @@ def _build(
         elif step == "scaling":  # Granite: logits / logits_scaling
             logits = g.node("Div", [logits, g.const(np.float32(cfg.logits_scaling), np.float32)], [out],
                             "lm_head/scaling")[0]  # fmt: skip
+        elif step == "scale":  # Cohere: logits * logit_scale
+            logits = g.node("Mul", [logits, g.const(np.float32(cfg.logit_scale), np.float32)], [out],
+                            "lm_head/scale")[0]  # fmt: skip
         else:  # Gemma 2: cap * tanh(logits / cap)
             cap = g.const(np.float32(cfg.final_softcap), np.float32)
             d = g.node("Div", [logits, cap], ["lm_head/softcap/Div/output_0"], "lm_head/softcap/Div")[0]
