@@ -110,6 +110,8 @@ class Family:
     norm: str = "rms"
     """``rms`` (``x / rms(x) * w``), ``rms_offset`` (Gemma: ``x / rms(x) * (1 + w)``) or ``layer`` (LayerNorm
     with weight and bias)."""
+    gamma_offset: bool = False
+    """A LayerNorm that multiplies by ``1 + weight`` (Nemotron's ``LayerNorm1P``)."""
     mlp: str = "gated"
     """``gated``: ``down(act(gate(x)) * up(x))``; ``plain``: ``down(act(up(x)))``."""
     act_keys: tuple[str, ...] = ("hidden_act",)
@@ -317,6 +319,10 @@ FAMILIES: tuple[Family, ...] = (
            config_aliases=(("rms_norm_eps", "layer_norm_eps"),),
            defaults=(("layer_norm_eps", 1e-5), ("logit_scale", 0.0625), ("sliding_window", 4096)),
            genai_type="decoder"),
+    Family("nemotron", ("nemotron",), "Nemotron (Minitron, Nemotron-Mini)", norm="layer", gamma_offset=True,
+           names=Names(gate=None), mlp="plain", act_default="relu2", default_rope_partial=True,
+           config_aliases=(("rms_norm_eps", "norm_eps"),), defaults=(("norm_eps", 1e-5), ("partial_rotary_factor", 0.5)),
+           genai_type="nemotron"),
     Family("starcoder2", ("starcoder2",), "StarCoder2",
            names=Names(gate=None, up="mlp.c_fc", down="mlp.c_proj", act="mlp.act"), norm="layer", mlp="plain",
            act_default="gelu_pytorch_tanh", windows="all", tie_default=True,

@@ -690,8 +690,9 @@ def check_decoder_folder(folder: str | Path) -> DecoderConfig:
 
 
 def norm_gamma(cfg: DecoderConfig, weight: Any) -> Any:
-    """The factor a norm multiplies by: its weight, or ``1 + weight`` in float32 (Gemma's RMSNorm)."""
-    if cfg.spec.norm != "rms_offset":
+    """The factor a norm multiplies by: its weight, or ``1 + weight`` in float32 (Gemma's RMSNorm, Nemotron's
+    LayerNorm1P)."""
+    if cfg.spec.norm != "rms_offset" and not cfg.spec.gamma_offset:
         return weight
     return (np.float32(1.0) + _float32_rows(weight, 0, int(weight.shape[0]))).astype(np.float32)
 

@@ -133,6 +133,9 @@ def _spec(kind: str) -> tuple[Any, Any]:
     if kind == "cohere2":  # as Cohere, layer 0 windowed with RoPE, layer 1 full without
         return t.Cohere2ForCausalLM, t.Cohere2Config(**c, layer_norm_eps=1e-5, logit_scale=0.5, sliding_window=_WINDOW,
                                                      layer_types=["sliding_attention", "full_attention"])
+    if kind == "nemotron":  # LayerNorm with 1 + weight, a plain ReLU-squared MLP, rotary on half of each head
+        c.update(num_attention_heads=2, num_key_value_heads=1)
+        return t.NemotronForCausalLM, t.NemotronConfig(**c, norm_eps=1e-5)
     if kind == "starcoder2":  # LayerNorm, biases, a plain GELU MLP, a sliding window on every layer, tied
         return t.Starcoder2ForCausalLM, t.Starcoder2Config(**c, sliding_window=_WINDOW, norm_epsilon=1e-5)
     if kind == "phi":  # one LayerNorm read by attention and MLP in parallel, biases everywhere (lm_head too)
@@ -153,7 +156,7 @@ def _spec(kind: str) -> tuple[Any, Any]:
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm",
-         "qwen3_yarn", "llama_yarn", "olmo3", "cohere", "cohere2"]
+         "qwen3_yarn", "llama_yarn", "olmo3", "cohere", "cohere2", "nemotron"]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
