@@ -75,7 +75,7 @@ from quantkit.frontends.llm_builder import (
     block_prefix,
     build_llm,
     embedded_stream,
-    linear_groups,
+    input_groups,
     linear_shapes,
     read_decoder_config,
 )
@@ -183,7 +183,7 @@ class _Hook(BuildHook):
         self.notes: dict[str, str] = {}
         self.resumed = 0
         self.hidden: np.ndarray | None = None  # memory-mapped [windows, seq, H] entering the current block
-        self.groups = linear_groups(cfg)  # graph order of a block's linears, grouped by the tensor they read
+        self.groups = input_groups(cfg)  # graph order of a block's linears, grouped by the tensor they read
         self.embed = cfg.spec.names.embed
         self.plans = {f"{block_prefix(cfg, i)}.{s}": self._layer_plan(f"{block_prefix(cfg, i)}.{s}")
                       for i in range(cfg.num_hidden_layers) for s in linear_shapes(cfg)}  # fmt: skip

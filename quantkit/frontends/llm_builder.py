@@ -94,6 +94,7 @@ __all__ = [
     "check_decoder_folder",
     "embedded_stream",
     "generate",
+    "input_groups",
     "linear_groups",
     "linear_shapes",
     "norm_gamma",
@@ -615,6 +616,16 @@ def linear_groups(cfg: DecoderConfig) -> tuple[tuple[str, ...], ...]:
     attn = (n.qkv,) if n.qkv is not None else (n.q, n.k, n.v)
     mlp = (n.gate_up,) if n.gate_up is not None else tuple(s for s in (n.gate, n.up) if s is not None)
     return tuple(tuple(s for s in grp if s is not None) for grp in (attn, (n.o,), mlp, (n.down,)))
+
+
+def input_groups(cfg: DecoderConfig) -> tuple[tuple[str, ...], ...]:
+    """:func:`linear_groups` with the groups that read one tensor merged: a parallel block whose MLP reads the
+    attention's norm (Phi-2, StableLM, Cohere) has q/k/v and the MLP's input linears in one group, so that an AWQ
+    input scale searched for all of them folds into that norm (and q/k/v still fuse into one ``MatMulNBits``)."""
+    attn, o, mlp, down = linear_groups(cfg)
+    if cfg.parallel_residual and cfg.mlp_norm is None:
+        return (attn + mlp, o, down)
+    return (attn, o, mlp, down)
 
 
 def block_norms(cfg: DecoderConfig) -> list[str]:

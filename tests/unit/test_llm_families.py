@@ -366,6 +366,40 @@ def test_quantkit_calibrate_layerwise_awq(built: Any, kind: str, tmp_path: Path)
     assert genai["model"]["type"] == read_decoder_config(b.folder).spec.genai_type
 
 
+@pytest.mark.parametrize("kind", ["phi", "stablelm_parallel", "cohere"])
+def test_parallel_block_awq_scale_folds_into_its_one_norm(built: Any, kind: str, tmp_path: Path) -> None:
+    """In a parallel block whose attention and MLP read one norm, AWQ searches one input scale for q/k/v and the MLP's
+    input linears together, so it folds into that norm: no ``Mul`` by the scale before them, and q/k/v still run as
+    one fused ``MatMulNBits`` (searched apart, the scales differ: three unfused kernels and four ``Mul`` nodes)."""
+    import onnx
+
+    from quantkit.cli import main
+
+    b = built(kind)
+    ids = _ids(16, 5, rows=3)
+    np.savez(tmp_path / "cal.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    rec = {"version": 1, "name": kind, "model": {"source": str(b.folder)},
+           "calibration": {"layerwise": True, "data": {"kind": "npz", "path": str(tmp_path / "cal.npz")}},
+           "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": "awq"}},
+           "report": {"formats": ["json"], "latency": {"enabled": False}}}  # fmt: skip
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(rec))
+    assert main(["calibrate", "-q", "--recipe", str(tmp_path / "r.yaml"), "--output", str(tmp_path / "o")]) == 0
+    graph = onnx.load(str(tmp_path / "o" / "model.onnx"), load_external_data=False).graph
+    cfg = read_decoder_config(b.folder)
+    n = cfg.spec.names
+    first_mlp = n.gate or n.up
+    for i in range(cfg.num_hidden_layers):
+        p = block_prefix(cfg, i)
+        scaled = [x.name for x in graph.node if x.name.endswith("/input_scale")
+                  and any(x.name.startswith(f"{p}.{s}") for s in (n.q, n.k, n.v, first_mlp))]  # fmt: skip
+        assert not scaled, scaled
+        fused = [x for x in graph.node if x.op_type == "MatMulNBits" and x.name.startswith(f"{p}.")
+                 and x.name.endswith("qkv_proj")]  # fmt: skip
+        assert len(fused) == 1, [x.name for x in graph.node if x.op_type == "MatMulNBits"]
+    got = LLMSession(tmp_path / "o" / "model.onnx")(_ids(12, 7))
+    assert float(np.corrcoef(got.ravel(), _reference(b.model, _ids(12, 7)).ravel())[0, 1]) > 0.9
+
+
 @pytest.mark.parametrize("kind", ["gemma2", "phi", "granite"])
 def test_hot_rows_lm_head_before_the_logits_post_processing(built: Any, kind: str, tmp_path: Path) -> None:
     """An lm_head with hot rows (8-bit columns scattered over the 4-bit logits) followed by soft-capping (Gemma 2),
