@@ -924,6 +924,7 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
         residual = added or residual
     for s in attn_in:
         taps[f"{p}.{s}"] = h
+    h = _shared_scale(g, h, f"{p}/attn_input_scale", q, attn_in)  # an AWQ scale no norm took (OLMo-2): one Mul
     fused = None if fam.qk_norm or len(attn_in) == 1 else _fusable([q[s] for s in attn_in])
     if fused:  # one MatMulNBits for q/k/v; GroupQueryAttention takes the packed [q | k | v] as its query
         qname = f"{p}.{attn_in[0].rsplit('.', 1)[0]}.qkv_proj"
@@ -965,6 +966,7 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
         residual = added
     for s in mlp_in:
         taps[f"{p}.{s}"] = h
+    h = _shared_scale(g, h, f"{p}/mlp_input_scale", q, mlp_in)
     a = f"{p}.{n.act}"
     if fam.mlp == "plain":  # GPT-2: down(act(fc(x)))
         assert n.up is not None  # noqa: S101 - a plain MLP has its first linear as `up`
@@ -997,6 +999,25 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
     if cfg.parallel_residual:  # x + (attn + mlp), the order transformers adds them in
         pending = g.node("Add", [o, pending], [f"{p}/parallel_add/output_0"], f"{p}/parallel_add")[0]
     return _BlockIO(residual, pending, taps)
+
+
+def _shared_scale(g: _GraphBuilder, x: str, name: str, q: dict[str, PackedLinear | None], readers: tuple[str, ...]
+                  ) -> str:
+    """``x / s`` once (a ``Mul`` named ``name``) when the layers ``readers`` of ``x`` all carry the same AWQ input scale
+    ``s`` that no norm took (no norm before them: OLMo-2, EXAONE 4); their entries in ``q`` lose it, so q/k/v can
+    still fuse.  Otherwise ``x``, and each layer scales its own input (:func:`_scaled_input`)."""
+    qs = [q[s] for s in readers]
+    scales = [t.input_scale for t in qs if t is not None and t.input_scale is not None]
+    if len(readers) < 2 or len(scales) != len(readers):
+        return x
+    first = np.asarray(scales[0], np.float32)
+    if any(not np.array_equal(np.asarray(t, np.float32), first) for t in scales[1:]):
+        return x
+    inv = (np.float32(1.0) / first).astype(np.float32)
+    out = g.node("Mul", [x, g.external(f"{name}_inv", inv)], [f"{name}/output_0"], name)[0]
+    for s, t in zip(readers, qs, strict=True):
+        q[s] = dataclasses.replace(t, input_scale=None) if t is not None else None
+    return out
 
 
 def _residual_scaled(g: _GraphBuilder, x: str, prefix: str) -> str:

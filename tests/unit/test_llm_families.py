@@ -400,6 +400,35 @@ def test_parallel_block_awq_scale_folds_into_its_one_norm(built: Any, kind: str,
     assert float(np.corrcoef(got.ravel(), _reference(b.model, _ids(12, 7)).ravel())[0, 1]) > 0.9
 
 
+@pytest.mark.parametrize("kind", ["olmo2", "exaone4"])
+def test_awq_scale_without_a_norm_to_fold_into_is_one_mul_per_input(built: Any, kind: str, tmp_path: Path) -> None:
+    """No norm before attention or MLP (OLMo-2, EXAONE 4): the AWQ input scale shared by q/k/v (and by gate/up) cannot
+    fold into a norm, so the block scales its input once per group - one ``Mul`` - instead of once per linear (the
+    same product: ``x / s`` read by every linear of the group), and the model still tracks FP32."""
+    import onnx
+
+    from quantkit.cli import main
+
+    b = built(kind)
+    ids = _ids(16, 5, rows=3)
+    np.savez(tmp_path / "cal.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    rec = {"version": 1, "name": kind, "model": {"source": str(b.folder)},
+           "calibration": {"layerwise": True, "data": {"kind": "npz", "path": str(tmp_path / "cal.npz")}},
+           "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": "awq"}},
+           "report": {"formats": ["json"], "latency": {"enabled": False}}}  # fmt: skip
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(rec))
+    assert main(["calibrate", "-q", "--recipe", str(tmp_path / "r.yaml"), "--output", str(tmp_path / "o")]) == 0
+    graph = onnx.load(str(tmp_path / "o" / "model.onnx"), load_external_data=False).graph
+    cfg = read_decoder_config(b.folder)
+    for i in range(cfg.num_hidden_layers):
+        p = block_prefix(cfg, i)
+        muls = sorted(x.name for x in graph.node if x.op_type == "Mul" and x.name.startswith(p)
+                      and x.name.endswith("input_scale") and "o_proj" not in x.name)  # fmt: skip
+        assert muls == [f"{p}/attn_input_scale", f"{p}/mlp_input_scale"], muls  # o_proj keeps its own (no norm)
+    got = LLMSession(tmp_path / "o" / "model.onnx")(_ids(12, 7))
+    assert float(np.corrcoef(got.ravel(), _reference(b.model, _ids(12, 7)).ravel())[0, 1]) > 0.9
+
+
 @pytest.mark.parametrize("kind", ["gemma2", "phi", "granite"])
 def test_hot_rows_lm_head_before_the_logits_post_processing(built: Any, kind: str, tmp_path: Path) -> None:
     """An lm_head with hot rows (8-bit columns scattered over the 4-bit logits) followed by soft-capping (Gemma 2),
