@@ -122,6 +122,9 @@ class Family:
     """False: learned absolute positions (``names.positions``), no rotary embedding."""
     rotary_interleaved: bool = False
     """RoPE rotates adjacent pairs ``(x0, x1), (x2, x3) ...`` instead of the two halves (Helium)."""
+    rotary_dim_key: str = ""
+    """A config key giving the rotary dimension itself (GPT-J's ``rotary_dim``; null: the whole head), read as
+    ``partial_rotary_factor = rotary_dim / head_dim``."""
     default_rope_partial: bool = False
     """The family's default RoPE honours ``partial_rotary_factor`` (Phi-3); elsewhere only the scaled RoPE types do."""
     embed_scale: bool = False
@@ -323,6 +326,17 @@ FAMILIES: tuple[Family, ...] = (
            names=Names(gate=None), mlp="plain", act_default="relu2", default_rope_partial=True,
            config_aliases=(("rms_norm_eps", "norm_eps"),), defaults=(("norm_eps", 1e-5), ("partial_rotary_factor", 0.5)),
            genai_type="nemotron"),
+    Family("gptj", ("gptj",), "GPT-J",
+           names=Names(embed="transformer.wte", layers="transformer.h", final_norm="transformer.ln_f", attn_norm="ln_1",
+                       mlp_norm=None, q="attn.q_proj", k="attn.k_proj", v="attn.v_proj", o="attn.out_proj", gate=None,
+                       up="mlp.fc_in", down="mlp.fc_out", act="mlp.act"),
+           norm="layer", mlp="plain", act_keys=("activation_function",), act_default="gelu_new",
+           rotary_interleaved=True, rotary_dim_key="rotary_dim", default_rope_partial=True, parallel="always",
+           config_aliases=(("hidden_size", "n_embd"), ("num_attention_heads", "n_head"),
+                           ("num_hidden_layers", "n_layer"), ("max_position_embeddings", "n_positions"),
+                           ("intermediate_size", "n_inner"), ("rms_norm_eps", "layer_norm_epsilon")),
+           defaults=(("n_positions", 2048), ("layer_norm_epsilon", 1e-5), ("rotary_dim", 64)),
+           intermediate_default=4, genai_type="decoder"),
     Family("starcoder2", ("starcoder2",), "StarCoder2",
            names=Names(gate=None, up="mlp.c_fc", down="mlp.c_proj", act="mlp.act"), norm="layer", mlp="plain",
            act_default="gelu_pytorch_tanh", windows="all", tie_default=True,
@@ -596,6 +610,12 @@ def parse_config(raw: Any, where: str) -> DecoderConfig:
             partial = rope_params.get("partial_rotary_factor")
         if partial is None:
             partial = dict(fam.defaults).get("partial_rotary_factor", 1.0)
+        if fam.rotary_dim_key and cfg.get(fam.rotary_dim_key) is not None:
+            rd = cfg[fam.rotary_dim_key]
+            if isinstance(rd, bool) or not isinstance(rd, int) or not 0 < rd <= head_dim:
+                raise ModelError(f"{where}: {fam.rotary_dim_key} {rd!r}; allowed: an integer in 1 .. {head_dim} "
+                                 "(head_dim) or null")  # fmt: skip
+            partial = rd / head_dim
         out = DecoderConfig(
             model_type=model_type,
             hidden_size=hidden,

@@ -133,6 +133,10 @@ def _spec(kind: str) -> tuple[Any, Any]:
     if kind == "cohere2":  # as Cohere, layer 0 windowed with RoPE, layer 1 full without
         return t.Cohere2ForCausalLM, t.Cohere2Config(**c, layer_norm_eps=1e-5, logit_scale=0.5, sliding_window=_WINDOW,
                                                      layer_types=["sliding_attention", "full_attention"])
+    if kind == "gptj":  # one LayerNorm in parallel, RoPE on adjacent pairs of the first rotary_dim, lm_head bias
+        return t.GPTJForCausalLM, t.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, n_positions=64,
+                                               rotary_dim=16, initializer_range=0.15, bos_token_id=1,
+                                               eos_token_id=2)  # fmt: skip
     if kind == "nemotron":  # LayerNorm with 1 + weight, a plain ReLU-squared MLP, rotary on half of each head
         c.update(num_attention_heads=2, num_key_value_heads=1)
         return t.NemotronForCausalLM, t.NemotronConfig(**c, norm_eps=1e-5)
@@ -156,7 +160,7 @@ def _spec(kind: str) -> tuple[Any, Any]:
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm",
-         "qwen3_yarn", "llama_yarn", "olmo3", "cohere", "cohere2", "nemotron"]
+         "qwen3_yarn", "llama_yarn", "olmo3", "cohere", "cohere2", "nemotron", "gptj"]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:

@@ -62,8 +62,8 @@ def test_the_note_is_for_unsupported_causal_lms_only(tmp_path: Path) -> None:
         (f / "config.json").write_text(json.dumps(cfg))
         return f
 
-    assert "'gptj'" in str(unstreamed_decoder_note(folder("o", {"model_type": "gptj",
-                                                                  "architectures": ["GPTJForCausalLM"]})))
+    assert "'falcon'" in str(unstreamed_decoder_note(folder("o", {"model_type": "falcon",
+                                                                  "architectures": ["FalconForCausalLM"]})))
     assert unstreamed_decoder_note(folder("b", {"model_type": "bert", "architectures": ["BertForMaskedLM"]})) is None
     # a supported family whose config the builder refuses: the builder's own error says why, not this note
     assert unstreamed_decoder_note(folder("l", {"model_type": "llama", "architectures": ["LlamaForCausalLM"]})) is None
