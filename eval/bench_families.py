@@ -187,6 +187,13 @@ def _child(code: str, *args: str) -> dict[str, Any]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def _cpu_name() -> str:
+    """This machine's CPU model (rows measured on different machines keep their own)."""
+    from quantkit.report.build import environment
+
+    return str(environment().get("cpu", "?"))
+
+
 def _du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -243,7 +250,7 @@ def run_case(family: str, layers: int, work: Path) -> dict[str, Any]:
         "path": mem.get("path"), "layers_quantized": len(rep.get("layers", [])),
         "timings_s": {k: round(v, 1) for k, v in (rep.get("timings") or {}).items() if isinstance(v, (int, float))},
         "load_start": [round(x, 2) for x in load0], "load_end": [round(x, 2) for x in os.getloadavg()],
-        "warnings": rep.get("warnings", []), "date": time.strftime("%Y-%m-%d %H:%M"),
+        "warnings": rep.get("warnings", []), "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name(),
     }  # fmt: skip
     row["estimate_over_measured"] = round(row["estimated_GB"] / max(row["tree_peak_GB"], 1e-9) - 1, 3)
     shutil.rmtree(hf, ignore_errors=True)
@@ -328,6 +335,9 @@ def main() -> None:
             commands.append(rec["command"])
         data["commands"] = commands  # every run the file holds rows of (each row has its own date and load)
         data["environment"] = {**environment(), **rec, "command": "; ".join(commands)}
+        cpus = sorted({str(r.get("cpu", "?")) for r in data.get("families") or []})
+        if len(cpus) > 1:  # rows from several machines: each row names its CPU
+            data["environment"]["cpu"] = f"{', '.join(cpus)} (each row names its own)"
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps(data, indent=1) + "\n")
 

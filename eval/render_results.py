@@ -572,6 +572,7 @@ def _families(data: dict[str, Any]) -> list[str]:
         ("largest at", lambda r: r.get("peak_phase"), "{}"),
         ("estimate vs measured", lambda r: r.get("estimate_over_measured"), "{:+.0%}"),
         ("load (1 min) at start", lambda r: (r.get("load_start") or [None])[0], "{:.1f}"),
+        ("CPU", lambda r: r.get("cpu"), "{}"),
     ]
     lines = ["`quantkit calibrate --no-latency` with `calibration.layerwise: true`, int4, RTN, group 128, two 64-token "
              "windows of random token ids, no perplexity; a folder of random bf16 weights at the width of the "
