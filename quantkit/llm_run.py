@@ -552,9 +552,11 @@ def _weights_large(est: Estimate) -> bool:
 
 def unstreamed_decoder_note(source: Any) -> str | None:
     """For a Hugging Face folder of a causal LM (``config.json`` names a ``...ForCausalLM`` / ``...LMHeadModel``
-    architecture) whose family the layer-wise builder does not support, what taking the whole-graph path instead
-    means for the user; None for anything else (a supported decoder, an encoder, an ONNX file, a module)."""
-    from quantkit.frontends.families import supported_model_types
+    architecture) that the layer-wise builder does not stream - a family it does not support, or one it supports
+    with a setting it refuses (a rotary dimension GroupQueryAttention cannot apply, a RoPE type it does not compute:
+    the refusal is quoted) - what taking the whole-graph path instead means for the user; None for anything else
+    (a streamed decoder, an encoder, an ONNX file, a module)."""
+    from quantkit.frontends.families import read_config, supported_model_types
 
     if not isinstance(source, (str, os.PathLike)):
         return None
@@ -566,15 +568,21 @@ def unstreamed_decoder_note(source: Any) -> str | None:
     except (OSError, ValueError):
         return None
     archs = cfg.get("architectures") if isinstance(cfg, dict) else None
-    if cfg.get("model_type") in supported_model_types():  # a supported family the builder refused: it says why
-        return None
     if not isinstance(archs, list) or not any(isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel"))
                                               for a in archs):
         return None
+    consequence = ("it is exported whole and quantized as one full-sequence graph - no KV cache (`quantkit generate` "
+                   "cannot run it, decoding speed is not measured) and the FP32 model held in memory several times "
+                   "over instead of one block at a time")  # fmt: skip
+    if cfg.get("model_type") in supported_model_types():  # a supported family with a setting the builder refuses
+        try:
+            read_config(cfg_path.parent)
+        except ModelError as e:
+            return (f"model_type {cfg['model_type']!r} is a family the layer-wise builder supports, but it refuses "
+                    f"this checkpoint ({str(e).replace(str(cfg_path), 'config.json')}): {consequence}")
+        return None
     return (f"model_type {str(cfg.get('model_type', '?'))!r} is not a decoder family the layer-wise builder supports "
-            f"({', '.join(supported_model_types())}): it is exported whole and quantized as one full-sequence graph "
-            "- no KV cache (`quantkit generate` cannot run it, decoding speed is not measured) and the FP32 model held "
-            "in memory several times over instead of one block at a time")  # fmt: skip
+            f"({', '.join(supported_model_types())}): {consequence}")
 
 
 def decoder_folder(source: Any) -> Path | None:
