@@ -496,6 +496,12 @@ class DecoderConfig:
             return self.sliding_window if self.layer_types[layer] == SLIDING else None
         return self.sliding_window
 
+    @property
+    def external_rotary(self) -> bool:
+        """The rotary embedding runs as its own ``RotaryEmbedding`` node before the attention: ONNX Runtime's
+        GroupQueryAttention applies it only to a multiple of 8 pairs (StableLM-3B rotates 10)."""
+        return self.rotary and self.rotary_dim % 16 != 0
+
     def uses_rope(self, layer: int) -> bool:
         """Layer ``layer`` rotates q and k (False: learned positions, or one of SmolLM3's NoPE layers)."""
         return self.rotary and (not self.rope_layers or self.rope_layers[layer])
@@ -820,10 +826,6 @@ def _check_numbers(cfg: DecoderConfig, where: str) -> None:
     if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
         raise ModelError(f"{where}: head_dim {cfg.head_dim} gives a rotary dimension of {cfg.rotary_dim}; allowed: "
                          "an even number >= 2")  # fmt: skip
-    if cfg.rotary_dim % 16:  # GroupQueryAttention's rotary: cos / sin caches of a multiple of 8 columns
-        raise ModelError(f"{where}: head_dim {cfg.head_dim} (partial_rotary_factor {factor}) gives a rotary dimension "
-                         f"of {cfg.rotary_dim}; allowed: a multiple of 16 (ONNX Runtime's GroupQueryAttention applies "
-                         "the rotary embedding to a multiple of 8 pairs)")  # fmt: skip
     _check_rope(cfg.rope_scaling, cfg.rotary_dim, where)
     if cfg.local_rope_scaling is not None:
         _check_rope(cfg.local_rope_scaling, cfg.rotary_dim, where)

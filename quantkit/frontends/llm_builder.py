@@ -485,6 +485,7 @@ class _GraphBuilder:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[TensorProto] = []
         self._consts: dict[tuple[str, bytes], str] = {}
+        self.positions: str | None = None  # position ids [B, S] for RotaryEmbedding nodes, made once
 
     def node(
         self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs: Any
@@ -940,10 +941,18 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
         if n.q_norm is not None and n.k_norm is not None:  # RMSNorm per head (or whole) before the rotary embedding
             qkv[0] = _head_norm(g, qkv[0], f"{p}.{n.q_norm}", norm_gamma(cfg, w.pop(f"{p}.{n.q_norm}.weight")), nh)
             qkv[1] = _head_norm(g, qkv[1], f"{p}.{n.k_norm}", norm_gamma(cfg, w.pop(f"{p}.{n.k_norm}.weight")), nkv)
-    attrs = {"num_heads": nh, "kv_num_heads": nkv, "scale": cfg.scale(i), "do_rotary": int(cfg.uses_rope(i)),
+    rotate_inside = cfg.uses_rope(i) and not cfg.external_rotary
+    if cfg.uses_rope(i) and cfg.external_rotary:  # q and k rotated before the attention (RotaryEmbedding)
+        if not qkv[1]:  # packed [q | k | v]: split
+            qkv = g.node("Split", [qkv[0], g.const([nh * cfg.head_dim, nkv * cfg.head_dim, nkv * cfg.head_dim])],
+                         [f"{p}/qkv_split/output_{j}" for j in range(3)], f"{p}/qkv_split", axis=-1)  # fmt: skip
+        cos, sin = rotary[cfg.is_local(i)]
+        qkv[0] = _rotate(g, qkv[0], f"{p}/q_rotary", nh, cos, sin)
+        qkv[1] = _rotate(g, qkv[1], f"{p}/k_rotary", nkv, cos, sin)
+    attrs = {"num_heads": nh, "kv_num_heads": nkv, "scale": cfg.scale(i), "do_rotary": int(rotate_inside),
              "rotary_interleaved": int(fam.rotary_interleaved), "local_window_size": cfg.window(i) or -1, "softcap": cfg.attn_softcap or 0.0}
     ins = [*qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_len]
-    if cfg.uses_rope(i):
+    if rotate_inside:
         ins += list(rotary[cfg.is_local(i)])
     name = f"{p}.{o_proj.rsplit('.', 1)[0]}.GroupQueryAttention"
     attn = g.node("GroupQueryAttention", ins, [f"{name}/output_0", f"present.{i}.key", f"present.{i}.value"], name,
@@ -999,6 +1008,25 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
     if cfg.parallel_residual:  # x + (attn + mlp), the order transformers adds them in
         pending = g.node("Add", [o, pending], [f"{p}/parallel_add/output_0"], f"{p}/parallel_add")[0]
     return _BlockIO(residual, pending, taps)
+
+
+def _rotate(g: _GraphBuilder, x: str, name: str, heads: int, cos: str, sin: str) -> str:
+    """``x`` (``[B, S, heads * head_dim]``) with the rotary embedding applied to the first ``rotary_dim`` of every
+    head (``RotaryEmbedding``, com.microsoft), at the positions ``past .. past + S - 1`` (``past``: the width of
+    ``attention_mask`` minus ``S``, as GroupQueryAttention counts them for right-padded rows)."""
+    cfg = g.cfg
+    if g.positions is None:
+        base = "/model/rotary_positions"
+        shp = g.node("Shape", ["attention_mask"], [f"{base}/Shape/output_0"], f"{base}/Shape")[0]
+        total = g.node("Gather", [shp, g.const(1)], [f"{base}/Gather/output_0"], f"{base}/Gather", axis=0)[0]
+        bs = g.node("Shape", [x], [f"{base}/Shape_1/output_0"], f"{base}/Shape_1", start=0, end=2)[0]
+        seq = g.node("Gather", [bs, g.const(1)], [f"{base}/Gather_1/output_0"], f"{base}/Gather_1", axis=0)[0]
+        start = g.node("Sub", [total, seq], [f"{base}/Sub/output_0"], f"{base}/Sub")[0]
+        pos = g.node("Range", [start, total, g.const(1)], [f"{base}/Range/output_0"], f"{base}/Range")[0]
+        g.positions = g.node("Expand", [pos, bs], [f"{base}/output_0"], f"{base}/Expand")[0]
+    return g.node("RotaryEmbedding", [x, g.positions, cos, sin], [f"{name}/output_0"], name, _MS,
+                  interleaved=int(cfg.spec.rotary_interleaved), num_heads=heads,
+                  rotary_embedding_dim=cfg.rotary_dim)[0]  # fmt: skip
 
 
 def _shared_scale(g: _GraphBuilder, x: str, name: str, q: dict[str, PackedLinear | None], readers: tuple[str, ...]

@@ -65,14 +65,11 @@ def test_the_note_is_for_unsupported_causal_lms_only(tmp_path: Path) -> None:
     assert "'falcon'" in str(unstreamed_decoder_note(folder("o", {"model_type": "falcon",
                                                                   "architectures": ["FalconForCausalLM"]})))
     assert unstreamed_decoder_note(folder("b", {"model_type": "bert", "architectures": ["BertForMaskedLM"]})) is None
-    # a supported family with a setting the builder refuses (StableLM-3B's rotary dimension of 20): the refusal quoted
-    note = unstreamed_decoder_note(folder("s", {"model_type": "stablelm", "architectures": ["StableLmForCausalLM"],
-                                                "hidden_size": 2560, "num_attention_heads": 32, "num_hidden_layers": 2,
-                                                "intermediate_size": 6912, "vocab_size": 512,
-                                                "partial_rotary_factor": 0.25}))  # fmt: skip
-    assert note is not None and "supports, but it refuses this checkpoint" in note and "rotary dimension of 20" in note
-    assert "no KV cache" in note
+    # a supported family with a setting the builder refuses (a RoPE type it does not compute): the refusal quoted
     ok = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
           "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 512}
+    note = unstreamed_decoder_note(folder("s", ok | {"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}))
+    assert note is not None and "supports, but it refuses this checkpoint" in note and "'mrope'" in note
+    assert "no KV cache" in note
     assert unstreamed_decoder_note(folder("l", ok)) is None  # streamed: nothing to say
     assert unstreamed_decoder_note(tmp_path / "absent") is None and unstreamed_decoder_note(None) is None
