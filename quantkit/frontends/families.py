@@ -122,6 +122,12 @@ class Family:
     """False: learned absolute positions (``names.positions``), no rotary embedding."""
     rotary_interleaved: bool = False
     """RoPE rotates adjacent pairs ``(x0, x1), (x2, x3) ...`` instead of the two halves (Helium)."""
+    qk_norm_after_rope: bool = False
+    """The q / k norms apply to the rotated q and k (Hunyuan): the rotary embedding runs before the attention
+    (:attr:`DecoderConfig.external_rotary`)."""
+    ntk_alpha: bool = False
+    """``rope_scaling`` ``dynamic`` with an ``alpha`` is a static NTK base stretch, ``theta * alpha ** (d / (d - 2))``
+    (Hunyuan's checkpoints label it so)."""
     rotary_dim_key: str = ""
     """A config key giving the rotary dimension itself (GPT-J's ``rotary_dim``; null: the whole head), read as
     ``partial_rotary_factor = rotary_dim / head_dim``."""
@@ -337,6 +343,9 @@ FAMILIES: tuple[Family, ...] = (
                            ("intermediate_size", "n_inner"), ("rms_norm_eps", "layer_norm_epsilon")),
            defaults=(("n_positions", 2048), ("layer_norm_epsilon", 1e-5), ("rotary_dim", 64)),
            intermediate_default=4, genai_type="decoder"),
+    Family("hunyuan_v1_dense", ("hunyuan_v1_dense",), "Hunyuan (dense)",
+           names=Names(q_norm="self_attn.query_layernorm", k_norm="self_attn.key_layernorm"), qk_norm_after_rope=True,
+           ntk_alpha=True, genai_type="decoder"),
     Family("starcoder2", ("starcoder2",), "StarCoder2",
            names=Names(gate=None, up="mlp.c_fc", down="mlp.c_proj", act="mlp.act"), norm="layer", mlp="plain",
            act_default="gelu_pytorch_tanh", windows="all", tie_default=True,
@@ -354,7 +363,7 @@ _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh
                 "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}  # fmt: skip
 """config.json activation names -> the kernel written (``gelu_tanh``: ONNX ``Gelu`` with ``approximate="tanh"``;
 ``relu2``: ``relu(x) ** 2``, as ``Relu`` x itself)."""
-_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "dynamic", "yarn")
+_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "dynamic", "yarn", "ntk_alpha")
 """RoPE variants the builder computes exactly.  ``dynamic`` (dynamic NTK) is plain RoPE until a sequence passes the
 original context, where transformers starts rescaling the frequencies by the sequence length: the built decoder's
 context stops there (:attr:`DecoderConfig.context_length`), and a longer sequence is refused."""
@@ -500,7 +509,7 @@ class DecoderConfig:
     def external_rotary(self) -> bool:
         """The rotary embedding runs as its own ``RotaryEmbedding`` node before the attention: ONNX Runtime's
         GroupQueryAttention applies it only to a multiple of 8 pairs (StableLM-3B rotates 10)."""
-        return self.rotary and self.rotary_dim % 16 != 0
+        return self.rotary and (self.rotary_dim % 16 != 0 or self.spec.qk_norm_after_rope)
 
     def uses_rope(self, layer: int) -> bool:
         """Layer ``layer`` rotates q and k (False: learned positions, or one of SmolLM3's NoPE layers)."""
@@ -544,6 +553,9 @@ def _split_rope(cfg: Mapping[str, Any], rope: Any, fam: Family) -> tuple[float, 
             scaling.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
         if fam.name == "phi3" and _rope_kind(scaling) == "yarn":  # transformers reads Phi-3's "yarn" as longrope
             scaling["rope_type"] = "longrope"
+        if fam.ntk_alpha and _rope_kind(scaling) == "dynamic" and scaling.get("alpha"):  # static, as transformers
+            scaling["rope_type"] = "ntk_alpha"
+            scaling.pop("type", None)
         if _rope_kind(scaling) == "longrope":
             scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
         if _rope_kind(scaling) == "yarn":  # as transformers: config.json's own value first, else the context
@@ -795,6 +807,8 @@ def _check_rope(sc: Mapping[str, Any] | None, rotary_dim: int, where: str) -> No
     if kind == "llama3" and float(sc["high_freq_factor"]) == float(sc["low_freq_factor"]):
         raise ModelError(f"{where}: rope_scaling llama3 high_freq_factor equals low_freq_factor "
                          f"({sc['low_freq_factor']}); allowed: two different numbers")  # fmt: skip
+    if kind == "ntk_alpha" and not _num(sc.get("alpha")):
+        raise ModelError(f"{where}: rope_scaling dynamic alpha {sc.get('alpha')!r}; allowed: a finite number > 0")
     if kind == "yarn":
         for key in ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
             if sc.get(key) is not None and not _num(sc[key]):

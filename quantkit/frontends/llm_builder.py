@@ -138,6 +138,10 @@ def _inv_freq(cfg: DecoderConfig, theta: float, sc: dict[str, Any] | None, long:
     if kind == "yarn":
         assert sc is not None  # noqa: S101 - checked by parse_config
         return _yarn(cfg, theta, sc, shape)
+    if kind == "ntk_alpha":  # Hunyuan: a fixed NTK stretch of the base over the whole head
+        assert sc is not None  # noqa: S101 - checked by parse_config
+        d = cfg.head_dim
+        theta = theta * float(sc["alpha"]) ** (d / (d - 2))
     inv = (1.0 / (np.float32(theta) ** shape)).astype(np.float32)
     if kind == "linear":
         assert sc is not None  # noqa: S101 - checked by parse_config
@@ -938,7 +942,8 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
                for s in attn_in]  # fmt: skip
         if len(qkv) == 1:  # a packed checkpoint weight (Phi-3's qkv_proj, GPT-2's c_attn)
             qkv += ["", ""]
-        if n.q_norm is not None and n.k_norm is not None:  # RMSNorm per head (or whole) before the rotary embedding
+        if n.q_norm is not None and n.k_norm is not None and not fam.qk_norm_after_rope:  # RMSNorm per head (or
+            # whole) before the rotary embedding
             qkv[0] = _head_norm(g, qkv[0], f"{p}.{n.q_norm}", norm_gamma(cfg, w.pop(f"{p}.{n.q_norm}.weight")), nh)
             qkv[1] = _head_norm(g, qkv[1], f"{p}.{n.k_norm}", norm_gamma(cfg, w.pop(f"{p}.{n.k_norm}.weight")), nkv)
     rotate_inside = cfg.uses_rope(i) and not cfg.external_rotary
@@ -949,6 +954,9 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
         cos, sin = rotary[cfg.is_local(i)]
         qkv[0] = _rotate(g, qkv[0], f"{p}/q_rotary", nh, cos, sin)
         qkv[1] = _rotate(g, qkv[1], f"{p}/k_rotary", nkv, cos, sin)
+    if fam.qk_norm_after_rope and n.q_norm is not None and n.k_norm is not None:  # Hunyuan: norms of the rotated q, k
+        qkv[0] = _head_norm(g, qkv[0], f"{p}.{n.q_norm}", norm_gamma(cfg, w.pop(f"{p}.{n.q_norm}.weight")), nh)
+        qkv[1] = _head_norm(g, qkv[1], f"{p}.{n.k_norm}", norm_gamma(cfg, w.pop(f"{p}.{n.k_norm}.weight")), nkv)
     attrs = {"num_heads": nh, "kv_num_heads": nkv, "scale": cfg.scale(i), "do_rotary": int(rotate_inside),
              "rotary_interleaved": int(fam.rotary_interleaved), "local_window_size": cfg.window(i) or -1, "softcap": cfg.attn_softcap or 0.0}
     ins = [*qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_len]

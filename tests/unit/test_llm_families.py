@@ -125,6 +125,9 @@ def _spec(kind: str) -> tuple[Any, Any]:
     if kind == "glm":  # RoPE on adjacent pairs of half of each head, packed gate_up, q/k/v biases
         c.update(num_attention_heads=2, num_key_value_heads=1)
         return t.GlmForCausalLM, t.GlmConfig(**c, head_dim=32)
+    if kind == "hunyuan":  # q / k norms of the rotated q, k; the checkpoints' "dynamic" RoPE with an alpha (static)
+        rope = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}
+        return t.HunYuanDenseV1ForCausalLM, t.HunYuanDenseV1Config(**c, head_dim=16, rope_parameters=rope)
     if kind == "helium":  # RoPE on adjacent pairs
         return t.HeliumForCausalLM, t.HeliumConfig(**c, head_dim=16)
     c.pop("rms_norm_eps")
@@ -169,7 +172,7 @@ KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gp
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm",
          "qwen3_yarn", "llama_yarn", "olmo3", "cohere", "cohere2", "nemotron", "gptj",
-         "stablelm_rd20", "gptj_rd8"]
+         "stablelm_rd20", "gptj_rd8", "hunyuan"]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
