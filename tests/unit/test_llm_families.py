@@ -601,6 +601,13 @@ def test_gpt_neox_hub_layout_embed_out_and_legacy_rotary_keys(built: Any, tmp_pa
                   "gpt_neox rotary_pct 0.5, base 500")  # fmt: skip
 
 
+def test_every_builder_family_is_in_the_docs_table() -> None:
+    """docs/llm-families.md's table names every model_type the builder takes (a family added without its row fails)."""
+    table = (Path(__file__).resolve().parents[2] / "docs" / "llm-families.md").read_text().split("\n## ")[0]
+    missing = [t for t in supported_model_types() if f"`{t}`" not in table]
+    assert not missing, missing
+
+
 # -- refusals: before any tokenization, with what is allowed ------------------------------------------------
 
 
