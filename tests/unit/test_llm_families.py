@@ -384,16 +384,12 @@ def test_quantkit_calibrate_layerwise_awq(built: Any, kind: str, tmp_path: Path)
     assert genai["model"]["type"] == read_decoder_config(b.folder).spec.genai_type
 
 
-@pytest.mark.parametrize("kind", ["phi", "stablelm_parallel", "cohere"])
-def test_parallel_block_awq_scale_folds_into_its_one_norm(built: Any, kind: str, tmp_path: Path) -> None:
-    """In a parallel block whose attention and MLP read one norm, AWQ searches one input scale for q/k/v and the MLP's
-    input linears together, so it folds into that norm: no ``Mul`` by the scale before them, and q/k/v still run as
-    one fused ``MatMulNBits`` (searched apart, the scales differ: three unfused kernels and four ``Mul`` nodes)."""
+def _awq_graph(b: Any, kind: str, tmp_path: Path) -> Any:
+    """``quantkit calibrate`` layer-wise, int4 g32 AWQ, on 3 x 16 random ids; the emitted graph (no weights)."""
     import onnx
 
     from quantkit.cli import main
 
-    b = built(kind)
     ids = _ids(16, 5, rows=3)
     np.savez(tmp_path / "cal.npz", input_ids=ids, attention_mask=np.ones_like(ids))
     rec = {"version": 1, "name": kind, "model": {"source": str(b.folder)},
@@ -402,7 +398,16 @@ def test_parallel_block_awq_scale_folds_into_its_one_norm(built: Any, kind: str,
            "report": {"formats": ["json"], "latency": {"enabled": False}}}  # fmt: skip
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(rec))
     assert main(["calibrate", "-q", "--recipe", str(tmp_path / "r.yaml"), "--output", str(tmp_path / "o")]) == 0
-    graph = onnx.load(str(tmp_path / "o" / "model.onnx"), load_external_data=False).graph
+    return onnx.load(str(tmp_path / "o" / "model.onnx"), load_external_data=False).graph
+
+
+@pytest.mark.parametrize("kind", ["phi", "stablelm_parallel", "cohere"])
+def test_parallel_block_awq_scale_folds_into_its_one_norm(built: Any, kind: str, tmp_path: Path) -> None:
+    """In a parallel block whose attention and MLP read one norm, AWQ searches one input scale for q/k/v and the MLP's
+    input linears together, so it folds into that norm: no ``Mul`` by the scale before them, and q/k/v still run as
+    one fused ``MatMulNBits`` (searched apart, the scales differ: three unfused kernels and four ``Mul`` nodes)."""
+    b = built(kind)
+    graph = _awq_graph(b, kind, tmp_path)
     cfg = read_decoder_config(b.folder)
     n = cfg.spec.names
     first_mlp = n.gate or n.up
@@ -423,20 +428,8 @@ def test_awq_scale_without_a_norm_to_fold_into_is_one_mul_per_input(built: Any, 
     """No norm before attention or MLP (OLMo-2, EXAONE 4): the AWQ input scale shared by q/k/v (and by gate/up) cannot
     fold into a norm, so the block scales its input once per group - one ``Mul`` - instead of once per linear (the
     same product: ``x / s`` read by every linear of the group), and the model still tracks FP32."""
-    import onnx
-
-    from quantkit.cli import main
-
     b = built(kind)
-    ids = _ids(16, 5, rows=3)
-    np.savez(tmp_path / "cal.npz", input_ids=ids, attention_mask=np.ones_like(ids))
-    rec = {"version": 1, "name": kind, "model": {"source": str(b.folder)},
-           "calibration": {"layerwise": True, "data": {"kind": "npz", "path": str(tmp_path / "cal.npz")}},
-           "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": "awq"}},
-           "report": {"formats": ["json"], "latency": {"enabled": False}}}  # fmt: skip
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(rec))
-    assert main(["calibrate", "-q", "--recipe", str(tmp_path / "r.yaml"), "--output", str(tmp_path / "o")]) == 0
-    graph = onnx.load(str(tmp_path / "o" / "model.onnx"), load_external_data=False).graph
+    graph = _awq_graph(b, kind, tmp_path)
     cfg = read_decoder_config(b.folder)
     for i in range(cfg.num_hidden_layers):
         p = block_prefix(cfg, i)
