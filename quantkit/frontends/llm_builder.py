@@ -929,16 +929,17 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
         residual = added or residual
     for s in attn_in:
         taps[f"{p}.{s}"] = h
-    h = _shared_scale(g, h, f"{p}/attn_input_scale", q, attn_in)  # an AWQ scale no norm took (OLMo-2): one Mul
+    # an AWQ scale no norm took (OLMo-2): one Mul for q/k/v (h itself stays unscaled: a parallel MLP reads it too)
+    h_attn = _shared_scale(g, h, f"{p}/attn_input_scale", q, attn_in)
     fused = None if fam.qk_norm or len(attn_in) == 1 else _fusable([q[s] for s in attn_in])
     if fused:  # one MatMulNBits for q/k/v; GroupQueryAttention takes the packed [q | k | v] as its query
         qname = f"{p}.{attn_in[0].rsplit('.', 1)[0]}.qkv_proj"
-        packed_qkv = _fused_linear(g, h, qname, fused, [w.pop(f"{p}.{s}.bias", None) for s in attn_in])
+        packed_qkv = _fused_linear(g, h_attn, qname, fused, [w.pop(f"{p}.{s}.bias", None) for s in attn_in])
         for s in attn_in:
             w.pop(f"{p}.{s}.weight")
         qkv = [packed_qkv, "", ""]
     else:
-        qkv = [_linear(g, h, f"{p}.{s}", w.pop(f"{p}.{s}.weight"), w.pop(f"{p}.{s}.bias", None), q[s])
+        qkv = [_linear(g, h_attn, f"{p}.{s}", w.pop(f"{p}.{s}.weight"), w.pop(f"{p}.{s}.bias", None), q[s])
                for s in attn_in]  # fmt: skip
         if len(qkv) == 1:  # a packed checkpoint weight (Phi-3's qkv_proj, GPT-2's c_attn)
             qkv += ["", ""]

@@ -384,7 +384,7 @@ def test_quantkit_calibrate_layerwise_awq(built: Any, kind: str, tmp_path: Path)
     assert genai["model"]["type"] == read_decoder_config(b.folder).spec.genai_type
 
 
-def _awq_graph(b: Any, kind: str, tmp_path: Path) -> Any:
+def _awq_graph(b: Any, kind: str, tmp_path: Path, overrides: list[dict[str, Any]] | None = None) -> Any:
     """``quantkit calibrate`` layer-wise, int4 g32 AWQ, on 3 x 16 random ids; the emitted graph (no weights)."""
     import onnx
 
@@ -394,7 +394,8 @@ def _awq_graph(b: Any, kind: str, tmp_path: Path) -> Any:
     np.savez(tmp_path / "cal.npz", input_ids=ids, attention_mask=np.ones_like(ids))
     rec = {"version": 1, "name": kind, "model": {"source": str(b.folder)},
            "calibration": {"layerwise": True, "data": {"kind": "npz", "path": str(tmp_path / "cal.npz")}},
-           "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": "awq"}},
+           "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": "awq"},
+                            "overrides": overrides or []},
            "report": {"formats": ["json"], "latency": {"enabled": False}}}  # fmt: skip
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(rec))
     assert main(["calibrate", "-q", "--recipe", str(tmp_path / "r.yaml"), "--output", str(tmp_path / "o")]) == 0
@@ -419,6 +420,21 @@ def test_parallel_block_awq_scale_folds_into_its_one_norm(built: Any, kind: str,
         fused = [x for x in graph.node if x.op_type == "MatMulNBits" and x.name.startswith(f"{p}.")
                  and x.name.endswith("qkv_proj")]  # fmt: skip
         assert len(fused) == 1, [x.name for x in graph.node if x.op_type == "MatMulNBits"]
+    got = LLMSession(tmp_path / "o" / "model.onnx")(_ids(12, 7))
+    assert float(np.corrcoef(got.ravel(), _reference(b.model, _ids(12, 7)).ravel())[0, 1]) > 0.9
+
+
+def test_parallel_block_with_a_float_mlp_input_reads_the_unscaled_norm(built: Any, tmp_path: Path) -> None:
+    """Phi-2 with its fc1 kept in float: the norm's readers no longer share one AWQ scale, so it cannot fold; q/k/v
+    scale their input with one ``Mul`` - and the MLP must still read the norm's own output, not that scaled copy
+    (a first version handed it the scaled one: the float fc1 saw x / s)."""
+    b = built("phi")
+    float_fc1 = [{"pattern": r"mlp\.fc1$", "format": "fp32"}]
+    graph = _awq_graph(b, "phi", tmp_path, float_fc1)
+    assert any(x.name.endswith("/attn_input_scale") for x in graph.node)  # the case: a shared, unfolded scale
+    fc1 = [x for x in graph.node if x.op_type == "MatMul" and x.name.endswith("mlp.fc1")]
+    norms = {x.output[0] for x in graph.node if x.name.endswith("input_layernorm")}
+    assert fc1 and all(x.input[0] in norms for x in fc1), [x.input[0] for x in fc1]
     got = LLMSession(tmp_path / "o" / "model.onnx")(_ids(12, 7))
     assert float(np.corrcoef(got.ravel(), _reference(b.model, _ids(12, 7)).ravel())[0, 1]) > 0.9
 
