@@ -229,6 +229,11 @@ class Family:
 _GEMMA2_NAMES = Names(attn_post_norm="post_attention_layernorm", mlp_norm="pre_feedforward_layernorm",
                       mlp_post_norm="post_feedforward_layernorm")  # fmt: skip
 
+_OLMO_NAMES = Names(attn_norm=None, attn_post_norm="post_attention_layernorm", mlp_norm=None,
+                    mlp_post_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm", k_norm="self_attn.k_norm",
+                    qk_norm_whole=True)  # fmt: skip
+"""Norms after attention and MLP only, q / k norms over the whole projection (OLMo-2 / 3; EXAONE 4 per head)."""
+
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama", "smollm", "smollm2"), "LLaMA / SmolLM", genai_type="llama"),
     Family("mistral", ("mistral",), "Mistral", windows="all", defaults=(("sliding_window", 4096),),
@@ -292,21 +297,15 @@ FAMILIES: tuple[Family, ...] = (
                            ("partial_rotary_factor", "rotary_pct")),
            defaults=(("partial_rotary_factor", 0.25), ("layer_norm_eps", 1e-5)), genai_type="decoder"),
     Family("olmo2", ("olmo2",), "OLMo-2",
-           names=Names(attn_norm=None, attn_post_norm="post_attention_layernorm", mlp_norm=None,
-                       mlp_post_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm",
-                       k_norm="self_attn.k_norm", qk_norm_whole=True),
+           names=_OLMO_NAMES,
            defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
     Family("olmo3", ("olmo3",), "OLMo-3",
-           names=Names(attn_norm=None, attn_post_norm="post_attention_layernorm", mlp_norm=None,
-                       mlp_post_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm",
-                       k_norm="self_attn.k_norm", qk_norm_whole=True),
+           names=_OLMO_NAMES,
            windows="layer_types", window_rule="every-4", per_type_rope=True, local_rope_key=False,
            defaults=(("rms_norm_eps", 1e-5), ("sliding_window", 4096), ("rope_theta", 500000.0)),
            genai_type="decoder"),
     Family("exaone4", ("exaone4",), "EXAONE 4",
-           names=Names(attn_norm=None, attn_post_norm="post_attention_layernorm", mlp_norm=None,
-                       mlp_post_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm",
-                       k_norm="self_attn.k_norm"),
+           names=dataclasses.replace(_OLMO_NAMES, qk_norm_whole=False),
            windows="layer_types", window_rule="pattern", rope_sliding_only="windowed",
            defaults=(("rms_norm_eps", 1e-5), ("sliding_window", 4096)), genai_type="decoder"),
     Family("arcee", ("arcee",), "Arcee (AFM)", names=Names(gate=None), mlp="plain", act_default="relu2",

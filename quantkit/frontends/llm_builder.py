@@ -717,17 +717,24 @@ def _fold_norm(gamma: Any, qs: list[PackedLinear | None], beta: Any = None
                ) -> tuple[Any, Any, list[PackedLinear | None]]:
     """Fold a shared AWQ input scale of the layers ``qs`` (all readers of the norm) into the norm weight (and a
     LayerNorm's bias ``beta``: ``(LN(x) * g + b) / s``); returns ``(gamma, beta, qs)``."""
-    scales = [q.input_scale for q in qs if q is not None and q.input_scale is not None]
-    if not qs or len(scales) != len(qs):  # a reader in float, or one without an AWQ scale: nothing to fold
-        return gamma, beta, qs
-    s = np.asarray(scales[0], np.float32)
-    if any(not np.array_equal(np.asarray(t, np.float32), s) for t in scales[1:]):
+    s = _common_scale(qs)
+    if s is None:
         return gamma, beta, qs
     g32 = _float32_rows(gamma, 0, int(gamma.shape[0]))
     folded = (g32 / s).astype(np.float32)
     if beta is not None:
         beta = (_float32_rows(beta, 0, int(beta.shape[0])) / s).astype(np.float32)
     return folded, beta, [dataclasses.replace(q, input_scale=None) for q in qs if q is not None]
+
+
+def _common_scale(qs: list[PackedLinear | None]) -> np.ndarray | None:
+    """The AWQ input scale every layer of ``qs`` carries (float32), or None: no layers, a reader in float, one
+    without a scale, or scales that differ."""
+    scales = [q.input_scale for q in qs if q is not None and q.input_scale is not None]
+    if not qs or len(scales) != len(qs):
+        return None
+    s = np.asarray(scales[0], np.float32)
+    return None if any(not np.array_equal(np.asarray(t, np.float32), s) for t in scales[1:]) else s
 
 
 def _fusable(qs: list[PackedLinear | None]) -> list[PackedLinear] | None:
@@ -1044,11 +1051,8 @@ def _shared_scale(g: _GraphBuilder, x: str, name: str, q: dict[str, PackedLinear
     ``s`` that no norm took (no norm before them: OLMo-2, EXAONE 4); their entries in ``q`` lose it, so q/k/v can
     still fuse.  Otherwise ``x``, and each layer scales its own input (:func:`_scaled_input`)."""
     qs = [q[s] for s in readers]
-    scales = [t.input_scale for t in qs if t is not None and t.input_scale is not None]
-    if len(readers) < 2 or len(scales) != len(readers):
-        return x
-    first = np.asarray(scales[0], np.float32)
-    if any(not np.array_equal(np.asarray(t, np.float32), first) for t in scales[1:]):
+    first = _common_scale(qs) if len(readers) > 1 else None
+    if first is None:
         return x
     inv = (np.float32(1.0) / first).astype(np.float32)
     out = g.node("Mul", [x, g.external(f"{name}_inv", inv)], [f"{name}/output_0"], name)[0]
