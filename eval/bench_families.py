@@ -16,7 +16,7 @@ save), the peak RSS of its process tree sampled every 0.1 s from outside (``eval
 own measured peak and its estimate (``report.json`` ``memory``), the checkpoint and output sizes, and the load
 average.
 
-``--refusal`` measures the other half of the issue: a folder whose ``config.json`` says ``model_type: bloom`` (not a
+``--refusal`` measures the other half of the issue: a folder whose ``config.json`` says ``model_type: diffllama`` (not a
 supported family) with ``calibration.layerwise: true`` is refused by ``quantkit calibrate`` (exit 2) before anything
 heavy is imported; the whole command's wall time, five times (the median is the figure), and the heavy modules it
 imported (``python -X importtime``; expected none).
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -129,6 +130,35 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "rope_theta": 5000000.0, "rms_norm_eps": 1e-5, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
         "attention_multiplier": 0.015625, "logits_scaling": 8.0, "hidden_act": "silu", "tie_word_embeddings": True,
         "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}},
+    "opt": {"from": "facebook/opt-125m", "layers": (3, 12), "config": {
+        "model_type": "opt", "hidden_size": 768, "ffn_dim": 3072, "num_attention_heads": 12, "num_hidden_layers": 12,
+        "vocab_size": 50272, "max_position_embeddings": 2048, "word_embed_proj_dim": 768, "do_layer_norm_before": True,
+        "activation_function": "relu", "enable_bias": True, "layer_norm_elementwise_affine": True,
+        "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1}},
+    "bloom": {"from": "bigscience/bloom-560m", "layers": (6, 24), "config": {
+        "model_type": "bloom", "hidden_size": 1024, "n_head": 16, "n_layer": 24, "vocab_size": 250880,
+        "layer_norm_epsilon": 1e-5, "apply_residual_connection_post_layernorm": False, "bos_token_id": 1,
+        "eos_token_id": 2, "pad_token_id": 3}},
+    "falcon": {"from": "tiiuae/falcon-7b (width; 1 and 2 of its 32 layers)", "layers": (1, 2), "config": {
+        "model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_hidden_layers": 32,
+        "vocab_size": 65024, "multi_query": True, "parallel_attn": True, "new_decoder_architecture": False,
+        "alibi": False, "bias": False, "layer_norm_epsilon": 1e-5, "max_position_embeddings": 2048,
+        "rope_theta": 10000.0, "bos_token_id": 11, "eos_token_id": 11}},
+    "gpt_bigcode": {"from": "bigcode/gpt_bigcode-santacoder (2 and 8 of its 24 layers)", "layers": (2, 8), "config": {
+        "model_type": "gpt_bigcode", "n_embd": 2048, "n_head": 16, "n_layer": 24, "n_positions": 2048,
+        "vocab_size": 49280, "multi_query": True, "activation_function": "gelu_pytorch_tanh",
+        "layer_norm_epsilon": 1e-5, "bos_token_id": 49152, "eos_token_id": 49152}},
+    "olmo": {"from": "allenai/OLMo-1B-hf (2 and 8 of its 16 layers)", "layers": (2, 8), "config": {
+        "model_type": "olmo", "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "num_hidden_layers": 16, "vocab_size": 50304, "max_position_embeddings": 2048,
+        "rope_theta": 10000.0, "clip_qkv": None, "hidden_act": "silu", "tie_word_embeddings": True,
+        "bos_token_id": None, "eos_token_id": 50279, "pad_token_id": 1}},
+    "glm4": {"from": "THUDM/GLM-4-9B-0414 (width; 1 and 2 of its 40 layers)", "layers": (1, 2), "config": {
+        "model_type": "glm4", "hidden_size": 4096, "intermediate_size": 13696, "num_attention_heads": 32,
+        "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 40, "vocab_size": 151552,
+        "max_position_embeddings": 32768, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+        "rms_norm_eps": 1.5625e-07, "attention_bias": True, "hidden_act": "silu", "tie_word_embeddings": False,
+        "bos_token_id": None, "eos_token_id": 151329, "pad_token_id": 151329}},
 }  # fmt: skip
 
 # Child: write the folder (torch + transformers live only here).  argv: folder, config (JSON), layers.
@@ -138,7 +168,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 folder, cfg, layers = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
-cfg = dict(cfg, **{("n_layer" if cfg["model_type"] == "gpt2" else "num_hidden_layers"): layers})
+cfg = dict(cfg, **{("n_layer" if "n_layer" in cfg else "num_hidden_layers"): layers})
 conf = AutoConfig.for_model(**cfg)
 conf.torch_dtype = torch.bfloat16
 with torch.device("meta"):
@@ -191,7 +221,8 @@ def _cpu_name() -> str:
     """This machine's CPU model (rows measured on different machines keep their own)."""
     from quantkit.report.build import environment
 
-    return str(environment().get("cpu", "?"))
+    name = re.sub(r"\((R|TM)\)|\b(Processor|CPU)\b|@.*", "", str(environment().get("cpu", "?")))
+    return " ".join(name.split()) or "?"  # "Intel(R) Xeon(R) Processor" -> "Intel Xeon", as the older rows
 
 
 def _du(path: Path) -> int:
@@ -259,19 +290,19 @@ def run_case(family: str, layers: int, work: Path) -> dict[str, Any]:
 
 
 def measure_refusal(work: Path, repeat: int = 5) -> dict[str, Any]:
-    """``quantkit calibrate`` on a ``model_type: bloom`` folder with ``calibration.layerwise: true``: exit code,
+    """``quantkit calibrate`` on a ``model_type: diffllama`` folder with ``calibration.layerwise: true``: exit code,
     message, the whole command's wall time (``repeat`` runs; the median is the figure) and what it imported."""
-    hf = work / "bloom"
+    hf = work / "diffllama"
     hf.mkdir(parents=True)
-    (hf / "config.json").write_text(json.dumps({"model_type": "bloom", "architectures": ["BloomForCausalLM"],
+    (hf / "config.json").write_text(json.dumps({"model_type": "diffllama", "architectures": ["DiffLlamaForCausalLM"],
                                                 "hidden_size": 1024, "n_layer": 24, "n_head": 16,
                                                 "vocab_size": 250880}))  # fmt: skip
-    recipe = {"version": 1, "name": "bloom-int4", "model": {"source": str(hf)},
+    recipe = {"version": 1, "name": "diffllama-int4", "model": {"source": str(hf)},
               "calibration": {"layerwise": True, "data": {"kind": "npz", "path": str(work / "cal.npz")}},
               "quantization": {"default": {"format": "int4", "group_size": 128, "algorithm": "rtn"}}}  # fmt: skip
     (work / "r.yaml").write_text(yaml.safe_dump(recipe))
     cmd = [*_quantkit(), "calibrate", "--recipe", str(work / "r.yaml"), "--output", str(work / "out")]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # this checkout's code
     walls, codes, load0 = [], set(), os.getloadavg()
     r = None
     for _ in range(repeat):
@@ -284,7 +315,7 @@ def measure_refusal(work: Path, repeat: int = 5) -> dict[str, Any]:
                          capture_output=True, text=True, env=dict(env, PYTHONPATH=str(ROOT)), check=False)  # fmt: skip
     mods = {ln.rsplit("|", 1)[1].strip().split(".")[0] for ln in imp.stderr.splitlines()
             if ln.startswith("import time:") and ln.count("|") == 2}  # fmt: skip
-    return {"command": "quantkit calibrate --recipe r.yaml (config.json: model_type bloom; calibration.layerwise: "
+    return {"command": "quantkit calibrate --recipe r.yaml (config.json: model_type diffllama; calibration.layerwise: "
                        "true)", "returncodes": sorted(codes), "wall_s": walls,
             "median_s": statistics.median(walls), "error": r.stderr.strip().splitlines()[-1],
             "heavy_modules_imported": sorted(mods & set(HEAVY)), "heavy_checked": list(HEAVY),

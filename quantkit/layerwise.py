@@ -71,6 +71,7 @@ from quantkit.frontends.llm_builder import (
     BuildHook,
     DecoderConfig,
     PackedLinear,
+    StreamExtras,
     block_model,
     block_prefix,
     build_llm,
@@ -555,7 +556,7 @@ class _Hook(BuildHook):
         assert q is not None  # noqa: S101 - an int8_weight plan is always quantized
         return q
 
-    def embedding(self, table: Any, tied: bool, positions: Any = None) -> PackedLinear | None:
+    def embedding(self, table: Any, tied: bool, extras: StreamExtras | None = None) -> PackedLinear | None:
         """The input embedding: quantized when tied to the lm_head (by the head's plan, or by its own when the
         head is stored apart) and, untied, when the recipe names it (an override or a search decision: the
         default leaves an untied table in float, as a Gather costs no compute).  The hidden states entering
@@ -586,11 +587,10 @@ class _Hook(BuildHook):
                 rows = self._dequantized_rows(q, self.windows)
             else:
                 rows = None
-            # the block graphs start after the embedding: Gemma's sqrt(hidden) scale and GPT-2's learned positions
-            # (rows 0 .. seq - 1: every window starts at position 0) are applied as the decoder does
-            pos = _f32(positions[: self.windows.shape[1]]) if positions is not None else None
+            # the block graphs start after the embedding: Gemma's sqrt(hidden) scale, BLOOM's embedding LayerNorm and
+            # GPT-2's learned positions (rows 0 .. seq - 1: every window starts at position 0) as the decoder does
             for j in range(self.windows.shape[0]):
-                h[j] = embedded_stream(self.cfg, rows[j] if rows is not None else _f32(table[self.windows[j]]), pos)
+                h[j] = embedded_stream(self.cfg, rows[j] if rows is not None else _f32(table[self.windows[j]]), extras)
             h.flush()
             del h
             os.replace(tmp, path)

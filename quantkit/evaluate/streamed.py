@@ -130,6 +130,7 @@ def streamed_perplexity(folder: str | os.PathLike[str], datasets: Mapping[str, A
         norm_gamma,
         norm_params,
         read_decoder_config,
+        stream_extras,
     )
     from quantkit.progress import tqdm
 
@@ -153,14 +154,10 @@ def streamed_perplexity(folder: str | os.PathLike[str], datasets: Mapping[str, A
     try:
         # the residual stream entering block 0: the embedding rows (Gemma's scale, GPT-2's positions), as the decoder
         ((_, table),) = list(ckpt.read([f"{names.embed}.weight"]))
-        pos = None
-        if names.positions is not None:
-            ((_, wpe),) = list(ckpt.read([f"{names.positions}.weight"]))
-            pos = _f32(wpe[: max(lengths)])
-            del wpe
+        extras = stream_extras(cfg, ckpt)
         for j, (_, ids, _) in enumerate(wins):
-            cur.write(j, embedded_stream(cfg, _rows(table, ids[0]), pos[: ids.shape[1]] if pos is not None else None))
-        del table, pos
+            cur.write(j, embedded_stream(cfg, _rows(table, ids[0]), extras))
+        del table, extras
         bar.update(1)
         longest = max(lengths)
         for i in range(cfg.num_hidden_layers):

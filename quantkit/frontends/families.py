@@ -64,6 +64,8 @@ class Names:
     ``up`` (its first linear) and ``down`` only."""
 
     embed: str = "model.embed_tokens"
+    embed_norm: str | None = None
+    """A LayerNorm of the embedding rows before block 0 (BLOOM's ``word_embeddings_layernorm``)."""
     positions: str | None = None
     layers: str = "model.layers"
     final_norm: str = "model.norm"
@@ -89,11 +91,19 @@ class Names:
     down: str = "mlp.down_proj"
     act: str = "mlp.act_fn"
     qkv_per_head: bool = False
-    """The packed ``qkv`` weight interleaves per head (``[q_0 k_0 v_0 q_1 k_1 v_1 ...]``, GPT-NeoX); its rows are
-    reordered to ``[q | k | v]`` as they are read."""
+    """The packed ``qkv`` weight interleaves per head (``[q_0 k_0 v_0 q_1 k_1 v_1 ...]``: GPT-NeoX, BLOOM; with fewer
+    key / value heads, per group ``[q_0 .. q_r-1 k_0 v_0 ...]``); its rows are reordered to ``[q | k | v]`` as they are
+    read.  A multi-query checkpoint (:attr:`Family.multi_query_key`) stores ``[q | k | v]`` itself."""
     stored_aliases: tuple[tuple[str, str], ...] = ()
     """``(graph name, stored name)`` of tensors that older checkpoints store under another name (GPT-NeoX's
     ``embed_out.weight`` for ``lm_head.weight``)."""
+    stored_renames: tuple[tuple[str, str], ...] = ()
+    """``(stored pattern, graph replacement)`` regular-expression renames applied in order to every stored tensor name
+    (EXAONE 3's ``transformer.h.0.attn.attention.q_proj`` is LLaMA's ``model.layers.0.self_attn.q_proj``): a
+    checkpoint may carry either name."""
+    qkv_mp: int = 0
+    """The packed ``qkv`` weight is ``mp`` shards of ``[q | v | k]`` (CodeGen: 4); its rows are reordered to
+    ``[q | k | v]`` as they are read."""
     stored_prefix: str = ""
     """A prefix that checkpoints may lack (GPT-2 on the Hub stores ``h.0.attn...``, ``save_pretrained`` of
     ``GPT2LMHeadModel`` ``transformer.h.0.attn...``): such a tensor is read under the shorter name."""
@@ -119,7 +129,18 @@ class Family:
     act_remap: tuple[tuple[str, str], ...] = ()
     """Activation names the family's transformers code reads differently (Gemma: ``gelu`` is the tanh one)."""
     rotary: bool = True
-    """False: learned absolute positions (``names.positions``), no rotary embedding."""
+    """False: learned absolute positions (``names.positions``) or ALiBi, no rotary embedding."""
+    position_offset: int = 0
+    """Rows of the learned position table before position 0 (OPT's table starts at row 2)."""
+    alibi: str = ""
+    """ALiBi: every head adds ``slope_h * key_position`` to its attention scores, as GroupQueryAttention's
+    ``attention_bias``: ``bloom`` (float32), ``falcon`` (the slope and the product rounded to bfloat16, then divided
+    by ``sqrt(head_dim)``, as transformers' Falcon computes it)."""
+    multi_query_key: str = ""
+    """A boolean config key for one key / value head shared by all (GPT-BigCode's, Falcon-7B's ``multi_query``)."""
+    when: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    """For a ``model_type`` with several variants (Falcon): ``(key, values)`` that config.json must match (an absent
+    key reads as its :attr:`defaults` value, else None) for this variant to be chosen; the first match wins."""
     rotary_interleaved: bool = False
     """RoPE rotates adjacent pairs ``(x0, x1), (x2, x3) ...`` instead of the two halves (Helium)."""
     qk_norm_after_rope: bool = False
@@ -135,6 +156,13 @@ class Family:
     """The family's default RoPE honours ``partial_rotary_factor`` (Phi-3); elsewhere only the scaled RoPE types do."""
     embed_scale: bool = False
     """Embedding rows multiplied by ``sqrt(hidden_size)`` (Gemma)."""
+    embed_scale_key: str = ""
+    """A boolean config key switching :attr:`embed_scale` on (BioGPT's, XGLM's ``scale_embedding``; default true)."""
+    sinusoidal: bool = False
+    """The position table (``names.positions``) is not stored but computed: sines then cosines of the position times
+    ``10000 ** (-i / (H / 2 - 1))`` (XGLM)."""
+    unscaled_attention: bool = False
+    """Attention scores are not scaled by ``head_dim ** -0.5`` (GPT-Neo)."""
     conv1d: bool = False
     """Linear weights stored ``[in, out]`` (GPT-2's ``Conv1D``), transposed as they are read."""
     query_pre_attn_scalar: bool = False
@@ -155,6 +183,11 @@ class Family:
     one every layer is full and rotated: EXAONE 4); ``always`` (without a window no layer is rotated: Cohere 2)."""
     norm_bias: bool = True
     """A LayerNorm family's norms have a bias (False: Cohere's LayerNorm, weight only)."""
+    norm_free: bool = False
+    """The norms have no parameters at all (OLMo 1's LayerNorm): the checkpoint stores none, the graph's weights are
+    ones."""
+    clip_qkv: bool = False
+    """``clip_qkv`` is read: q, k and v are clamped to ``[-clip_qkv, clip_qkv]`` after their projections (OLMo 1)."""
     logit_scale: bool = False
     """The logits are multiplied by ``logit_scale`` (Cohere)."""
     nope_layers: bool = False
@@ -169,6 +202,12 @@ class Family:
     """``(builder key, this family's config.json key)``: GPT-2's ``n_embd`` is the ``hidden_size``."""
     refuse_true: tuple[str, ...] = ()
     """Boolean config keys the builder cannot honour when true (GPT-2's ``add_cross_attention``)."""
+    require: tuple[tuple[str, Any], ...] = ()
+    """``(key, value)``: config keys the builder honours only at this value, when present (OPT-350m's post-norm
+    ``do_layer_norm_before: false``)."""
+    equal_hidden: tuple[str, ...] = ()
+    """Config keys that must equal ``hidden_size`` when set (OPT-350m's ``word_embed_proj_dim``: a projection after
+    the embedding that the builder does not write)."""
     defaults: tuple[tuple[str, Any], ...] = ()
     """Values of the family's transformers config class for keys a config.json may omit (a key present with
     ``null`` stays null), where they differ from the builder's generic defaults."""
@@ -179,6 +218,8 @@ class Family:
     ``never``; ``always`` (Phi-2); ``config`` (as ``use_parallel_residual`` says, :attr:`parallel_default` when it
     is absent: StableLM, GPT-NeoX)."""
     parallel_default: bool = False
+    parallel_key: str = "use_parallel_residual"
+    """The config key of ``parallel="config"`` (Falcon: ``parallel_attn``)."""
     parallel_shared_norm: bool = True
     """In a parallel block the MLP reads the attention's input norm (Phi-2, StableLM; ``names.mlp_norm`` is then
     not in the checkpoint); False: its own norm of the block input (GPT-NeoX)."""
@@ -233,6 +274,20 @@ _OLMO_NAMES = Names(attn_norm=None, attn_post_norm="post_attention_layernorm", m
                     mlp_post_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm", k_norm="self_attn.k_norm",
                     qk_norm_whole=True)  # fmt: skip
 """Norms after attention and MLP only, q / k norms over the whole projection (OLMo-2 / 3; EXAONE 4 per head)."""
+
+_FALCON_NAMES = Names(embed="transformer.word_embeddings", layers="transformer.h", final_norm="transformer.ln_f",
+                      mlp_norm="post_attention_layernorm", q=None, k=None, v=None,
+                      qkv="self_attention.query_key_value", o="self_attention.dense", gate=None,
+                      up="mlp.dense_h_to_4h", down="mlp.dense_4h_to_h", act="mlp.act", qkv_per_head=True)  # fmt: skip
+"""Falcon's names; its packed qkv per key / value group (``[q_0 .. q_r-1 k v]``; per head ``[q k v]`` without
+multi-query; ``[q | k | v]`` with one key / value head, the same reorder)."""
+_FALCON: dict[str, Any] = dict(norm="layer", mlp="plain", act_keys=("activation",), act_default="gelu",
+                               tie_default=True, intermediate_default=4,
+                               defaults=(("layer_norm_epsilon", 1e-5), ("new_decoder_architecture", False),
+                                         ("alibi", False), ("multi_query", True)),
+                               genai_type="decoder")  # fmt: skip
+_FALCON_ALIASES = (("rms_norm_eps", "layer_norm_epsilon"), ("intermediate_size", "ffn_hidden_size"),
+                   ("hidden_size", "n_embed"), ("num_hidden_layers", "n_layer"), ("num_attention_heads", "n_head"))
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama", "smollm", "smollm2"), "LLaMA / SmolLM", genai_type="llama"),
@@ -296,6 +351,8 @@ FAMILIES: tuple[Family, ...] = (
            config_aliases=(("rms_norm_eps", "layer_norm_eps"), ("rope_theta", "rotary_emb_base"),
                            ("partial_rotary_factor", "rotary_pct")),
            defaults=(("partial_rotary_factor", 0.25), ("layer_norm_eps", 1e-5)), genai_type="decoder"),
+    Family("olmo", ("olmo",), "OLMo (1)", norm="layer", norm_bias=False, norm_free=True, clip_qkv=True,
+           defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
     Family("olmo2", ("olmo2",), "OLMo-2",
            names=_OLMO_NAMES,
            defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
@@ -314,6 +371,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("ernie4_5", ("ernie4_5",), "ERNIE 4.5 (dense)", rotary_interleaved=True, tie_default=True,
            defaults=(("head_dim", 128),), genai_type="decoder"),
     Family("glm", ("glm",), "GLM-4 (glm)", names=Names(gate=None, up=None, gate_up="mlp.gate_up_proj"),
+           rotary_interleaved=True, default_rope_partial=True,
+           defaults=(("partial_rotary_factor", 0.5), ("head_dim", 128), ("rms_norm_eps", 1.5625e-07)),
+           genai_type="decoder"),
+    Family("glm4", ("glm4",), "GLM-4 (glm4)",
+           names=Names(attn_post_norm="post_self_attn_layernorm", mlp_norm="post_attention_layernorm",
+                       mlp_post_norm="post_mlp_layernorm", gate=None, up=None, gate_up="mlp.gate_up_proj"),
            rotary_interleaved=True, default_rope_partial=True,
            defaults=(("partial_rotary_factor", 0.5), ("head_dim", 128), ("rms_norm_eps", 1.5625e-07)),
            genai_type="decoder"),
@@ -352,16 +415,138 @@ FAMILIES: tuple[Family, ...] = (
            genai_type="decoder"),
     Family("helium", ("helium",), "Helium", rotary_interleaved=True, defaults=(("rms_norm_eps", 1e-8),),
            genai_type="decoder"),
+    Family("opt", ("opt",), "OPT",
+           names=Names(embed="model.decoder.embed_tokens", positions="model.decoder.embed_positions",
+                       layers="model.decoder.layers", final_norm="model.decoder.final_layer_norm",
+                       attn_norm="self_attn_layer_norm", mlp_norm="final_layer_norm", o="self_attn.out_proj",
+                       gate=None, up="fc1", down="fc2", act="activation_fn", stored_prefix="model."),
+           norm="layer", mlp="plain", act_keys=("activation_function",), act_default="relu", rotary=False,
+           position_offset=2, tie_default=True, config_aliases=(("intermediate_size", "ffn_dim"),),
+           require=(("do_layer_norm_before", True), ("_remove_final_layer_norm", False),
+                    ("layer_norm_elementwise_affine", True)),
+           equal_hidden=("word_embed_proj_dim",), defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
+    Family("bloom", ("bloom",), "BLOOM",
+           names=Names(embed="transformer.word_embeddings", embed_norm="transformer.word_embeddings_layernorm",
+                       layers="transformer.h", final_norm="transformer.ln_f", q=None, k=None, v=None,
+                       qkv="self_attention.query_key_value", o="self_attention.dense", gate=None,
+                       up="mlp.dense_h_to_4h", down="mlp.dense_4h_to_h", act="mlp.gelu_impl", qkv_per_head=True,
+                       stored_prefix="transformer."),
+           norm="layer", mlp="plain", act_keys=(), act_default="gelu_new", rotary=False, alibi="bloom", tie_default=True,
+           config_aliases=(("hidden_size", "n_embed"), ("num_attention_heads", "n_head"),
+                           ("num_hidden_layers", "n_layer"), ("rms_norm_eps", "layer_norm_epsilon"),
+                           ("max_position_embeddings", "seq_length")),
+           refuse_true=("apply_residual_connection_post_layernorm",), defaults=(("layer_norm_epsilon", 1e-5),),
+           intermediate_default=4, genai_type="decoder"),
+    Family("gpt_bigcode", ("gpt_bigcode",), "GPT-BigCode (StarCoder 1, SantaCoder)",
+           names=Names(embed="transformer.wte", positions="transformer.wpe", layers="transformer.h",
+                       final_norm="transformer.ln_f", attn_norm="ln_1", mlp_norm="ln_2", q=None, k=None, v=None,
+                       qkv="attn.c_attn", o="attn.c_proj", gate=None, up="mlp.c_fc", down="mlp.c_proj",
+                       act="mlp.act", qkv_per_head=True, stored_prefix="transformer."),
+           norm="layer", mlp="plain", act_keys=("activation_function",), act_default="gelu_pytorch_tanh",
+           rotary=False, multi_query_key="multi_query", tie_default=True,
+           config_aliases=(("hidden_size", "n_embd"), ("num_attention_heads", "n_head"),
+                           ("num_hidden_layers", "n_layer"), ("max_position_embeddings", "n_positions"),
+                           ("intermediate_size", "n_inner"), ("rms_norm_eps", "layer_norm_epsilon")),
+           refuse_true=("add_cross_attention",),
+           defaults=(("n_positions", 1024), ("layer_norm_epsilon", 1e-5), ("multi_query", True)),
+           intermediate_default=4, genai_type="decoder"),
+    Family("falcon_new", ("falcon",), "Falcon (40B / 180B: new_decoder_architecture, ln_attn + ln_mlp)",
+           names=dataclasses.replace(_FALCON_NAMES, attn_norm="ln_attn", mlp_norm="ln_mlp"), **_FALCON,
+           when=(("new_decoder_architecture", (True,)), ("num_ln_in_parallel_attn", (None, 2)), ("alibi", (False, None))),
+           parallel="always", parallel_shared_norm=False,
+           config_aliases=_FALCON_ALIASES + (("num_key_value_heads", "num_kv_heads"),)),
+    Family("falcon_new1", ("falcon",), "Falcon 2 (new_decoder_architecture, one norm)", names=_FALCON_NAMES,
+           **_FALCON, when=(("new_decoder_architecture", (True,)), ("num_ln_in_parallel_attn", (1,)), ("alibi", (False, None))),
+           parallel="always", config_aliases=_FALCON_ALIASES + (("num_key_value_heads", "num_kv_heads"),)),
+    Family("falcon", ("falcon",), "Falcon (7B, RW)", names=_FALCON_NAMES, **_FALCON,
+           when=(("new_decoder_architecture", (False, None)), ("alibi", (False, None))), parallel="config",
+           parallel_key="parallel_attn", parallel_default=True, multi_query_key="multi_query",
+           config_aliases=_FALCON_ALIASES),
+    Family("falcon_alibi", ("falcon",), "Falcon RW (ALiBi)", names=_FALCON_NAMES,
+           **{**_FALCON, "rotary": False, "alibi": "falcon"},
+           when=(("new_decoder_architecture", (False, None)), ("alibi", (True,))), parallel="config",
+           parallel_key="parallel_attn", parallel_default=True, multi_query_key="multi_query",
+           config_aliases=_FALCON_ALIASES),
+    Family("gpt_neo", ("gpt_neo",), "GPT-Neo",
+           names=Names(embed="transformer.wte", positions="transformer.wpe", layers="transformer.h",
+                       final_norm="transformer.ln_f", attn_norm="ln_1", mlp_norm="ln_2", q="attn.attention.q_proj",
+                       k="attn.attention.k_proj", v="attn.attention.v_proj", o="attn.attention.out_proj", gate=None,
+                       up="mlp.c_fc", down="mlp.c_proj", act="mlp.act", stored_prefix="transformer."),
+           norm="layer", mlp="plain", act_keys=("activation_function",), act_default="gelu_new", rotary=False,
+           unscaled_attention=True, windows="layer_types", window_rule="attention_types", tie_default=True,
+           config_aliases=(("num_hidden_layers", "num_layers"), ("num_attention_heads", "num_heads"),
+                           ("rms_norm_eps", "layer_norm_epsilon"), ("sliding_window", "window_size")),
+           defaults=(("layer_norm_epsilon", 1e-5), ("window_size", 256), ("max_position_embeddings", 2048)),
+           intermediate_default=4, genai_type="decoder"),
+    Family("codegen", ("codegen",), "CodeGen",
+           names=Names(embed="transformer.wte", layers="transformer.h", final_norm="transformer.ln_f", attn_norm="ln_1",
+                       mlp_norm=None, q=None, k=None, v=None, qkv="attn.qkv_proj", qkv_mp=4, o="attn.out_proj",
+                       gate=None, up="mlp.fc_in", down="mlp.fc_out", act="mlp.act"),
+           norm="layer", mlp="plain", act_keys=("activation_function",), act_default="gelu_new",
+           rotary_interleaved=True, rotary_dim_key="rotary_dim", default_rope_partial=True, parallel="always",
+           config_aliases=(("hidden_size", "n_embd"), ("num_attention_heads", "n_head"),
+                           ("num_hidden_layers", "n_layer"), ("max_position_embeddings", "n_positions"),
+                           ("intermediate_size", "n_inner"), ("rms_norm_eps", "layer_norm_epsilon")),
+           defaults=(("n_positions", 2048), ("layer_norm_epsilon", 1e-5), ("rotary_dim", 64)),
+           intermediate_default=4, genai_type="decoder"),
+    Family("biogpt", ("biogpt",), "BioGPT",
+           names=Names(embed="biogpt.embed_tokens", positions="biogpt.embed_positions", layers="biogpt.layers",
+                       final_norm="biogpt.layer_norm", attn_norm="self_attn_layer_norm", mlp_norm="final_layer_norm",
+                       o="self_attn.out_proj", gate=None, up="fc1", down="fc2", act="activation_fn",
+                       stored_aliases=(("lm_head.weight", "output_projection.weight"),)),
+           norm="layer", mlp="plain", act_default="gelu", rotary=False, position_offset=2, embed_scale=True,
+           embed_scale_key="scale_embedding", tie_default=True,
+           defaults=(("rms_norm_eps", 1e-5), ("max_position_embeddings", 1024)), genai_type="decoder"),
+    Family("xglm", ("xglm",), "XGLM",
+           names=Names(positions="model.embed_positions", layers="model.layers", final_norm="model.layer_norm",
+                       attn_norm="self_attn_layer_norm", mlp_norm="final_layer_norm", o="self_attn.out_proj",
+                       gate=None, up="fc1", down="fc2", act="activation_fn"),
+           norm="layer", mlp="plain", act_keys=("activation_function",), act_default="gelu", rotary=False,
+           position_offset=2, sinusoidal=True, embed_scale=True, embed_scale_key="scale_embedding", tie_default=True,
+           config_aliases=(("hidden_size", "d_model"), ("num_hidden_layers", "num_layers"),
+                           ("num_attention_heads", "attention_heads"), ("intermediate_size", "ffn_dim")),
+           refuse_true=("add_cross_attention",), defaults=(("rms_norm_eps", 1e-5), ("max_position_embeddings", 2048)),
+           genai_type="decoder"),
+    Family("exaone", ("exaone",), "EXAONE 3 / 3.5",
+           names=Names(stored_renames=((r"^transformer\.wte\.", "model.embed_tokens."),
+                                       (r"^transformer\.h\.", "model.layers."), (r"^transformer\.ln_f\.", "model.norm."),
+                                       (r"\.attn\.attention\.", ".self_attn."),
+                                       (r"\.self_attn\.out_proj\.", ".self_attn.o_proj."),
+                                       (r"\.ln_1\.", ".input_layernorm."), (r"\.ln_2\.", ".post_attention_layernorm."),
+                                       (r"\.mlp\.c_fc_0\.", ".mlp.gate_proj."), (r"\.mlp\.c_fc_1\.", ".mlp.up_proj."),
+                                       (r"\.mlp\.c_proj\.", ".mlp.down_proj."))),
+           config_aliases=(("num_hidden_layers", "num_layers"), ("rms_norm_eps", "layer_norm_epsilon"),
+                           ("hidden_act", "activation_function")),
+           defaults=(("rope_theta", 500000.0), ("rms_norm_eps", 1e-5)), genai_type="decoder"),
+    Family("internlm3", ("internlm3",), "InternLM3", defaults=(("head_dim", 128), ("rms_norm_eps", 1e-5)),
+           genai_type="decoder"),
+    Family("iquestcoder", ("iquestcoder",), "IQuest-Coder", defaults=(("head_dim", 128), ("rms_norm_eps", 1e-5)),
+           genai_type="decoder"),
+    Family("cwm", ("cwm",), "CWM", windows="layer_types", window_rule="every-4-first",
+           defaults=(("head_dim", 128), ("sliding_window", 8192), ("rms_norm_eps", 1e-5)), genai_type="decoder"),
+    Family("jais2", ("jais2",), "Jais 2", names=Names(gate=None), norm="layer", mlp="plain", act_default="relu2",
+           config_aliases=(("rms_norm_eps", "layer_norm_eps"),), defaults=(("layer_norm_eps", 1e-5),),
+           genai_type="decoder"),
+    Family("vaultgemma", ("vaultgemma",), "VaultGemma", names=Names(mlp_norm="pre_feedforward_layernorm"),
+           norm="rms_offset", act_keys=("hidden_activation",), act_default="gelu_pytorch_tanh", embed_scale=True,
+           query_pre_attn_scalar=True, softcap=True, windows="layer_types", window_rule="every-2", tie_default=True,
+           defaults=(("head_dim", 256), ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
+                     ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)),
+           genai_type="decoder"),
     Family("stablelm", ("stablelm",), "StableLM / StableLM 2", norm="layer", default_rope_partial=True,
            parallel="config", config_aliases=(("rms_norm_eps", "layer_norm_eps"),), refuse_true=("qk_layernorm",),
            defaults=(("partial_rotary_factor", 0.25), ("layer_norm_eps", 1e-5)), genai_type="decoder"),
 )  # fmt: skip
 
-_BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+_BY_TYPE: dict[str, Family] = {}
+for _f in FAMILIES:
+    for _t in _f.model_types:
+        _BY_TYPE.setdefault(_t, _f)  # a model_type's first variant names it (family_of, the supported list)
+_VARIANTS = {t: tuple(f for f in FAMILIES if t in f.model_types) for t in _BY_TYPE}
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-                "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}  # fmt: skip
+                "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu2": "relu2", "relu": "relu"}  # fmt: skip
 """config.json activation names -> the kernel written (``gelu_tanh``: ONNX ``Gelu`` with ``approximate="tanh"``;
-``relu2``: ``relu(x) ** 2``, as ``Relu`` x itself)."""
+``relu2``: ``relu(x) ** 2``, as ``Relu`` x itself; ``relu``: ``Relu``)."""
 _ROPE_TYPES = ("default", "linear", "llama3", "longrope", "dynamic", "yarn", "ntk_alpha")
 """RoPE variants the builder computes exactly.  ``dynamic`` (dynamic NTK) is plain RoPE until a sequence passes the
 original context, where transformers starts rescaling the frequencies by the sequence length: the built decoder's
@@ -465,6 +650,12 @@ class DecoderConfig:
     """The logits are divided by this (Granite)."""
     logit_scale: float | None = None
     """The logits are multiplied by this (Cohere)."""
+    embed_scaled: bool = False
+    """The embedding rows are multiplied by ``sqrt(hidden_size)`` (:attr:`Family.embed_scale`, as its key says)."""
+    clip_qkv: float | None = None
+    """q, k and v are clamped to ``[-clip_qkv, clip_qkv]`` after their projections (OLMo 1)."""
+    qkv_interleaved: bool = False
+    """The packed ``qkv`` weight is stored per head (or per key / value group): see :attr:`Names.qkv_per_head`."""
 
     @property
     def spec(self) -> Family:
@@ -573,6 +764,21 @@ def _normalized(cfg: Mapping[str, Any], fam: Family) -> dict[str, Any]:
     return out
 
 
+def _variant(model_type: str, raw: Mapping[str, Any], where: str) -> Family:
+    """The variant of ``model_type`` whose :attr:`Family.when` config.json matches (see there)."""
+    variants = _VARIANTS[model_type]
+    for fam in variants:
+        cfg = {**dict(fam.defaults), **raw}
+        if all(cfg.get(key) in values for key, values in fam.when):
+            return fam
+    keys = sorted({k for f in variants for k, _ in f.when})
+    allowed = "; ".join(f"{f.title}: " + ", ".join(f"{k} {'/'.join(json.dumps(v) for v in vs)}" for k, vs in f.when)
+                        for f in variants)  # fmt: skip
+    raise ModelError(f"{where}: {model_type} with " + ", ".join(f"{k} {json.dumps(raw.get(k))}" for k in keys)
+                     + f" is not a variant the streaming builder supports; allowed: {allowed} (or "
+                     "calibration.layerwise: false, the whole-graph path)")
+
+
 def parse_config(raw: Any, where: str) -> DecoderConfig:
     """Check a parsed ``config.json`` (``where``: its path, for the messages) and return its :class:`DecoderConfig`.
 
@@ -586,15 +792,26 @@ def parse_config(raw: Any, where: str) -> DecoderConfig:
     if not isinstance(raw, dict):
         raise ModelError(f"{where}: config.json must hold a JSON object, got {type(raw).__name__}")
     model_type = str(raw.get("model_type", "")).lower()
-    fam = _BY_TYPE.get(model_type)
-    if fam is None:
+    if model_type not in _BY_TYPE:
         raise ModelError(unsupported_message(model_type, where, raw))
+    fam = _variant(model_type, raw, where)
     cfg = _normalized({**dict(fam.defaults), **raw}, fam)
     aliases = ", ".join(f"{a} as {k}" for k, a in fam.config_aliases if raw.get(a) is not None)
     check_config_values(cfg, f"{where} ({model_type}: read {aliases})" if aliases else where)
     for key in fam.refuse_true:
         if cfg.get(key):
             raise ModelError(f"{where}: {key} {cfg[key]!r} is not supported for {model_type}; allowed: false")
+    for key, value in fam.require:
+        if cfg.get(key) is not None and cfg[key] != value:
+            raise ModelError(f"{where}: {key} {cfg[key]!r} is not supported for {model_type} by the streaming "
+                             f"builder; allowed: {json.dumps(value)} (or calibration.layerwise: false, the "
+                             "whole-graph path)")  # fmt: skip
+    for key in fam.equal_hidden:
+        if cfg.get(key) is not None and cfg[key] != cfg.get("hidden_size"):
+            raise ModelError(f"{where}: {key} {cfg[key]!r} differs from hidden_size {cfg.get('hidden_size')!r}: "
+                             f"{model_type}'s projection after the embedding is not supported by the streaming "
+                             f"builder; allowed: {key} equal to hidden_size (or calibration.layerwise: false, the "
+                             "whole-graph path)")  # fmt: skip
     act = next((cfg[k] for k in fam.act_keys if cfg.get(k) is not None), fam.act_default)
     act = dict(fam.act_remap).get(act, act)
     if act not in _ACTIVATIONS:
@@ -603,6 +820,11 @@ def parse_config(raw: Any, where: str) -> DecoderConfig:
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if fam.multi_query_key:  # GPT-BigCode: one key / value head, or one per query head
+            mq = cfg.get(fam.multi_query_key)
+            if not isinstance(mq, bool):
+                raise ModelError(f"{where}: {fam.multi_query_key} {mq!r}; allowed: true or false")
+            kv_heads = 1 if mq else heads
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         inter = cfg.get("intermediate_size") or fam.intermediate_default * hidden or cfg["intermediate_size"]
         eps = cfg.get("rms_norm_eps", 1e-6)
@@ -657,6 +879,9 @@ def parse_config(raw: Any, where: str) -> DecoderConfig:
             partial_rotary_factor=float(partial) if fam.default_rope_partial else 1.0,
             local_rope_theta=float(local_theta) if local_theta is not None else None,
             local_rope_scaling=local_scaling,
+            embed_scaled=fam.embed_scale and (not fam.embed_scale_key or bool(cfg.get(fam.embed_scale_key, True))),
+            qkv_interleaved=fam.names.qkv is not None and fam.names.qkv_per_head and not (
+                fam.multi_query_key and cfg.get(fam.multi_query_key)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelError(f"{where}: missing or bad field: {e}") from e
@@ -721,9 +946,12 @@ def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, w
             types = tuple(given)
         elif fam.window_rule == "all":  # every layer windowed when there is a window (Ministral's default)
             types = tuple(SLIDING if window is not None else FULL for _ in range(L))
-        elif fam.window_rule.startswith("every-"):
+        elif fam.window_rule.startswith("every-"):  # every n-th layer full: the last of each n, or the first
             n = int(fam.window_rule.split("-")[1])
-            types = tuple(SLIDING if (i + 1) % n else FULL for i in range(L))
+            first = fam.window_rule.endswith("-first")
+            types = tuple(SLIDING if (i if first else i + 1) % n else FULL for i in range(L))
+        elif fam.window_rule == "attention_types":  # GPT-Neo: [[["global", "local"], 12]] -> per layer
+            types = _attention_types(cfg.get("attention_types", [[["global", "local"], L // 2]]), L, where)
         elif fam.window_rule == "qwen" and use and window is not None:  # from max_window_layers on
             first = cfg.get("max_window_layers", 28)  # transformers' default
             if isinstance(first, bool) or not isinstance(first, int) or first < 0:
@@ -755,19 +983,23 @@ def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, w
         window = None
     extra["sliding_window"] = window
     extra["layer_types"] = types
+    if fam.unscaled_attention:
+        extra["attention_scale"] = 1.0
     if fam.query_pre_attn_scalar:
         s = cfg.get("query_pre_attn_scalar", 256)
         if not _num(s):
             raise ModelError(f"{where}: query_pre_attn_scalar {s!r}; allowed: a finite number > 0")
         extra["attention_scale"] = float(s) ** -0.5
-    if fam.name == "gpt2":
+    if fam.name in ("gpt2", "gpt_bigcode"):
         if not cfg.get("scale_attn_weights", True):
             extra["attention_scale"] = 1.0
         extra["scale_by_inverse_layer"] = bool(cfg.get("scale_attn_by_inverse_layer_idx", False))
     if fam.parallel != "never":
-        par = True if fam.parallel == "always" else cfg.get("use_parallel_residual", fam.parallel_default)
+        par = True if fam.parallel == "always" else cfg.get(fam.parallel_key, fam.parallel_default)
+        if par is None:
+            par = fam.parallel_default
         if not isinstance(par, bool):
-            raise ModelError(f"{where}: use_parallel_residual {par!r}; allowed: true or false")
+            raise ModelError(f"{where}: {fam.parallel_key} {par!r}; allowed: true or false")
         extra["parallel_residual"] = par
     if fam.multipliers:  # Granite: a value of 1 is no-op and writes no node
         for key, name in (("embedding_multiplier", "embedding_multiplier"), ("residual_multiplier",
@@ -777,6 +1009,11 @@ def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, w
             if not _num(v):
                 raise ModelError(f"{where}: {key} {v!r}; allowed: a finite number > 0")
             extra[name] = float(v) if (float(v) != 1.0 or name == "attention_scale") else None
+    if fam.clip_qkv:
+        v = cfg.get("clip_qkv")
+        if v is not None and not _num(v):
+            raise ModelError(f"{where}: clip_qkv {v!r}; allowed: a finite number > 0 or null")
+        extra["clip_qkv"] = float(v) if v is not None else None
     if fam.logit_scale:
         v = cfg.get("logit_scale")
         if v is not None and not _num(v):
@@ -789,6 +1026,23 @@ def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, w
                 raise ModelError(f"{where}: {key} {v!r}; allowed: a finite number > 0 or null")
             extra[name] = float(v) if v is not None else None
     return extra
+
+
+def _attention_types(given: Any, layers: int, where: str) -> tuple[str, ...]:
+    """GPT-Neo's ``attention_types`` (``[[kinds, repeat], ...]``, each kind ``global`` or ``local``) as layer types."""
+    out: list[str] = []
+    try:
+        for kinds, repeat in given:
+            if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 0:
+                raise ValueError(repeat)
+            for _ in range(repeat):
+                out += [{"global": FULL, "local": SLIDING}[k] for k in kinds]
+    except (TypeError, ValueError, KeyError):
+        out = []
+    if len(out) != layers:
+        raise ModelError(f"{where}: attention_types {str(given)[:120]}; allowed: a list of [[kind, ...], repeat] pairs, "
+                         f"each kind 'global' or 'local', giving {layers} (num_layers) layers in all")  # fmt: skip
+    return tuple(out)
 
 
 def _check_rope(sc: Mapping[str, Any] | None, rotary_dim: int, where: str) -> None:

@@ -59,6 +59,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -92,7 +93,10 @@ __all__ = [
     "LLMSession",
     "build_llm",
     "check_decoder_folder",
+    "StreamExtras",
+    "alibi_slopes",
     "embedded_stream",
+    "stream_extras",
     "generate",
     "input_groups",
     "linear_groups",
@@ -243,8 +247,22 @@ class _Checkpoint:
         self.stored: dict[str, str] = {}  # graph name -> stored name, where they differ
         self.transposed: set[str] = set()  # graph names of Conv1D weights
         self.reordered: dict[str, np.ndarray] = {}  # graph name -> the order its rows are read in
+        self.virtual: dict[str, np.ndarray] = {}  # graph name -> a tensor the checkpoint does not store (ones)
         if cfg is not None:
             fam = cfg.spec
+            for k in list(self.tensors):  # EXAONE 3's names for LLaMA's modules
+                graph = k
+                for pattern, repl in fam.names.stored_renames:
+                    graph = re.sub(pattern, repl, graph)
+                if graph != k and graph not in self.tensors:
+                    self.stored[graph] = k
+            if fam.sinusoidal and fam.names.positions is not None:  # XGLM: computed, not stored
+                self.virtual[f"{fam.names.positions}.weight"] = sinusoidal_table(
+                    cfg.max_position_embeddings + fam.position_offset, cfg.hidden_size)
+            if fam.norm_free:  # OLMo 1: parameter-free LayerNorms read as weights of ones
+                norms = [f"{block_prefix(cfg, i)}.{s}" for i in range(cfg.num_hidden_layers) for s in block_norms(cfg)]
+                for name in [*norms, fam.names.final_norm]:
+                    self.virtual[f"{name}.weight"] = np.ones(cfg.hidden_size, np.float32)
             prefix = fam.names.stored_prefix
             if prefix:
                 for k in list(self.tensors):
@@ -256,9 +274,18 @@ class _Checkpoint:
             if fam.conv1d:
                 self.transposed = {f"{fam.names.layers}.{i}.{s}.weight" for i in range(cfg.num_hidden_layers)
                                    for s in linear_shapes(cfg)}  # fmt: skip
-            if fam.names.qkv_per_head and fam.names.qkv is not None:  # [q_h k_h v_h] per head -> [q | k | v]
-                nh, hd = cfg.num_attention_heads, cfg.head_dim
-                rows = np.arange(3 * nh * hd).reshape(nh, 3, hd).transpose(1, 0, 2).reshape(-1)
+            if fam.names.qkv_mp and fam.names.qkv is not None:  # CodeGen: mp shards of [q | v | k] -> [q | k | v]
+                sharded = np.arange(3 * cfg.hidden_size).reshape(fam.names.qkv_mp, 3, -1)
+                rows = np.concatenate([sharded[:, 0].reshape(-1), sharded[:, 2].reshape(-1), sharded[:, 1].reshape(-1)])
+                self.reordered = {f"{fam.names.layers}.{i}.{fam.names.qkv}.{t}": rows
+                                  for i in range(cfg.num_hidden_layers) for t in ("weight", "bias")}  # fmt: skip
+            if cfg.qkv_interleaved and fam.names.qkv is not None:  # per key / value group [q_0 .. q_r-1 k v]
+                # (per head [q_h k_h v_h] when every head has its own k, v) -> [q | k | v]
+                nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+                r = nh // nkv
+                grouped = np.arange((nh + 2 * nkv) * hd).reshape(nkv, r + 2, hd)
+                rows = np.concatenate([grouped[:, :r].reshape(-1), grouped[:, r].reshape(-1),
+                                       grouped[:, r + 1].reshape(-1)])  # fmt: skip
                 self.reordered = {f"{fam.names.layers}.{i}.{fam.names.qkv}.{t}": rows
                                   for i in range(cfg.num_hidden_layers) for t in ("weight", "bias")}  # fmt: skip
 
@@ -266,15 +293,17 @@ class _Checkpoint:
         return self.stored.get(name, name)
 
     def __contains__(self, name: str) -> bool:
-        return self._name(name) in self.where
+        return name in self.virtual or self._name(name) in self.where
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape from the header (``[N, K]`` for a Conv1D weight, as it is read)."""
+        if name in self.virtual:
+            return tuple(self.virtual[name].shape)
         shape = self.tensors[self._name(name)].shape
         return tuple(reversed(shape)) if name in self.transposed else shape
 
     def file(self, name: str) -> Path:
-        return self.where[self._name(name)]
+        return self.where[self._name(name)] if name not in self.virtual else Path("(none: ones)")
 
     def read(self, names: Iterable[str]) -> Iterator[tuple[str, Any]]:
         """Yield ``(name, tensor)``: numpy arrays in the stored dtype (bf16 as ``ml_dtypes.bfloat16``), read with
@@ -289,11 +318,29 @@ class _Checkpoint:
         if missing:
             raise ModelError(f"checkpoint lacks tensors {missing[:4]}")
         for n in names:
+            if n in self.virtual:
+                yield n, self.virtual[n].copy()
+                continue
             t = read_tensor(self.tensors[self._name(n)])
             order = self.reordered.get(n)
             if order is not None and t.shape[:1] == order.shape:
                 t = t[order]
             yield n, (t.T if n in self.transposed else t)
+
+
+def sinusoidal_table(rows: int, width: int) -> np.ndarray:
+    """XGLM's position table ``[rows, width]`` (float32): ``[sin(p f_i) | cos(p f_i)]`` for ``f_i = 10000 **
+    (-i / (width / 2 - 1))``, zero-padded to an odd width, row 1 (the padding position) zero, as transformers
+    computes it in float32."""
+    half = width // 2
+    freq = np.exp(np.arange(half, dtype=np.float32) * np.float32(-math.log(10000) / (half - 1))).astype(np.float32)
+    ang = (np.arange(rows, dtype=np.float32)[:, None] * freq[None, :]).astype(np.float32)
+    out = np.concatenate([np.sin(ang), np.cos(ang)], axis=1).astype(np.float32)
+    if width % 2:
+        out = np.concatenate([out, np.zeros((rows, 1), np.float32)], axis=1)
+    if rows > 1:
+        out[1] = 0.0
+    return out
 
 
 def _float32_rows(t: Any, start: int, stop: int) -> np.ndarray:
@@ -419,10 +466,11 @@ class BuildHook:
     as in the HF checkpoint) and returns :class:`PackedLinear` results for the layers it quantized.
     """
 
-    def embedding(self, table: Any, tied: bool, positions: Any = None) -> PackedLinear | None:
+    def embedding(self, table: Any, tied: bool, extras: StreamExtras | None = None) -> PackedLinear | None:
         """The embedding table ``[V, H]``; when ``tied``, a quantized lm_head weight ``[H, V]`` (the
         table transposed, groups along H) that the ``GatherBlockQuantized`` and the lm_head share.
-        ``positions``: the learned position table ``[P, H]`` of a family that has one (GPT-2), else not passed."""
+        ``extras``: what the stream entering block 0 adds to the rows (GPT-2's position table, BLOOM's embedding
+        LayerNorm: :func:`embedded_stream`), passed only for a family that has any."""
         return None
 
     def block(self, index: int, weights: dict[str, Any]) -> dict[str, PackedLinear]:
@@ -490,6 +538,7 @@ class _GraphBuilder:
         self.inits: list[TensorProto] = []
         self._consts: dict[tuple[str, bytes], str] = {}
         self.positions: str | None = None  # position ids [B, S] for RotaryEmbedding nodes, made once
+        self.alibi: str | None = None  # ALiBi's attention bias [1, heads, S, T], made once
 
     def node(
         self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs: Any
@@ -666,8 +715,10 @@ def check_checkpoint(cfg: DecoderConfig, ckpt: _Checkpoint) -> None:
     n = cfg.spec.names
     want: dict[str, tuple[int, ...]] = {f"{n.embed}.weight": (V, H)}
     if n.positions is not None:
-        want[f"{n.positions}.weight"] = (cfg.max_position_embeddings, H)
-    want.update({t: (H,) for t in norm_params(cfg, n.final_norm)})
+        want[f"{n.positions}.weight"] = (cfg.max_position_embeddings + cfg.spec.position_offset, H)
+    for norm in (n.final_norm, n.embed_norm):
+        if norm is not None:
+            want.update({t: (H,) for t in norm_params(cfg, norm)})
     if not (cfg.tie_word_embeddings or "lm_head.weight" not in ckpt):
         want["lm_head.weight"] = (V, H)
     if HEAD_BIAS in ckpt:
@@ -887,6 +938,8 @@ def _activation(g: _GraphBuilder, x: str, name: str) -> str:
     if kind == "relu2":  # ReLU squared (Arcee)
         r = g.node("Relu", [x], [f"{name}/Relu/output_0"], f"{name}/Relu")[0]
         return g.node("Mul", [r, r], [f"{name}/output_0"], f"{name}/Mul")[0]
+    if kind == "relu":  # OPT
+        return g.node("Relu", [x], [f"{name}/output_0"], f"{name}/Relu")[0]
     if kind == "silu":
         sig = g.node("Sigmoid", [x], [f"{name}/Sigmoid/output_0"], f"{name}/Sigmoid")[0]
         return g.node("Mul", [x, sig], [f"{name}/output_0"], f"{name}/Mul")[0]
@@ -898,6 +951,7 @@ class _BlockIO:
     residual: str
     pending: str | None
     taps: dict[str, str]  # linear layer name -> the tensor it reads
+    stream: str = "input_ids"  # a graph input whose second dimension is the sequence length
 
 
 def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packed: dict[str, PackedLinear],
@@ -954,6 +1008,10 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
             # whole) before the rotary embedding
             qkv[0] = _head_norm(g, qkv[0], f"{p}.{n.q_norm}", norm_gamma(cfg, w.pop(f"{p}.{n.q_norm}.weight")), nh)
             qkv[1] = _head_norm(g, qkv[1], f"{p}.{n.k_norm}", norm_gamma(cfg, w.pop(f"{p}.{n.k_norm}.weight")), nkv)
+    if cfg.clip_qkv is not None:  # OLMo 1: q, k, v clamped after their projections
+        lo, hi = g.const(np.float32(-cfg.clip_qkv), np.float32), g.const(np.float32(cfg.clip_qkv), np.float32)
+        qkv = [g.node("Clip", [x, lo, hi], [f"{p}/qkv_clip_{j}/output_0"], f"{p}/qkv_clip_{j}")[0] if x else x
+               for j, x in enumerate(qkv)]  # fmt: skip
     rotate_inside = cfg.uses_rope(i) and not cfg.external_rotary
     if cfg.uses_rope(i) and cfg.external_rotary:  # q and k rotated before the attention (RotaryEmbedding)
         if not qkv[1]:  # packed [q | k | v]: split
@@ -970,6 +1028,8 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
     ins = [*qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_len]
     if rotate_inside:
         ins += list(rotary[cfg.is_local(i)])
+    if fam.alibi:  # inputs 7-9 (cos / sin caches, position ids) unused
+        ins += [""] * (10 - len(ins)) + [_alibi_bias(g, io.stream)]
     name = f"{p}.{o_proj.rsplit('.', 1)[0]}.GroupQueryAttention"
     attn = g.node("GroupQueryAttention", ins, [f"{name}/output_0", f"present.{i}.key", f"present.{i}.value"], name,
                   _MS, **attrs)[0]  # fmt: skip
@@ -1023,7 +1083,50 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
     pending = _residual_scaled(g, pending, f"{p}.{down_proj}")
     if cfg.parallel_residual:  # x + (attn + mlp), the order transformers adds them in
         pending = g.node("Add", [o, pending], [f"{p}/parallel_add/output_0"], f"{p}/parallel_add")[0]
-    return _BlockIO(residual, pending, taps)
+    return _BlockIO(residual, pending, taps, io.stream)
+
+
+def alibi_slopes(heads: int) -> np.ndarray:
+    """ALiBi's slope per head (float32 ``[heads]``), as BLOOM computes them: ``2 ** (-8 i / n)`` for the largest
+    power of two ``n <= heads``, then every other slope of ``2 n`` for the remaining heads."""
+    n = 2 ** int(math.floor(math.log2(heads)))
+    base = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+    slopes = [base**p for p in range(1, n + 1)]
+    if n != heads:
+        extra = 2.0 ** (-(2.0 ** -(math.log2(2 * n) - 3)))
+        slopes += [extra**p for p in range(1, 1 + 2 * min(n, heads - n), 2)]
+    return np.asarray(slopes, np.float32)
+
+
+def _alibi_bias(g: _GraphBuilder, stream: str) -> str:
+    """GroupQueryAttention's ``attention_bias`` for ALiBi, ``[1, heads, S, T]`` = ``slope_h * key position`` (``T``:
+    ``attention_mask``'s width; ``S``: ``stream``'s second dimension), made once per graph.  A shift of every key
+    position by the same amount leaves the softmax unchanged, so left padding needs no correction."""
+    if g.alibi is not None:
+        return g.alibi
+    base = "/model/alibi"
+    nh = g.cfg.num_attention_heads
+    shp = g.node("Shape", ["attention_mask"], [f"{base}/Shape/output_0"], f"{base}/Shape")[0]
+    total = g.node("Gather", [shp, g.const([1])], [f"{base}/Gather/output_0"], f"{base}/Gather", axis=0)[0]
+    sshp = g.node("Shape", [stream], [f"{base}/Shape_1/output_0"], f"{base}/Shape_1")[0]
+    seq = g.node("Gather", [sshp, g.const([1])], [f"{base}/Gather_1/output_0"], f"{base}/Gather_1", axis=0)[0]
+    t = g.node("Squeeze", [total, g.const([0])], [f"{base}/Squeeze/output_0"], f"{base}/Squeeze")[0]
+    pos = g.node("Range", [g.const(0), t, g.const(1)], [f"{base}/Range/output_0"], f"{base}/Range")[0]
+    posf = g.node("Cast", [pos], [f"{base}/Cast/output_0"], f"{base}/Cast", to=TensorProto.FLOAT)[0]
+    slopes = alibi_slopes(nh).reshape(1, nh, 1, 1)
+    if g.cfg.spec.alibi == "falcon":  # transformers' Falcon: bfloat16 slopes and products, / sqrt(head_dim)
+        import ml_dtypes  # onnx's dependency
+
+        slopes = slopes.astype(ml_dtypes.bfloat16).astype(np.float32)
+    b = g.node("Mul", [g.const(slopes, np.float32), posf], [f"{base}/Mul/output_0"], f"{base}/Mul")[0]  # [1, nh, 1, T]
+    if g.cfg.spec.alibi == "falcon":
+        b16 = g.node("Cast", [b], [f"{base}/Cast_bf16/output_0"], f"{base}/Cast_bf16", to=TensorProto.BFLOAT16)[0]
+        b32 = g.node("Cast", [b16], [f"{base}/Cast_f32/output_0"], f"{base}/Cast_f32", to=TensorProto.FLOAT)[0]
+        b = g.node("Div", [b32, g.const(np.float32(math.sqrt(g.cfg.head_dim)), np.float32)], [f"{base}/Div/output_0"],
+                   f"{base}/Div")[0]  # fmt: skip
+    shape = g.node("Concat", [g.const([1, nh]), seq, total], [f"{base}/Concat/output_0"], f"{base}/Concat", axis=0)[0]
+    g.alibi = g.node("Expand", [b, shape], [f"{base}/output_0"], f"{base}/Expand")[0]
+    return g.alibi
 
 
 def _rotate(g: _GraphBuilder, x: str, name: str, heads: int, cos: str, sin: str) -> str:
@@ -1111,7 +1214,7 @@ def block_model(cfg: DecoderConfig, index: int, weights: dict[str, Any], packed:
     seqlens_k, total_len = _mask_inputs(g)
     length = min(positions, cfg.context_length) if positions else None
     rotary = _rotary_inputs(g, [index], length, total_len) if cfg.uses_rope(index) else {}
-    io = _emit_block(g, index, dict(weights), _BlockIO("hidden", None, {}), packed, seqlens_k, total_len, rotary)
+    io = _emit_block(g, index, dict(weights), _BlockIO("hidden", None, {}, "hidden"), packed, seqlens_k, total_len, rotary)
     if io.pending is None:  # pragma: no cover - a block always ends in down_proj
         raise ModelError(f"block {index} has no MLP output")
     g.node("Add", [io.residual, io.pending], ["hidden_out"], f"{block_prefix(cfg, index)}/residual_add")
@@ -1222,8 +1325,9 @@ def _gather_hot(g: _GraphBuilder, q: PackedLinear, ids: str, out: str, name: str
 
 
 def _learned_positions(g: _GraphBuilder, table: Any) -> str:
-    """Rows ``past .. past + S - 1`` of the learned position table (GPT-2's ``wpe``), ``[1, S, H]``; the positions
-    come from ``attention_mask``'s width (right padding, as for the rotary positions)."""
+    """Rows ``past .. past + S - 1`` of the learned position table (GPT-2's ``wpe``; OPT's from its row 2: ``table``
+    holds the rows of positions 0, 1 ...), ``[1, S, H]``; the positions come from ``attention_mask``'s width (right
+    padding, as for the rotary positions)."""
     n = g.cfg.spec.names
     assert n.positions is not None  # noqa: S101 - only called for a family with learned positions
     base = f"/{n.positions.replace('.', '/')}"
@@ -1238,18 +1342,58 @@ def _learned_positions(g: _GraphBuilder, table: Any) -> str:
     return g.node("Unsqueeze", [rows, g.const([0])], [f"{base}/Unsqueeze/output_0"], f"{base}/Unsqueeze")[0]
 
 
-def embedded_stream(cfg: DecoderConfig, rows: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
-    """The residual stream entering block 0 from embedding ``rows`` (``[..., S, H]`` float32, looked up): scaled
-    by ``sqrt(hidden_size)`` (Gemma), plus ``positions`` (``[S, H]``: the learned position rows, GPT-2), as the
+def embedded_stream(cfg: DecoderConfig, rows: np.ndarray, extras: StreamExtras | None = None) -> np.ndarray:
+    """The residual stream entering block 0 from embedding ``rows`` (``[..., S, H]`` float32, looked up, positions
+    0 .. S - 1): scaled by ``sqrt(hidden_size)`` (Gemma) or a multiplier (Granite), then, with ``extras``
+    (:func:`stream_extras`), the embedding LayerNorm (BLOOM) and the learned position rows (GPT-2, OPT), as the
     built decoder computes it."""
     out = np.asarray(rows, np.float32)
-    if cfg.spec.embed_scale:
+    if cfg.embed_scaled:
         out = (out * np.float32(math.sqrt(cfg.hidden_size))).astype(np.float32)
     if cfg.embedding_multiplier is not None:
         out = (out * np.float32(cfg.embedding_multiplier)).astype(np.float32)
-    if positions is not None:
-        out = (out + np.asarray(positions, np.float32)).astype(np.float32)
+    if extras is not None and extras.norm_weight is not None:
+        mean = out.mean(-1, keepdims=True, dtype=np.float32)
+        c = out - mean
+        var = (c * c).mean(-1, keepdims=True, dtype=np.float32)
+        out = c / np.sqrt(var + np.float32(cfg.rms_norm_eps)) * extras.norm_weight
+        if extras.norm_bias is not None:
+            out = out + extras.norm_bias
+        out = out.astype(np.float32)
+    if extras is not None and extras.positions is not None:
+        out = (out + extras.positions[: out.shape[-2]]).astype(np.float32)
     return out
+
+
+@dataclass(frozen=True)
+class StreamExtras:
+    """What the residual stream entering block 0 applies to the embedding rows besides a scale (see
+    :func:`embedded_stream`): the learned position rows from position 0 on (``[P, H]`` float32; OPT's first two
+    table rows already dropped) and the embedding LayerNorm's weight and bias (BLOOM)."""
+
+    positions: np.ndarray | None = None
+    norm_weight: np.ndarray | None = None
+    norm_bias: np.ndarray | None = None
+
+
+def stream_extras(cfg: DecoderConfig, ckpt: _Checkpoint) -> StreamExtras | None:
+    """The :class:`StreamExtras` of ``cfg``'s family read from the checkpoint (shapes checked), None when it has
+    none."""
+    n, H = cfg.spec.names, cfg.hidden_size
+    if n.positions is None and n.embed_norm is None:
+        return None
+    pos = nw = nb = None
+    if n.positions is not None:
+        ((_, wpe),) = list(ckpt.read([f"{n.positions}.weight"]))
+        off = cfg.spec.position_offset
+        _check_shape(f"{n.positions}.weight", wpe, (cfg.max_position_embeddings + off, H))
+        pos = _float32_rows(wpe, off, off + cfg.max_position_embeddings)
+    if n.embed_norm is not None:
+        t = dict(ckpt.read(norm_params(cfg, n.embed_norm)))
+        nw = _float32_rows(t[f"{n.embed_norm}.weight"], 0, H)
+        b = t.get(f"{n.embed_norm}.bias")
+        nb = _float32_rows(b, 0, H) if b is not None else None
+    return StreamExtras(pos, nw, nb)
 
 
 def _build(
@@ -1271,11 +1415,8 @@ def _build(
     _check_shape(f"{n.embed}.weight", emb, (V, H))
     if transform is not None:
         emb = transform.embedding(emb)
-    wpe = None
-    if n.positions is not None:
-        ((_, wpe),) = list(ckpt.read([f"{n.positions}.weight"]))
-        _check_shape(f"{n.positions}.weight", wpe, (cfg.max_position_embeddings, H))
-    q_emb = hook.embedding(emb, tied) if wpe is None else hook.embedding(emb, tied, positions=wpe)
+    extras = stream_extras(cfg, ckpt)
+    q_emb = hook.embedding(emb, tied) if extras is None else hook.embedding(emb, tied, extras)
     table = ""
     emb_out = f"/{n.embed.replace('.', '/')}/output_0"
     if q_emb is not None:  # tied, or untied and named by the recipe (the hook decides)
@@ -1284,7 +1425,7 @@ def _build(
         table = g.external(f"{n.embed}.weight", emb)
         residual = g.node("Gather", [table, "input_ids"], [emb_out], n.embed)[0]
     del emb
-    if cfg.spec.embed_scale:  # transformers multiplies by a float32 sqrt(hidden_size)
+    if cfg.embed_scaled:  # transformers multiplies by a float32 sqrt(hidden_size)
         scale = g.const(np.float32(math.sqrt(H)), np.float32)
         residual = g.node("Mul", [residual, scale], [f"{emb_out[:-len('/output_0')]}/scale/output_0"],
                           f"{n.embed}/scale")[0]  # fmt: skip
@@ -1292,8 +1433,11 @@ def _build(
         scale = g.const(np.float32(cfg.embedding_multiplier), np.float32)
         residual = g.node("Mul", [residual, scale], [f"{emb_out[:-len('/output_0')]}/multiplier/output_0"],
                           f"{n.embed}/multiplier")[0]  # fmt: skip
-    pending = _learned_positions(g, wpe) if wpe is not None else None
-    del wpe
+    if extras is not None and extras.norm_weight is not None:  # BLOOM: LayerNorm of the embedding rows
+        assert n.embed_norm is not None  # noqa: S101 - stream_extras reads a norm only for a family that has one
+        residual, _ = _norm(g, n.embed_norm, residual, None, extras.norm_weight, extras.norm_bias)
+    pending = _learned_positions(g, extras.positions) if extras is not None and extras.positions is not None else None
+    del extras
 
     io = _BlockIO(residual, pending, {})
     for i in range(L):

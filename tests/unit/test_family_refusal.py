@@ -44,7 +44,7 @@ def _imported(importtime_stderr: str) -> set[str]:
 
 
 def test_cli_refuses_an_unknown_family_before_heavy_imports(tmp_path: Path) -> None:
-    recipe = _setup(tmp_path, {"model_type": "bloom", "architectures": ["BloomForCausalLM"], "n_layer": 2})
+    recipe = _setup(tmp_path, {"model_type": "diffllama", "architectures": ["DiffLlamaForCausalLM"], "n_layer": 2})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", "quantkit.cli", "calibrate", "-q", "--recipe",
                         str(recipe), "--output", str(tmp_path / "out")],
@@ -53,7 +53,7 @@ def test_cli_refuses_an_unknown_family_before_heavy_imports(tmp_path: Path) -> N
     assert r.returncode == 2, r.stderr[-2000:]
     assert len(errors) == 1, r.stderr[-2000:]
     msg = errors[0]
-    assert "model_type 'bloom'" in msg and str(tmp_path / "model" / "config.json") in msg
+    assert "model_type 'diffllama'" in msg and str(tmp_path / "model" / "config.json") in msg
     assert "supported model_types: " + ", ".join(supported_model_types()) in msg
     assert "Try instead: calibration.layerwise: false" in msg
     mods = _imported(r.stderr)
@@ -65,7 +65,7 @@ def test_cli_refuses_an_unknown_family_before_heavy_imports(tmp_path: Path) -> N
 def test_the_early_message_is_the_builders(tmp_path: Path) -> None:
     from quantkit.frontends.llm_builder import read_decoder_config
 
-    recipe = _setup(tmp_path, {**LLAMA, "model_type": "falcon"})
+    recipe = _setup(tmp_path, {**LLAMA, "model_type": "diffllama"})
     with pytest.raises(ModelError) as early:
         _refuse_unbuildable_decoder(argparse.Namespace(recipe=str(recipe), model=None))
     with pytest.raises(ModelError) as full:
@@ -74,7 +74,7 @@ def test_the_early_message_is_the_builders(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"hidden_act": "relu"}, "hidden_act 'relu'"),
+    ({"hidden_act": "relu6"}, "hidden_act 'relu6'"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "rope_scaling type 'mrope'"),
     ({"max_position_embeddings": 1 << 30}, "max_position_embeddings"),
@@ -88,7 +88,7 @@ def test_a_bad_value_of_a_supported_family_is_refused_early(tmp_path: Path, chan
 
 
 def test_left_to_the_full_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    bloom = {"model_type": "bloom"}
+    bloom = {"model_type": "diffllama"}
     ns = argparse.Namespace
     # layerwise auto (or absent) or false: an unsupported family takes the whole-graph path, no refusal
     for lw in ("auto", False, None, "true"):
@@ -105,7 +105,7 @@ def test_left_to_the_full_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     recipe = _setup(tmp_path / "over", LLAMA)
     _setup(tmp_path / "cwd", bloom)
     monkeypatch.chdir(tmp_path / "cwd")
-    with pytest.raises(ModelError, match="model_type 'bloom'"):
+    with pytest.raises(ModelError, match="model_type 'diffllama'"):
         _refuse_unbuildable_decoder(ns(recipe=str(recipe), model="model"))
 
 

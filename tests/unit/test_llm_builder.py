@@ -259,8 +259,8 @@ def test_config_variants(tmp_path: Path) -> None:
     )
     with pytest.raises(ModelError, match="mrope"):
         read_decoder_config(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(base | {"model_type": "falcon"}))
-    with pytest.raises(ModelError, match="model_type 'falcon' is not .*supported model_types: llama.*gpt2.*"
+    (tmp_path / "config.json").write_text(json.dumps(base | {"model_type": "diffllama"}))
+    with pytest.raises(ModelError, match="model_type 'diffllama' is not .*supported model_types: llama.*gpt2.*"
                                          "calibration.layerwise: false"):
         read_decoder_config(tmp_path)
 

@@ -41,6 +41,7 @@ from quantkit.frontends.llm_builder import (  # noqa: E402
     build_llm,
     embedded_stream,
     read_decoder_config,
+    stream_extras,
 )
 
 VOCAB, PROMPT, NEW = 256, 8, 16
@@ -103,6 +104,8 @@ def _spec(kind: str) -> tuple[Any, Any]:
         return t.GraniteForCausalLM, t.GraniteConfig(**c, embedding_multiplier=3.0, residual_multiplier=0.4,
                                                      attention_multiplier=0.2, logits_scaling=4.0,
                                                      attention_bias=True, mlp_bias=True)  # fmt: skip
+    if kind == "olmo":  # LayerNorms without parameters, q / k / v clamped
+        return t.OlmoForCausalLM, t.OlmoConfig(**c, clip_qkv=0.5)
     if kind == "olmo2":  # norms after attention and MLP only, q / k norms over the whole projection
         return t.Olmo2ForCausalLM, t.Olmo2Config(**c)
     if kind == "olmo3":  # OLMo-2's block, layer 0 windowed, YaRN on the full layer only
@@ -125,6 +128,9 @@ def _spec(kind: str) -> tuple[Any, Any]:
     if kind == "glm":  # RoPE on adjacent pairs of half of each head, packed gate_up, q/k/v biases
         c.update(num_attention_heads=2, num_key_value_heads=1)
         return t.GlmForCausalLM, t.GlmConfig(**c, head_dim=32)
+    if kind == "glm4":  # GLM's attention and MLP with norms of their outputs too (four RMSNorms per block)
+        c.update(num_attention_heads=2, num_key_value_heads=1)
+        return t.Glm4ForCausalLM, t.Glm4Config(**c, head_dim=32)
     if kind == "hunyuan":  # q / k norms of the rotated q, k; the checkpoints' "dynamic" RoPE with an alpha (static)
         rope = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}
         return t.HunYuanDenseV1ForCausalLM, t.HunYuanDenseV1Config(**c, head_dim=16, rope_parameters=rope)
@@ -165,14 +171,70 @@ def _spec(kind: str) -> tuple[Any, Any]:
         del c["num_key_value_heads"]
         return t.GPTNeoXForCausalLM, t.GPTNeoXConfig(**c, layer_norm_eps=1e-5,
                                                      use_parallel_residual=kind == "gpt_neox")
+    if kind == "opt":  # learned positions from row 2 of the table, ReLU, biases, pre-norm LayerNorms, tied
+        return t.OPTForCausalLM, t.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                             num_attention_heads=4, max_position_embeddings=64, init_std=0.15,
+                                             bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                             word_embed_proj_dim=64)  # fmt: skip
+    if kind in ("bloom", "bloom_h6"):  # ALiBi, the embedding LayerNorm, per-head packed qkv; 6 heads: the slopes of a
+        # head count that is not a power of two
+        return t.BloomForCausalLM, t.BloomConfig(vocab_size=VOCAB, hidden_size=96 if kind == "bloom_h6" else 64,
+                                                 n_layer=2, n_head=6 if kind == "bloom_h6" else 4,
+                                                 initializer_range=0.15, bos_token_id=1, eos_token_id=2,
+                                                 pad_token_id=0)  # fmt: skip
+    if kind in ("gpt_bigcode", "gpt_bigcode_mha"):  # GPT-2's block with one shared key / value head (multi_query),
+        # or per-head packed qkv without it
+        return t.GPTBigCodeForCausalLM, t.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                                           n_positions=64, initializer_range=0.15, bos_token_id=1,
+                                                           eos_token_id=2,
+                                                           multi_query=kind == "gpt_bigcode")  # fmt: skip
+    if kind.startswith("falcon"):  # 8 heads, head_dim 16
+        base = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=8,
+                    max_position_embeddings=64, initializer_range=0.15, bos_token_id=1, eos_token_id=2)  # fmt: skip
+        variant = {"falcon": {},  # Falcon-7B: multi-query, attention and MLP in parallel on one norm, no biases
+                   "falcon_new": dict(new_decoder_architecture=True, num_kv_heads=2),  # 40B: groups, ln_attn + ln_mlp
+                   "falcon_new1": dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1),
+                   "falcon_rw": dict(alibi=True, multi_query=False, parallel_attn=False, bias=True),  # RW-1B: ALiBi
+                   }[kind]  # fmt: skip
+        return t.FalconForCausalLM, t.FalconConfig(**base, **variant)
+    if kind == "gpt_neo":  # learned positions, no attention scaling, layers alternating global / local (window 4)
+        return t.GPTNeoForCausalLM, t.GPTNeoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
+                                                   max_position_embeddings=64, window_size=_WINDOW,
+                                                   attention_types=[[["local", "global"], 1]], initializer_range=0.15,
+                                                   bos_token_id=1, eos_token_id=2)  # fmt: skip
+    if kind == "codegen":  # GPT-J's block with the packed qkv in 4 shards of [q | v | k], lm_head bias
+        return t.CodeGenForCausalLM, t.CodeGenConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                                     rotary_dim=8, initializer_range=0.15, bos_token_id=1,
+                                                     eos_token_id=2)  # fmt: skip
+    if kind == "biogpt":  # learned positions from row 2, scaled embedding, biases, GELU, tied output_projection
+        return t.BioGptForCausalLM, t.BioGptConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                                   num_attention_heads=4, intermediate_size=128,
+                                                   max_position_embeddings=64, initializer_range=0.15,
+                                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    if kind == "xglm":  # sinusoidal positions from row 2 (computed, not stored), scaled embedding, biases
+        return t.XGLMForCausalLM, t.XGLMConfig(vocab_size=VOCAB, d_model=64, num_layers=2, attention_heads=4,
+                                               ffn_dim=128, max_position_embeddings=64, init_std=0.15,
+                                               bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    if kind in ("exaone", "internlm3", "iquestcoder"):  # LLaMA's modules (transformers builds LlamaForCausalLM)
+        conf = {"exaone": t.ExaoneConfig, "internlm3": t.InternLM3Config, "iquestcoder": t.IQuestCoderConfig}[kind]
+        extra = {"internlm3": dict(qkv_bias=True, bias=True)}.get(kind, {})
+        return t.LlamaForCausalLM, conf(**c, head_dim=16, **extra)
+    if kind == "cwm":  # LLaMA, layer 0 full and layer 1 windowed (every 4th layer full, from the first)
+        return t.CwmForCausalLM, t.CwmConfig(**c, head_dim=16, sliding_window=_WINDOW)
+    if kind == "jais2":  # LayerNorm with biases, a plain ReLU-squared MLP, biases everywhere
+        return t.Jais2ForCausalLM, t.Jais2Config(**c, layer_norm_eps=1e-5)
+    if kind == "vaultgemma":  # Gemma 2 without the norms of the attention and MLP outputs
+        return t.VaultGemmaForCausalLM, t.VaultGemmaConfig(**c, head_dim=16, sliding_window=_WINDOW,
+                                                           attn_logit_softcapping=1.0, final_logit_softcapping=2.0)
     raise AssertionError(kind)
 
 
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
-         "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm",
+         "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm", "glm4",
          "qwen3_yarn", "llama_yarn", "olmo3", "cohere", "cohere2", "nemotron", "gptj",
-         "stablelm_rd20", "gptj_rd8", "hunyuan"]
+         "stablelm_rd20", "gptj_rd8", "hunyuan", "opt", "bloom", "bloom_h6", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_new", "falcon_new1", "falcon_rw", "olmo", "gpt_neo", "codegen", "biogpt", "xglm", "exaone", "internlm3", "iquestcoder", "cwm", "jais2",
+         "vaultgemma"]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
@@ -278,7 +340,7 @@ def test_kv_cache_decode_equals_recomputation(built: Any, kind: str) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_block_graphs_reproduce_transformers_hidden_states(built: Any, kind: str) -> None:
-    """What layer-wise calibration runs: the embedding stream (Gemma's scale, GPT-2's positions) then each block graph
+    """What layer-wise calibration runs: the embedding stream (Gemma's scale, GPT-2's positions, BLOOM's norm) then each block graph
     alone, fed the previous one's output, against transformers' hidden states."""
     b = built(kind)
     cfg = read_decoder_config(b.folder)
@@ -287,9 +349,8 @@ def test_block_graphs_reproduce_transformers_hidden_states(built: Any, kind: str
     ids = _ids(20, 3)
     with torch.no_grad():
         hs = b.model(torch.from_numpy(ids), output_hidden_states=True).hidden_states
-    table = dict(ckpt.read([f"{n.embed}.weight"] + ([f"{n.positions}.weight"] if n.positions else [])))
-    pos = np.asarray(table[f"{n.positions}.weight"][:20], np.float32) if n.positions else None
-    h = embedded_stream(cfg, np.asarray(table[f"{n.embed}.weight"], np.float32)[ids], pos)
+    table = dict(ckpt.read([f"{n.embed}.weight"]))
+    h = embedded_stream(cfg, np.asarray(table[f"{n.embed}.weight"], np.float32)[ids], stream_extras(cfg, ckpt))
     np.testing.assert_allclose(h, hs[0].numpy(), atol=1e-5, rtol=0)
     import onnxruntime as ort
 
@@ -340,7 +401,8 @@ def test_int4_rtn_equals_the_same_weights_in_pytorch(built: Any, kind: str, tmp_
     conv1d = read_decoder_config(b.folder).spec.conv1d
     with torch.no_grad():
         for row in res.rows:
-            mod = model.get_submodule(row["layer"])
+            # (BioGPT's lm_head is its output_projection)
+            mod = model.get_output_embeddings() if row["layer"] == "lm_head" else model.get_submodule(row["layer"])
             stored_kn = conv1d and row["layer"] != "lm_head"  # GPT-2's Conv1D keeps [K, N]
             w = mod.weight.numpy() if stored_kn else mod.weight.numpy().T
             lp = plan.layer(row["layer"], "MatMul", row["layer"])
@@ -554,6 +616,43 @@ def test_gpt2_hub_names_without_the_transformer_prefix(built: Any, tmp_path: Pat
     np.testing.assert_array_equal(LLMSession(path)(ids), LLMSession(b.path)(ids))
 
 
+_HUB_RENAMES = {  # (regex on the saved name, the other name a checkpoint may carry): transformers loads both
+    # EXAONE 3: save_pretrained writes the original names; LLaMA's module names (what transformers loads them as)
+    "exaone": [(r"^transformer\.wte\.", "model.embed_tokens."), (r"^transformer\.h\.", "model.layers."),
+               (r"^transformer\.ln_f\.", "model.norm."), (r"\.attn\.attention\.out_proj\.", ".self_attn.o_proj."),
+               (r"\.attn\.attention\.", ".self_attn."), (r"\.ln_1\.", ".input_layernorm."),
+               (r"\.ln_2\.", ".post_attention_layernorm."), (r"\.mlp\.c_fc_0\.", ".mlp.gate_proj."),
+               (r"\.mlp\.c_fc_1\.", ".mlp.up_proj."), (r"\.mlp\.c_proj\.", ".mlp.down_proj.")],
+    "opt": [(r"^model\.", "")],  # facebook/opt-*: decoder.layers.0... (OPTModel's state dict)
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(_HUB_RENAMES))
+def test_original_checkpoint_names_build_the_same_decoder(built: Any, kind: str, tmp_path: Path) -> None:
+    """A checkpoint under either of the names transformers loads (EXAONE 3's ``transformer.h.0.attn.attention.q_proj``
+    or LLaMA's ``model.layers.0.self_attn.q_proj``; OPT's ``decoder.layers...`` or ``model.decoder.layers...``)
+    builds the same decoder."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    b = built(kind)
+    folder = tmp_path / "hub"
+    shutil.copytree(b.folder, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    renamed = {}
+    for k, v in tensors.items():
+        for pattern, repl in _HUB_RENAMES[kind]:
+            k = re.sub(pattern, repl, k)
+        renamed[k] = v
+    assert set(renamed) != set(tensors), "the renames must change some names"
+    save_file(renamed, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    path = build_llm(folder, tmp_path / "o" / "model.onnx")
+    ids = _ids(12, 8)
+    np.testing.assert_array_equal(LLMSession(path)(ids), LLMSession(b.path)(ids))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_truncated_decoder_equals_a_shallower_build(built: Any, kind: str, tmp_path: Path) -> None:
     """``truncate_decoder`` (the streamed run times and checks the first blocks of a decoder with it) cut after
@@ -567,9 +666,11 @@ def test_truncated_decoder_equals_a_shallower_build(built: Any, kind: str, tmp_p
     folder = tmp_path / "one"
     shutil.copytree(b.folder, folder)
     cfg = json.loads((folder / "config.json").read_text())
-    for key in ("num_hidden_layers", "n_layer"):
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
         if key in cfg:
             cfg[key] = 1
+    if "attention_types" in cfg:  # GPT-Neo: the first layer's kind
+        cfg["attention_types"] = [[[cfg["attention_types"][0][0][0]], 1]]
     for key in ("layer_types", "no_rope_layers"):
         if isinstance(cfg.get(key), list):
             cfg[key] = cfg[key][:1]
@@ -648,6 +749,17 @@ def _config(tmp_path: Path, kind: str, **changes: Any) -> Path:
      "rope_scaling yarn factor -2.0; allowed: a finite number > 0"),
     ("qwen2_window", {"layer_types": None, "max_window_layers": "one"}, "max_window_layers 'one'; allowed: an integer"),
     ("smollm3", {"no_rope_layers": [1, 2]}, r"no_rope_layers \[1, 2\]; allowed: a list of 2 .* each 0 or 1"),
+    ("opt", {"do_layer_norm_before": False}, "do_layer_norm_before False is not supported for opt .*allowed: true"),
+    ("opt", {"word_embed_proj_dim": 32}, "word_embed_proj_dim 32 differs from hidden_size 64.*allowed: "),
+    ("bloom", {"apply_residual_connection_post_layernorm": True},
+     "apply_residual_connection_post_layernorm True is not supported for bloom; allowed: false"),
+    ("falcon", {"new_decoder_architecture": True, "alibi": True},
+     "falcon with alibi true, new_decoder_architecture true, num_ln_in_parallel_attn null is not a variant .*"
+     r"allowed: Falcon \(40B"),
+    ("falcon", {"parallel_attn": "yes"}, "parallel_attn 'yes'; allowed: true or false"),
+    ("gpt_bigcode", {"multi_query": "yes"}, "multi_query 'yes'; allowed: true or false"),
+    ("olmo", {"clip_qkv": -1.0}, r"clip_qkv -1.0; allowed: a finite number > 0 or null"),
+    ("gpt_neo", {"attention_types": [[["global"], 5]]}, r"attention_types .*giving 2 \(num_layers\) layers in all"),
 ])  # fmt: skip
 def test_config_values_are_refused_naming_the_key(tmp_path: Path, kind: str, changes: dict[str, Any],
                                                   match: str) -> None:
@@ -663,7 +775,7 @@ def test_unknown_family_is_refused_by_calibrate_at_once(tmp_path: Path, capsys: 
 
     folder = tmp_path / "hf"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "falcon", "hidden_size": 64, "num_hidden_layers": 2,
+    (folder / "config.json").write_text(json.dumps({"model_type": "diffllama", "hidden_size": 64, "num_hidden_layers": 2,
                                                     "num_attention_heads": 4, "vocab_size": 256}))
     rec = {"version": 1, "model": {"source": str(folder)},
            "calibration": {"layerwise": True, "data": {"kind": "text", "source": "austen:prideprejudice",
@@ -675,7 +787,7 @@ def test_unknown_family_is_refused_by_calibrate_at_once(tmp_path: Path, capsys: 
     took = time.perf_counter() - t
     err = capsys.readouterr().err
     assert code == 2 and took < 1.0, (code, took, err)
-    assert "model_type 'falcon'" in err and "calibration.layerwise: false" in err
+    assert "model_type 'diffllama'" in err and "calibration.layerwise: false" in err
     assert all(t in err for t in ("llama", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2"))
     assert not (tmp_path / "o").exists()
 
@@ -715,6 +827,10 @@ def test_mixture_of_experts_is_refused_on_both_paths_naming_why(tmp_path: Path, 
      [None, None, None]),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, [None, 8, 8]),
     ({"model_type": "gemma2", "sliding_window": 8, "layer_types": ["full_attention"] * 3}, [None, None, None]),
+    ({"model_type": "cwm", "sliding_window": 8}, [None, 8, 8]),  # every 4th layer full, from the first
+    ({"model_type": "gemma2", "sliding_window": 8}, [8, None, 8]),  # every 2nd layer full, from the second
+    ({"model_type": "gpt_neo", "window_size": 8, "attention_types": [[["global", "local"], 1], [["local"], 1]]},
+     [None, 8, 8]),
 ])  # fmt: skip
 def test_which_layers_attend_through_a_window(cfg: dict[str, Any], windows: list[int | None]) -> None:
     from quantkit.frontends.families import parse_config

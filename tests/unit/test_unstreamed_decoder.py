@@ -62,8 +62,8 @@ def test_the_note_is_for_unsupported_causal_lms_only(tmp_path: Path) -> None:
         (f / "config.json").write_text(json.dumps(cfg))
         return f
 
-    assert "'falcon'" in str(unstreamed_decoder_note(folder("o", {"model_type": "falcon",
-                                                                  "architectures": ["FalconForCausalLM"]})))
+    assert "'diffllama'" in str(unstreamed_decoder_note(folder("o", {"model_type": "diffllama",
+                                                                  "architectures": ["DiffLlamaForCausalLM"]})))
     assert unstreamed_decoder_note(folder("b", {"model_type": "bert", "architectures": ["BertForMaskedLM"]})) is None
     # a supported family with a setting the builder refuses (a RoPE type it does not compute): the refusal quoted
     ok = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
