@@ -205,8 +205,17 @@ def _vector(t: Any) -> np.ndarray:
 
 
 def rotatable_model_types() -> list[str]:
-    """The model types whose family's residual stream can be rotated (:attr:`Family.rotation_invariant`)."""
-    return [t for f in FAMILIES if f.rotation_invariant for t in f.model_types]
+    """The model types whose family's residual stream can be rotated (:attr:`Family.rotation_invariant`); a variant
+    of a model type with several (:attr:`Family.when`) with the config values that select it."""
+    out = []
+    for f in FAMILIES:
+        if not f.rotation_invariant:
+            continue
+        for t in f.model_types:
+            shared = any(t in o.model_types for o in FAMILIES if o is not f)
+            when = ", ".join(f"{k}: {str(v[0]).lower()}" for k, v in f.when)
+            out.append(f"{t} ({when})" if shared and when else t)
+    return out
 
 
 class HadamardRotation(WeightTransform):

@@ -223,6 +223,11 @@ class Family:
     parallel_shared_norm: bool = True
     """In a parallel block the MLP reads the attention's input norm (Phi-2, StableLM; ``names.mlp_norm`` is then
     not in the checkpoint); False: its own norm of the block input (GPT-NeoX)."""
+    scale_key: str = ""
+    """A config key giving the attention scale itself when set (MPT's ``attn_config.softmax_scale``; null: the
+    default)."""
+    logits_multiply: bool = False
+    """With :attr:`multipliers`: the logits are multiplied by ``logits_scaling`` (HyperCLOVA X), not divided."""
     multipliers: bool = False
     """Granite's scalars are read: ``embedding_multiplier`` (the embedding rows), ``residual_multiplier`` (attention
     and MLP outputs before each residual add), ``attention_multiplier`` (the attention scale, instead of
@@ -533,6 +538,31 @@ FAMILIES: tuple[Family, ...] = (
            defaults=(("head_dim", 256), ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
                      ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)),
            genai_type="decoder"),
+    Family("mpt", ("mpt",), "MPT",
+           names=Names(embed="transformer.wte", layers="transformer.blocks", final_norm="transformer.norm_f",
+                       attn_norm="norm_1", mlp_norm="norm_2", q=None, k=None, v=None, qkv="attn.Wqkv",
+                       o="attn.out_proj", gate=None, up="ffn.up_proj", down="ffn.down_proj", act="ffn.act"),
+           norm="layer", norm_bias=False, mlp="plain", act_keys=(), act_default="gelu", rotary=False, alibi="bloom",
+           clip_qkv=True, scale_key="attn_config.softmax_scale", tie_default=True,
+           config_aliases=(("hidden_size", "d_model"), ("num_attention_heads", "n_heads"),
+                           ("num_hidden_layers", "n_layers"), ("max_position_embeddings", "max_seq_len"),
+                           ("rms_norm_eps", "layer_norm_epsilon"), ("clip_qkv", "attn_config.clip_qkv"),
+                           ("attn_config.softmax_scale", "attn_config.softmax_scale"),
+                           ("attn_config.qk_ln", "attn_config.qk_ln"), ("attn_config.attn_type", "attn_config.attn_type"),
+                           ("attn_config.prefix_lm", "attn_config.prefix_lm")),
+           require=(("attn_config.qk_ln", False), ("attn_config.attn_type", "multihead_attention"),
+                    ("attn_config.prefix_lm", False)),
+           defaults=(("layer_norm_epsilon", 1e-5), ("max_seq_len", 2048)), intermediate_default=4,
+           genai_type="decoder"),
+    Family("hyperclovax", ("hyperclovax",), "HyperCLOVA X (SEED)",
+           names=Names(attn_post_norm="post_norm1", mlp_post_norm="post_norm2"), multipliers=True,
+           logits_multiply=True, when=(("use_post_norm", (True, None)),), genai_type="decoder"),
+    Family("hyperclovax_plain", ("hyperclovax",), "HyperCLOVA X (without post norms)", multipliers=True,
+           logits_multiply=True, when=(("use_post_norm", (False,)),), genai_type="decoder"),
+    Family("apertus", ("apertus",), "Apertus",
+           names=Names(attn_norm="attention_layernorm", mlp_norm="feedforward_layernorm", q_norm="self_attn.q_norm",
+                       k_norm="self_attn.k_norm", gate=None),
+           mlp="plain", act_default="xielu", defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
     Family("stablelm", ("stablelm",), "StableLM / StableLM 2", norm="layer", default_rope_partial=True,
            parallel="config", config_aliases=(("rms_norm_eps", "layer_norm_eps"),), refuse_true=("qk_layernorm",),
            defaults=(("partial_rotary_factor", 0.25), ("layer_norm_eps", 1e-5)), genai_type="decoder"),
@@ -544,9 +574,11 @@ for _f in FAMILIES:
         _BY_TYPE.setdefault(_t, _f)  # a model_type's first variant names it (family_of, the supported list)
 _VARIANTS = {t: tuple(f for f in FAMILIES if t in f.model_types) for t in _BY_TYPE}
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-                "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu2": "relu2", "relu": "relu"}  # fmt: skip
+                "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu2": "relu2", "relu": "relu",
+                "xielu": "xielu"}  # fmt: skip
 """config.json activation names -> the kernel written (``gelu_tanh``: ONNX ``Gelu`` with ``approximate="tanh"``;
-``relu2``: ``relu(x) ** 2``, as ``Relu`` x itself; ``relu``: ``Relu``)."""
+``relu2``: ``relu(x) ** 2``, as ``Relu`` x itself; ``relu``: ``Relu``; ``xielu``: Apertus' xIELU, with the
+parameters each MLP stores under its ``act_fn``)."""
 _ROPE_TYPES = ("default", "linear", "llama3", "longrope", "dynamic", "yarn", "ntk_alpha")
 """RoPE variants the builder computes exactly.  ``dynamic`` (dynamic NTK) is plain RoPE until a sequence passes the
 original context, where transformers starts rescaling the frequencies by the sequence length: the built decoder's
@@ -756,11 +788,15 @@ def _split_rope(cfg: Mapping[str, Any], rope: Any, fam: Family) -> tuple[float, 
 
 
 def _normalized(cfg: Mapping[str, Any], fam: Family) -> dict[str, Any]:
-    """``cfg`` with the family's key aliases read under the builder's names (GPT-2's ``n_embd`` ...)."""
+    """``cfg`` with the family's key aliases read under the builder's names (GPT-2's ``n_embd`` ...); an alias with a
+    dot reads a nested key (MPT's ``attn_config.clip_qkv``)."""
     out = dict(cfg)
     for key, alias in fam.config_aliases:
-        if cfg.get(alias) is not None:
-            out[key] = cfg[alias]
+        value: Any = cfg
+        for part in alias.split("."):
+            value = value.get(part) if isinstance(value, Mapping) else None
+        if value is not None:
+            out[key] = value
     return out
 
 
@@ -985,6 +1021,11 @@ def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, w
     extra["layer_types"] = types
     if fam.unscaled_attention:
         extra["attention_scale"] = 1.0
+    if fam.scale_key and cfg.get(fam.scale_key) is not None:
+        v = cfg[fam.scale_key]
+        if not _num(v):
+            raise ModelError(f"{where}: {fam.scale_key} {v!r}; allowed: a finite number > 0 or null")
+        extra["attention_scale"] = float(v)
     if fam.query_pre_attn_scalar:
         s = cfg.get("query_pre_attn_scalar", 256)
         if not _num(s):
@@ -1006,8 +1047,12 @@ def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, w
                           "residual_multiplier"), ("attention_multiplier", "attention_scale"),
                           ("logits_scaling", "logits_scaling")):  # fmt: skip
             v = cfg.get(key, 1.0)
+            if v is None and key == "attention_multiplier":  # HyperCLOVA X: null is head_dim ** -0.5
+                continue
             if not _num(v):
                 raise ModelError(f"{where}: {key} {v!r}; allowed: a finite number > 0")
+            if key == "logits_scaling" and fam.logits_multiply:
+                name = "logit_scale"
             extra[name] = float(v) if (float(v) != 1.0 or name == "attention_scale") else None
     if fam.clip_qkv:
         v = cfg.get("clip_qkv")

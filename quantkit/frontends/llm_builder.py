@@ -701,6 +701,8 @@ def block_tensor_names(cfg: DecoderConfig, index: int, has: Any) -> list[str]:
     names += [f"{p}.{s}.weight" for s in (n.q_norm, n.k_norm) if s is not None]
     names += [f"{p}.{s}.weight" for s in linear_shapes(cfg)]
     names += [f"{p}.{s}.bias" for s in linear_shapes(cfg) if has(f"{p}.{s}.bias")]
+    if cfg.activation == "xielu":  # Apertus: the activation's own parameters
+        names += [f"{p}.{n.act}.{k}" for k in XIELU_PARAMS if has(f"{p}.{n.act}.{k}")]
     return names
 
 
@@ -734,6 +736,8 @@ def check_checkpoint(cfg: DecoderConfig, ckpt: _Checkpoint) -> None:
             want[f"{p}.{s}.weight"] = shape
             if f"{p}.{s}.bias" in ckpt:
                 want[f"{p}.{s}.bias"] = shape[:1]
+        if cfg.activation == "xielu":  # Apertus: the two learned scalars (beta and eps fall back to their defaults)
+            want.update({f"{p}.{n.act}.{k}": (1,) for k in XIELU_PARAMS[:2]})
     missing = [t for t in want if t not in ckpt]
     if missing:
         raise ModelError(f"the checkpoint lacks tensor(s) {missing[:4]} ({len(missing)} in all) that config.json "
@@ -931,10 +935,42 @@ def _head_norm(g: _GraphBuilder, x: str, name: str, gamma: Any, heads: int) -> s
                   f"{name}/Reshape_1")[0]  # fmt: skip
 
 
-def _activation(g: _GraphBuilder, x: str, name: str) -> str:
+XIELU_PARAMS = ("alpha_p", "alpha_n", "beta", "eps")
+"""The tensors of Apertus' xIELU under the MLP's ``act_fn`` (``beta`` / ``eps``: buffers, 0.5 / -1e-6 if absent)."""
+
+
+def _xielu(g: _GraphBuilder, x: str, name: str, params: dict[str, Any]) -> str:
+    """xIELU: ``a_p x^2 + b x`` for ``x > 0``, else ``(exp(min(x, eps)) - 1 - x) a_n + b x``, with ``a_p =
+    softplus(alpha_p)`` and ``a_n = b + softplus(alpha_n)`` computed at build time (float32)."""
+
+    def scalar(key: str, default: float) -> np.float32:
+        t = params.get(key)
+        return np.float32(default if t is None else np.asarray(_float32_rows(np.reshape(t, (-1,)), 0, 1))[0])
+
+    beta, eps = scalar("beta", 0.5), scalar("eps", -1e-6)
+    ap = np.float32(np.logaddexp(np.float32(0), scalar("alpha_p", 0.0)))
+    an = np.float32(beta + np.logaddexp(np.float32(0), scalar("alpha_n", 0.0)))
+
+    def c(v: np.float32) -> str:
+        return g.const(v, np.float32)
+
+    def op(kind: str, ins: list[str], tag: str) -> str:
+        return g.node(kind, ins, [f"{name}/{tag}/output_0"], f"{name}/{tag}")[0]
+
+    bx = op("Mul", [x, c(beta)], "beta_x")
+    pos = op("Add", [op("Mul", [op("Mul", [x, x], "x2"), c(ap)], "ap_x2"), bx], "positive")
+    em1 = op("Sub", [op("Exp", [op("Min", [x, c(eps)], "min")], "exp"), c(np.float32(1))], "expm1")
+    neg = op("Add", [op("Mul", [op("Sub", [em1, x], "sub"), c(an)], "an_mul"), bx], "negative")
+    return g.node("Where", [op("Greater", [x, c(np.float32(0))], "gt0"), pos, neg], [f"{name}/output_0"],
+                  f"{name}/Where")[0]  # fmt: skip
+
+
+def _activation(g: _GraphBuilder, x: str, name: str, params: dict[str, Any] | None = None) -> str:
     """The MLP's activation named ``name``: SiLU as ``Sigmoid`` x ``Mul``; GELU (tanh or exact) as ONNX ``Gelu``;
-    ReLU squared as ``Relu`` x ``Mul``."""
+    ReLU squared as ``Relu`` x ``Mul``; xIELU in standard ops (``params``: its tensors, :data:`XIELU_PARAMS`)."""
     kind = g.cfg.activation
+    if kind == "xielu":  # Apertus
+        return _xielu(g, x, name, params or {})
     if kind == "relu2":  # ReLU squared (Arcee)
         r = g.node("Relu", [x], [f"{name}/Relu/output_0"], f"{name}/Relu")[0]
         return g.node("Mul", [r, r], [f"{name}/output_0"], f"{name}/Mul")[0]
@@ -1053,10 +1089,11 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
         taps[f"{p}.{s}"] = h
     h = _shared_scale(g, h, f"{p}/mlp_input_scale", q, mlp_in)
     a = f"{p}.{n.act}"
+    act_params = {k: w.pop(f"{a}.{k}") for k in XIELU_PARAMS if f"{a}.{k}" in w}
     if fam.mlp == "plain":  # GPT-2: down(act(fc(x)))
         assert n.up is not None  # noqa: S101 - a plain MLP has its first linear as `up`
         prod = _activation(g, _linear(g, h, f"{p}.{n.up}", w.pop(f"{p}.{n.up}.weight"), w.pop(f"{p}.{n.up}.bias", None),
-                                      q[n.up]), a)  # fmt: skip
+                                      q[n.up]), a, act_params)  # fmt: skip
     elif n.gate_up is not None:  # Phi-3: one packed [gate | up] weight, split after the MatMul
         gu_bias = w.pop(f"{p}.{n.gate_up}.bias", None)
         q[n.gate_up], q[down_proj], gu_bias = _fold_into_gate_up(q[n.gate_up], q[down_proj], gu_bias)
@@ -1088,7 +1125,8 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
 
 def alibi_slopes(heads: int) -> np.ndarray:
     """ALiBi's slope per head (float32 ``[heads]``), as BLOOM computes them: ``2 ** (-8 i / n)`` for the largest
-    power of two ``n <= heads``, then every other slope of ``2 n`` for the remaining heads."""
+    power of two ``n <= heads``, then every other slope of ``2 n`` for the remaining heads.  (MPT's formula - the
+    slopes of the next power of two, the odd-numbered ones first - gives the same list.)"""
     n = 2 ** int(math.floor(math.log2(heads)))
     base = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
     slopes = [base**p for p in range(1, n + 1)]

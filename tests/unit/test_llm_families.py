@@ -226,6 +226,21 @@ def _spec(kind: str) -> tuple[Any, Any]:
     if kind == "vaultgemma":  # Gemma 2 without the norms of the attention and MLP outputs
         return t.VaultGemmaForCausalLM, t.VaultGemmaConfig(**c, head_dim=16, sliding_window=_WINDOW,
                                                            attn_logit_softcapping=1.0, final_logit_softcapping=2.0)
+    if kind in ("mpt", "mpt_h6"):  # ALiBi, bias-free LayerNorm, packed [q | k | v]; 6 heads (slopes of a head count
+        # that is not a power of two): q / k / v clamped and an explicit softmax_scale
+        attn = {"clip_qkv": 0.5, "softmax_scale": 0.3} if kind == "mpt_h6" else {}
+        return t.MptForCausalLM, t.MptConfig(vocab_size=VOCAB, d_model=96 if kind == "mpt_h6" else 64,
+                                             n_heads=6 if kind == "mpt_h6" else 4, n_layers=2, max_seq_len=64,
+                                             attn_config=attn, initializer_range=0.15, bos_token_id=1,
+                                             eos_token_id=2)  # fmt: skip
+    if kind in ("hyperclovax", "hyperclovax_plain"):  # Granite's scalars (logits multiplied), norms of the attention
+        # and MLP outputs (use_post_norm) or not
+        return t.HyperCLOVAXForCausalLM, t.HyperCLOVAXConfig(**c, head_dim=16, embedding_multiplier=3.0,
+                                                             residual_multiplier=0.4, attention_multiplier=0.2,
+                                                             logits_scaling=0.5,
+                                                             use_post_norm=kind == "hyperclovax")  # fmt: skip
+    if kind == "apertus":  # per-head q/k norms, a plain MLP with the xIELU activation (learned scalars per layer)
+        return t.ApertusForCausalLM, t.ApertusConfig(**c, head_dim=16)
     raise AssertionError(kind)
 
 
@@ -234,7 +249,7 @@ KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gp
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm", "glm4",
          "qwen3_yarn", "llama_yarn", "olmo3", "cohere", "cohere2", "nemotron", "gptj",
          "stablelm_rd20", "gptj_rd8", "hunyuan", "opt", "bloom", "bloom_h6", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_new", "falcon_new1", "falcon_rw", "olmo", "gpt_neo", "codegen", "biogpt", "xglm", "exaone", "internlm3", "iquestcoder", "cwm", "jais2",
-         "vaultgemma"]
+         "vaultgemma", "mpt", "mpt_h6", "hyperclovax", "hyperclovax_plain", "apertus"]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
@@ -244,7 +259,9 @@ def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
     model = cls(config).eval()
     with torch.no_grad():  # non-trivial norms (Gemma stores w of 1 + w: around 0)
         for name, p in model.named_parameters():
-            if "norm" in name or ".ln_" in name:
+            if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus' xIELU: away from its initial values
+                p.uniform_(-1.0, 1.0)
+            elif "norm" in name or ".ln_" in name:
                 if name.endswith(".bias"):
                     p.normal_(0.0, 0.1)
                 elif kind.startswith("gemma"):
@@ -666,7 +683,7 @@ def test_truncated_decoder_equals_a_shallower_build(built: Any, kind: str, tmp_p
     folder = tmp_path / "one"
     shutil.copytree(b.folder, folder)
     cfg = json.loads((folder / "config.json").read_text())
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
         if key in cfg:
             cfg[key] = 1
     if "attention_types" in cfg:  # GPT-Neo: the first layer's kind
@@ -759,6 +776,9 @@ def _config(tmp_path: Path, kind: str, **changes: Any) -> Path:
     ("falcon", {"parallel_attn": "yes"}, "parallel_attn 'yes'; allowed: true or false"),
     ("gpt_bigcode", {"multi_query": "yes"}, "multi_query 'yes'; allowed: true or false"),
     ("olmo", {"clip_qkv": -1.0}, r"clip_qkv -1.0; allowed: a finite number > 0 or null"),
+    ("mpt", {"attn_config": {"qk_ln": True}}, "attn_config.qk_ln True is not supported for mpt .*allowed: false"),
+    ("mpt", {"attn_config": {"softmax_scale": -1}}, r"attn_config.softmax_scale -1; allowed: a finite number > 0"),
+    ("hyperclovax", {"logits_scaling": 0}, "logits_scaling 0; allowed: a finite number > 0"),
     ("gpt_neo", {"attention_types": [[["global"], 5]]}, r"attention_types .*giving 2 \(num_layers\) layers in all"),
 ])  # fmt: skip
 def test_config_values_are_refused_naming_the_key(tmp_path: Path, kind: str, changes: dict[str, Any],

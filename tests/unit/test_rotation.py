@@ -36,7 +36,7 @@ from quantkit.recipe.plan import PrecisionPlan  # noqa: E402
 from tests.unit.test_llm_families import VOCAB, make_family  # noqa: E402
 
 KINDS = ["llama96", "qwen2_window", "qwen3", "phi3", "gemma", "smollm3", "granite", "helium", "arcee", "seed_oss",
-         "ernie4_5", "glm", "hunyuan", "exaone", "internlm3", "cwm", "vaultgemma"]
+         "ernie4_5", "glm", "hunyuan", "exaone", "internlm3", "cwm", "vaultgemma", "hyperclovax_plain", "apertus"]
 
 
 @pytest.fixture(autouse=True)
@@ -134,12 +134,16 @@ def test_kv_cache_decode_with_rotation_equals_recomputation(folders: Any, tmp_pa
     np.testing.assert_allclose(np.concatenate(steps, axis=1), LLMSession(path)(ids), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gpt2", "gemma3_text", "phi", "stablelm", "olmo2", "exaone4", "bloom", "glm4"])
+@pytest.mark.parametrize("kind", ["gemma2", "gpt2", "gemma3_text", "phi", "stablelm", "olmo2", "exaone4", "bloom", "glm4",
+                                  "hyperclovax"])
 def test_non_invariant_families_are_refused(folders: Any, kind: str, tmp_path: Path) -> None:
     folder = folders(kind)
     cfg = read_decoder_config(folder)
     with pytest.raises(RecipeError, match=rf"model_type '{kind}'.*allowed: model types llama, .*phi3.*rotation: none"):
         rotation_for("hadamard", 0, cfg)
+    if kind == "hyperclovax":  # the variant without the post norms is allowed, and named so
+        with pytest.raises(RecipeError, match=r"hyperclovax \(use_post_norm: false\)"):
+            rotation_for("hadamard", 0, cfg)
     plan = PrecisionPlan.from_recipe(load_recipe({
         "version": 1, "model": {"source": str(folder)}, "calibration": {"layerwise": True},
         "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": "rtn"},
@@ -154,7 +158,7 @@ def test_the_family_description_says_which_are_invariant() -> None:
     invariant = {f.name for f in FAMILIES if f.rotation_invariant}
     assert invariant == {"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3", "gemma", "phi3", "granite", "helium",
                          "arcee", "seed_oss", "ernie4_5", "glm", "hunyuan_v1_dense", "exaone", "internlm3", "iquestcoder",
-                         "cwm", "vaultgemma"}
+                         "cwm", "vaultgemma", "hyperclovax_plain", "apertus"}
     gpt2 = parse_config({"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 1, "vocab_size": 16}, "x")
     assert rotation_for("none", 0, gpt2) is None  # nothing to refuse
     with pytest.raises(RecipeError, match="allowed: none, hadamard"):

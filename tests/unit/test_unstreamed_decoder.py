@@ -1,7 +1,7 @@
 """A causal LM of a family the layer-wise builder does not support takes the whole-graph path - and says so.
 
-A tiny random Apertus decoder (transformers' ApertusForCausalLM: LLaMA with q/k norms and an xIELU MLP;
-``rms_norm_eps = 1e-8`` as Helium's, its padding row all zero) through the default recipe path: the report warns that the model is
+A tiny random DiffLlama decoder (transformers' DiffLlamaForCausalLM: LLaMA with differential attention, which the
+builder does not write; ``rms_norm_eps = 1e-8`` as Helium's, its padding row all zero) through the default recipe path: the report warns that the model is
 exported whole, without a KV cache, and the export keeps the epsilon - before, onnxscript's optimizer dropped it as "x + 0", the padding token's
 norm divided by zero, NaN reached every position, and quantkit silently evaluated the model as a generic one.
 """
@@ -24,13 +24,13 @@ from tests.unit.test_llm_frontend import VOCAB, char_tokenizer  # noqa: E402
 PAD = 2
 
 
-def _apertus(folder: Path) -> None:
-    config = transformers.ApertusConfig(
+def _diffllama(folder: Path) -> None:
+    config = transformers.DiffLlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-8, pad_token_id=PAD,
         bos_token_id=1, eos_token_id=2)  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.ApertusForCausalLM(config).eval()
+    model = transformers.DiffLlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.model.embed_tokens.weight[PAD].zero_()
     model.save_pretrained(folder)
@@ -38,8 +38,8 @@ def _apertus(folder: Path) -> None:
 
 
 def test_an_unsupported_decoder_family_is_named_and_its_norm_epsilon_kept(tmp_path: Path) -> None:
-    folder = tmp_path / "apertus"
-    _apertus(folder)
+    folder = tmp_path / "diffllama"
+    _diffllama(folder)
     rng = np.random.default_rng(0)
     ids = [{"input_ids": rng.integers(3, VOCAB, (1, 32)).astype(np.int64), "attention_mask": np.ones((1, 32), np.int64)}
            for _ in range(4)]
@@ -48,7 +48,7 @@ def test_an_unsupported_decoder_family_is_named_and_its_norm_epsilon_kept(tmp_pa
            "report": {"latency": {"enabled": False}}}
     res = quantize(str(folder), ids, rec, evaluation_data=ids[:2], progress=False)
     [w] = [w for w in res.report["warnings"] if "is not a decoder family the layer-wise builder supports" in w]
-    assert "'apertus'" in w and "no KV cache" in w and "llama" in w
+    assert "'diffllama'" in w and "no KV cache" in w and "llama" in w
     # evaluated as a causal LM: the FP32 logits are finite, so perplexity is measured
     q = res.report["quality"]
     assert np.isfinite(q["perplexity_fp32"]["ppl"]) and np.isfinite(q["perplexity_quantized"]["ppl"])
