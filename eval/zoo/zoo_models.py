@@ -78,6 +78,25 @@ HF_VISION.update({
                  "use_relative_position_bias": True, "use_mean_pooling": True, "layer_scale_init_value": 0.1})})
 """(third set) LeViT's attention with learned biases gathered by index, Hardswish and BatchNorm after linear
 layers; DINOv2's layer scale; BEiT's relative position bias and mean pooling."""
+HF_VISION.update({
+    "clip_vit_b32_6l": ("CLIPConfig", "CLIPForImageClassification",
+                        {"vision_config": {"num_hidden_layers": 6, "patch_size": 32, "image_size": 224},
+                         "num_labels": 1000}),
+    "siglip_b16_6l": ("SiglipConfig", "SiglipForImageClassification",
+                      {"vision_config": {"num_hidden_layers": 6, "patch_size": 16, "image_size": 224},
+                       "num_labels": 1000}),
+    "swinv2_t": ("Swinv2Config", "Swinv2ForImageClassification", {"image_size": 224, "window_size": 7,
+                                                                   "num_labels": 1000}),
+    "pvt_v2_b0": ("PvtV2Config", "PvtV2ForImageClassification", {"num_labels": 1000}),
+    "focalnet_t": ("FocalNetConfig", "FocalNetForImageClassification", {"num_labels": 1000}),
+    "deit_s6": ("DeiTConfig", "DeiTForImageClassificationWithTeacher",
+                {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 6, "intermediate_size": 1536,
+                 "num_labels": 1000}),
+})
+"""(fourth set) CLIP's vision tower (pre-LayerNorm, quick GELU, class token), SigLIP's (no class token, an
+attention-pooling head), Swin-V2's cosine attention with a log-spaced continuous position bias, PVT-v2's
+spatial-reduction attention with depth-wise convolutions in the MLP, FocalNet's focal modulation (no attention),
+DeiT's distillation token."""
 PROBES.update({k: {} for k in HF_VISION})
 SEGMENTATION = ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large", "segformer_b0")
 """Probes from ``torchvision.models.segmentation``: exported as ``input -> logits [N, classes, H, W]`` (the
@@ -99,6 +118,13 @@ HF_ENCODERS = {
 """Encoder probes (transformers, random weights, vocabulary 30522 so the BERT tokenizer's ids fit): ALBERT's
 factorised embedding and one layer's weights shared by all twelve, RoBERTa's padding-aware positions, ELECTRA's
 embedding projection, DeBERTa-V2's disentangled relative attention."""
+HF_ENCODERS.update({
+    "modernbert": ("ModernBertConfig", "ModernBertModel", {"num_hidden_layers": 6, "pad_token_id": 0, "bos_token_id": 101,
+                                                           "eos_token_id": 102, "cls_token_id": 101, "sep_token_id": 102}),
+    "mpnet": ("MPNetConfig", "MPNetModel", {"num_hidden_layers": 6}),
+})
+"""(fourth set) ModernBERT's rotary embedding, GeGLU, pre-norm LayerNorms without biases and alternating local /
+global attention; MPNet's relative position bias (all-mpnet-base-v2's architecture)."""
 ENCODERS = (*ZOO_ENCODERS, *HF_ENCODERS)
 PROBES.update({k: {} for k in HF_ENCODERS})
 ALL = (*TORCHVISION_MODELS, "vit_6l", *ZOO_ENCODERS, "efficientnet_lite0", "se_cnn")

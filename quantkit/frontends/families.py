@@ -161,6 +161,10 @@ class Family:
     sinusoidal: bool = False
     """The position table (``names.positions``) is not stored but computed: sines then cosines of the position times
     ``10000 ** (-i / (H / 2 - 1))`` (XGLM)."""
+    rope_sign_flip: bool = False
+    """RoPE rotates by ``-theta`` (nanochat's ``rotate_half`` is ``[x2, -x1]``): the two halves of every q and k head
+    are swapped as the weights are read, which is the same attention (q and k permuted alike; nanochat's q / k norms
+    have no weights)."""
     unscaled_attention: bool = False
     """Attention scores are not scaled by ``head_dim ** -0.5`` (GPT-Neo)."""
     conv1d: bool = False
@@ -262,6 +266,8 @@ class Family:
                     "moved across a rotation)")  # fmt: skip
         if self.names.positions is not None:
             return "it adds a learned position table to the stream"
+        if self.names.embed_norm is not None and (self.norm == "layer" or not self.norm_free):
+            return "it normalizes the embedding rows with a weighted norm"
         if self.parallel != "never":
             return "its attention and MLP read the block input in parallel (not handled by the rotation)"
         return None
@@ -563,6 +569,11 @@ FAMILIES: tuple[Family, ...] = (
            names=Names(attn_norm="attention_layernorm", mlp_norm="feedforward_layernorm", q_norm="self_attn.q_norm",
                        k_norm="self_attn.k_norm", gate=None),
            mlp="plain", act_default="xielu", defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
+    Family("nanochat", ("nanochat",), "nanochat",
+           names=Names(embed_norm="model.norm", q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", gate=None,
+                       up="mlp.fc1", down="mlp.fc2"),
+           mlp="plain", act_default="relu2", norm_free=True, qk_norm_after_rope=True, rope_sign_flip=True,
+           softcap=True, defaults=(("final_logit_softcapping", 15.0),), genai_type="decoder"),
     Family("stablelm", ("stablelm",), "StableLM / StableLM 2", norm="layer", default_rope_partial=True,
            parallel="config", config_aliases=(("rms_norm_eps", "layer_norm_eps"),), refuse_true=("qk_layernorm",),
            defaults=(("partial_rotary_factor", 0.25), ("layer_norm_eps", 1e-5)), genai_type="decoder"),

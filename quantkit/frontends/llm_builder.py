@@ -259,10 +259,24 @@ class _Checkpoint:
             if fam.sinusoidal and fam.names.positions is not None:  # XGLM: computed, not stored
                 self.virtual[f"{fam.names.positions}.weight"] = sinusoidal_table(
                     cfg.max_position_embeddings + fam.position_offset, cfg.hidden_size)
-            if fam.norm_free:  # OLMo 1: parameter-free LayerNorms read as weights of ones
+            if fam.norm_free:  # OLMo 1, nanochat: parameter-free norms read as weights of ones
+                n = fam.names
                 norms = [f"{block_prefix(cfg, i)}.{s}" for i in range(cfg.num_hidden_layers) for s in block_norms(cfg)]
-                for name in [*norms, fam.names.final_norm]:
+                for name in [*norms, n.final_norm, *([n.embed_norm] if n.embed_norm else [])]:
                     self.virtual[f"{name}.weight"] = np.ones(cfg.hidden_size, np.float32)
+                for qk, heads in ((n.q_norm, cfg.num_attention_heads), (n.k_norm, cfg.num_key_value_heads)):
+                    width = cfg.head_dim * (heads if n.qk_norm_whole else 1)
+                    for i in range(cfg.num_hidden_layers if qk else 0):
+                        self.virtual[f"{block_prefix(cfg, i)}.{qk}.weight"] = np.ones(width, np.float32)
+            if fam.rope_sign_flip:  # nanochat rotates by -theta: the halves of every q / k head swapped instead
+                half = cfg.rotary_dim // 2
+                for role, heads in ((fam.names.q, cfg.num_attention_heads), (fam.names.k, cfg.num_key_value_heads)):
+                    per = np.arange(cfg.head_dim)
+                    per[:2 * half] = np.concatenate([per[half:2 * half], per[:half]])
+                    rows = (np.arange(heads)[:, None] * cfg.head_dim + per[None, :]).reshape(-1)
+                    for i in range(cfg.num_hidden_layers):
+                        for t in ("weight", "bias"):
+                            self.reordered[f"{block_prefix(cfg, i)}.{role}.{t}"] = rows
             prefix = fam.names.stored_prefix
             if prefix:
                 for k in list(self.tensors):
@@ -1390,9 +1404,8 @@ def embedded_stream(cfg: DecoderConfig, rows: np.ndarray, extras: StreamExtras |
         out = (out * np.float32(math.sqrt(cfg.hidden_size))).astype(np.float32)
     if cfg.embedding_multiplier is not None:
         out = (out * np.float32(cfg.embedding_multiplier)).astype(np.float32)
-    if extras is not None and extras.norm_weight is not None:
-        mean = out.mean(-1, keepdims=True, dtype=np.float32)
-        c = out - mean
+    if extras is not None and extras.norm_weight is not None:  # LayerNorm (BLOOM) or RMSNorm (nanochat)
+        c = out - out.mean(-1, keepdims=True, dtype=np.float32) if cfg.spec.norm == "layer" else out
         var = (c * c).mean(-1, keepdims=True, dtype=np.float32)
         out = c / np.sqrt(var + np.float32(cfg.rms_norm_eps)) * extras.norm_weight
         if extras.norm_bias is not None:
@@ -1473,7 +1486,9 @@ def _build(
                           f"{n.embed}/multiplier")[0]  # fmt: skip
     if extras is not None and extras.norm_weight is not None:  # BLOOM: LayerNorm of the embedding rows
         assert n.embed_norm is not None  # noqa: S101 - stream_extras reads a norm only for a family that has one
-        residual, _ = _norm(g, n.embed_norm, residual, None, extras.norm_weight, extras.norm_bias)
+        # (nanochat's embedding norm is its final norm, a module used twice: named apart in the graph)
+        name = n.embed_norm if n.embed_norm != n.final_norm else f"{n.embed_norm}_embedding"
+        residual, _ = _norm(g, name, residual, None, extras.norm_weight, extras.norm_bias)
     pending = _learned_positions(g, extras.positions) if extras is not None and extras.positions is not None else None
     del extras
 

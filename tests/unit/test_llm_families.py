@@ -241,6 +241,9 @@ def _spec(kind: str) -> tuple[Any, Any]:
                                                              use_post_norm=kind == "hyperclovax")  # fmt: skip
     if kind == "apertus":  # per-head q/k norms, a plain MLP with the xIELU activation (learned scalars per layer)
         return t.ApertusForCausalLM, t.ApertusConfig(**c, head_dim=16)
+    if kind == "nanochat":  # weightless RMSNorms (the embedding's too), q / k norms after a RoPE of flipped sign,
+        # a plain ReLU-squared MLP, soft-capped logits
+        return t.NanoChatForCausalLM, t.NanoChatConfig(**c, final_logit_softcapping=2.0)
     raise AssertionError(kind)
 
 
@@ -249,7 +252,8 @@ KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gp
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm", "glm4",
          "qwen3_yarn", "llama_yarn", "olmo3", "cohere", "cohere2", "nemotron", "gptj",
          "stablelm_rd20", "gptj_rd8", "hunyuan", "opt", "bloom", "bloom_h6", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_new", "falcon_new1", "falcon_rw", "olmo", "gpt_neo", "codegen", "biogpt", "xglm", "exaone", "internlm3", "iquestcoder", "cwm", "jais2",
-         "vaultgemma", "mpt", "mpt_h6", "hyperclovax", "hyperclovax_plain", "apertus"]
+         "vaultgemma", "mpt", "mpt_h6", "hyperclovax", "hyperclovax_plain", "apertus",
+         "nanochat"]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
