@@ -82,6 +82,9 @@ class Names:
     qkv: str | None = None
     q_norm: str | None = None
     k_norm: str | None = None
+    sinks: str | None = None
+    """A per-head learned logit that joins every softmax's denominator (Granite SWA's ``self_attn.sinks``), as
+    GroupQueryAttention's ``head_sink``."""
     qk_norm_whole: bool = False
     """q / k norms over the whole projection (``[heads * head_dim]`` weights, OLMo-2) instead of per head."""
     o: str = "self_attn.o_proj"
@@ -194,6 +197,9 @@ class Family:
     """``clip_qkv`` is read: q, k and v are clamped to ``[-clip_qkv, clip_qkv]`` after their projections (OLMo 1)."""
     logit_scale: bool = False
     """The logits are multiplied by ``logit_scale`` (Cohere)."""
+    layer_theta_key: str = ""
+    """A config key listing each layer's RoPE base, 0 for a layer without RoPE (Granite SWA's ``layer_rope_theta``);
+    every non-zero base must be the same."""
     nope_layers: bool = False
     """``no_rope_layers`` (or every ``no_rope_layer_interval``-th layer) attend without a rotary embedding (SmolLM3)."""
     per_type_rope: bool = False
@@ -574,6 +580,9 @@ FAMILIES: tuple[Family, ...] = (
                        up="mlp.fc1", down="mlp.fc2"),
            mlp="plain", act_default="relu2", norm_free=True, qk_norm_after_rope=True, rope_sign_flip=True,
            softcap=True, defaults=(("final_logit_softcapping", 15.0),), genai_type="decoder"),
+    Family("granite_swa", ("granite_swa",), "Granite SWA", names=Names(sinks="self_attn.sinks"), multipliers=True,
+           windows="layer_types", window_rule="every-4-first", layer_theta_key="layer_rope_theta", tie_default=True,
+           defaults=(("sliding_window", 128), ("rms_norm_eps", 1e-5)), genai_type="decoder"),
     Family("stablelm", ("stablelm",), "StableLM / StableLM 2", norm="layer", default_rope_partial=True,
            parallel="config", config_aliases=(("rms_norm_eps", "layer_norm_eps"),), refuse_true=("qk_layernorm",),
            defaults=(("partial_rotary_factor", 0.25), ("layer_norm_eps", 1e-5)), genai_type="decoder"),
@@ -979,6 +988,20 @@ def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, w
         if not isinstance(given, list) or len(given) != L or any(v not in (0, 1) or isinstance(v, float) for v in given):
             raise ModelError(f"{where}: no_rope_layers {str(given)[:120]}; allowed: a list of {L} (num_hidden_layers) "
                              "entries, each 0 or 1")  # fmt: skip
+        rope_layers = tuple(bool(v) for v in given)
+        if all(rope_layers):
+            rope_layers = ()
+    if fam.layer_theta_key and cfg.get(fam.layer_theta_key) is not None:  # Granite SWA: per layer, 0 = no RoPE
+        given = cfg[fam.layer_theta_key]
+        if not isinstance(given, list) or len(given) != L or not all(_num(v, positive=False) for v in given):
+            raise ModelError(f"{where}: {fam.layer_theta_key} {str(given)[:120]}; allowed: a list of {L} "
+                             "(num_hidden_layers) numbers >= 0 (0: the layer has no RoPE)")  # fmt: skip
+        bases = sorted({float(v) for v in given if v})
+        if len(bases) > 1:
+            raise ModelError(f"{where}: {fam.layer_theta_key} has {len(bases)} different RoPE bases {bases[:4]}; "
+                             "allowed: one base for every layer with RoPE (0 for the others)")  # fmt: skip
+        if bases:
+            extra["rope_theta"] = bases[0]
         rope_layers = tuple(bool(v) for v in given)
         if all(rope_layers):
             rope_layers = ()

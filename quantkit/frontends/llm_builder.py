@@ -713,6 +713,7 @@ def block_tensor_names(cfg: DecoderConfig, index: int, has: Any) -> list[str]:
     n = cfg.spec.names
     names = [t for s in block_norms(cfg) for t in norm_params(cfg, f"{p}.{s}")]
     names += [f"{p}.{s}.weight" for s in (n.q_norm, n.k_norm) if s is not None]
+    names += [f"{p}.{n.sinks}"] if n.sinks is not None else []
     names += [f"{p}.{s}.weight" for s in linear_shapes(cfg)]
     names += [f"{p}.{s}.bias" for s in linear_shapes(cfg) if has(f"{p}.{s}.bias")]
     if cfg.activation == "xielu":  # Apertus: the activation's own parameters
@@ -750,6 +751,8 @@ def check_checkpoint(cfg: DecoderConfig, ckpt: _Checkpoint) -> None:
             want[f"{p}.{s}.weight"] = shape
             if f"{p}.{s}.bias" in ckpt:
                 want[f"{p}.{s}.bias"] = shape[:1]
+        if n.sinks is not None:
+            want[f"{p}.{n.sinks}"] = (cfg.num_attention_heads,)
         if cfg.activation == "xielu":  # Apertus: the two learned scalars (beta and eps fall back to their defaults)
             want.update({f"{p}.{n.act}.{k}": (1,) for k in XIELU_PARAMS[:2]})
     missing = [t for t in want if t not in ckpt]
@@ -1080,6 +1083,9 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
         ins += list(rotary[cfg.is_local(i)])
     if fam.alibi:  # inputs 7-9 (cos / sin caches, position ids) unused
         ins += [""] * (10 - len(ins)) + [_alibi_bias(g, io.stream)]
+    if n.sinks is not None:  # Granite SWA: input 11, a logit per head added to every softmax's denominator
+        sinks = _float32_rows(w.pop(f"{p}.{n.sinks}"), 0, nh)
+        ins += [""] * (11 - len(ins)) + [g.external(f"{p}.{n.sinks}", sinks)]
     name = f"{p}.{o_proj.rsplit('.', 1)[0]}.GroupQueryAttention"
     attn = g.node("GroupQueryAttention", ins, [f"{name}/output_0", f"present.{i}.key", f"present.{i}.value"], name,
                   _MS, **attrs)[0]  # fmt: skip

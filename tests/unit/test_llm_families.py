@@ -244,6 +244,12 @@ def _spec(kind: str) -> tuple[Any, Any]:
     if kind == "nanochat":  # weightless RMSNorms (the embedding's too), q / k norms after a RoPE of flipped sign,
         # a plain ReLU-squared MLP, soft-capped logits
         return t.NanoChatForCausalLM, t.NanoChatConfig(**c, final_logit_softcapping=2.0)
+    if kind == "granite_swa":  # Granite's scalars, a learned sink logit per head, layer 0 full and without RoPE,
+        # layer 1 windowed with RoPE
+        return t.GraniteSWAForCausalLM, t.GraniteSWAConfig(**c, head_dim=16, embedding_multiplier=3.0,
+                                                           residual_multiplier=0.4, attention_multiplier=0.2,
+                                                           logits_scaling=4.0, sliding_window=_WINDOW,
+                                                           layer_rope_theta=[0, 10000.0])  # fmt: skip
     raise AssertionError(kind)
 
 
@@ -253,7 +259,7 @@ KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gp
          "qwen3_yarn", "llama_yarn", "olmo3", "cohere", "cohere2", "nemotron", "gptj",
          "stablelm_rd20", "gptj_rd8", "hunyuan", "opt", "bloom", "bloom_h6", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_new", "falcon_new1", "falcon_rw", "olmo", "gpt_neo", "codegen", "biogpt", "xglm", "exaone", "internlm3", "iquestcoder", "cwm", "jais2",
          "vaultgemma", "mpt", "mpt_h6", "hyperclovax", "hyperclovax_plain", "apertus",
-         "nanochat"]
+         "nanochat", "granite_swa"]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
@@ -263,8 +269,8 @@ def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
     model = cls(config).eval()
     with torch.no_grad():  # non-trivial norms (Gemma stores w of 1 + w: around 0)
         for name, p in model.named_parameters():
-            if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus' xIELU: away from its initial values
-                p.uniform_(-1.0, 1.0)
+            if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n", "self_attn.sinks")):  # Apertus' xIELU, Granite
+                p.uniform_(-1.0, 1.0)  # SWA's sinks: away from their initial values
             elif "norm" in name or ".ln_" in name:
                 if name.endswith(".bias"):
                     p.normal_(0.0, 0.1)
@@ -692,7 +698,7 @@ def test_truncated_decoder_equals_a_shallower_build(built: Any, kind: str, tmp_p
             cfg[key] = 1
     if "attention_types" in cfg:  # GPT-Neo: the first layer's kind
         cfg["attention_types"] = [[[cfg["attention_types"][0][0][0]], 1]]
-    for key in ("layer_types", "no_rope_layers"):
+    for key in ("layer_types", "no_rope_layers", "layer_rope_theta"):
         if isinstance(cfg.get(key), list):
             cfg[key] = cfg[key][:1]
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -783,6 +789,7 @@ def _config(tmp_path: Path, kind: str, **changes: Any) -> Path:
     ("mpt", {"attn_config": {"qk_ln": True}}, "attn_config.qk_ln True is not supported for mpt .*allowed: false"),
     ("mpt", {"attn_config": {"softmax_scale": -1}}, r"attn_config.softmax_scale -1; allowed: a finite number > 0"),
     ("hyperclovax", {"logits_scaling": 0}, "logits_scaling 0; allowed: a finite number > 0"),
+    ("granite_swa", {"layer_rope_theta": [1e4, 5e5]}, r"layer_rope_theta has 2 different RoPE bases .*allowed: one"),
     ("gpt_neo", {"attention_types": [[["global"], 5]]}, r"attention_types .*giving 2 \(num_layers\) layers in all"),
 ])  # fmt: skip
 def test_config_values_are_refused_naming_the_key(tmp_path: Path, kind: str, changes: dict[str, Any],

@@ -36,7 +36,7 @@ from quantkit.recipe.plan import PrecisionPlan  # noqa: E402
 from tests.unit.test_llm_families import VOCAB, make_family  # noqa: E402
 
 KINDS = ["llama96", "qwen2_window", "qwen3", "phi3", "gemma", "smollm3", "granite", "helium", "arcee", "seed_oss",
-         "ernie4_5", "glm", "hunyuan", "exaone", "internlm3", "cwm", "vaultgemma", "hyperclovax_plain", "apertus", "nanochat"]
+         "ernie4_5", "glm", "hunyuan", "exaone", "internlm3", "cwm", "vaultgemma", "hyperclovax_plain", "apertus", "nanochat", "granite_swa"]
 
 
 @pytest.fixture(autouse=True)
@@ -158,7 +158,7 @@ def test_the_family_description_says_which_are_invariant() -> None:
     invariant = {f.name for f in FAMILIES if f.rotation_invariant}
     assert invariant == {"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3", "gemma", "phi3", "granite", "helium",
                          "arcee", "seed_oss", "ernie4_5", "glm", "hunyuan_v1_dense", "exaone", "internlm3", "iquestcoder",
-                         "cwm", "vaultgemma", "hyperclovax_plain", "apertus", "nanochat"}
+                         "cwm", "vaultgemma", "hyperclovax_plain", "apertus", "nanochat", "granite_swa"}
     gpt2 = parse_config({"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 1, "vocab_size": 16}, "x")
     assert rotation_for("none", 0, gpt2) is None  # nothing to refuse
     with pytest.raises(RecipeError, match="allowed: none, hadamard"):
