@@ -23,6 +23,12 @@ imported (``python -X importtime``; expected none).
 
     flock /tmp/quantkit-bench.lock python eval/bench_families.py --refusal --family all
 
+``--e2e CASE ...`` runs a family the way a user does, end to end, at a published width (random bf16 weights, the
+tokenizer of SmolLM2): the FP32 decoder against transformers on 64 token ids (max |logit diff|, greedy tokens equal),
+``quantkit calibrate`` with the default recipe path (int4 GPTQ g128, 8 windows of 256 tokens of Pride and Prejudice,
+perplexity on Emma, latency on), then ``quantkit generate``: exit codes, times, decode per token, report warnings.
+Random weights: the perplexities and tokens are meaningless, the exactness, the exit codes and the times are not.
+
 Rows go into ``eval/results/families_<cpu class>.json`` (one per family and depth, replaced when run again);
 ``python eval/render_results.py`` renders them into ``docs/results.md``.
 """
@@ -160,6 +166,81 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1.5625e-07, "attention_bias": True, "hidden_act": "silu", "tie_word_embeddings": False,
         "bos_token_id": None, "eos_token_id": 151329, "pad_token_id": 151329}},
 }  # fmt: skip
+
+# End-to-end cases (--e2e): a family's published config above, the depth, and config changes (a variant's width).
+E2E: dict[str, tuple[str, int, dict[str, Any]]] = {
+    "opt": ("opt", 12, {}),
+    "bloom": ("bloom", 4, {}),
+    "falcon_rw": ("falcon", 2, {"hidden_size": 2048, "num_attention_heads": 32, "vocab_size": 50304, "alibi": True,
+                                 "multi_query": False, "parallel_attn": False, "bias": True}),
+    "falcon40b": ("falcon", 1, {"hidden_size": 8192, "num_attention_heads": 128, "num_kv_heads": 8,
+                                "new_decoder_architecture": True, "multi_query": True}),
+    "gpt_bigcode": ("gpt_bigcode", 2, {}),
+    "olmo": ("olmo", 2, {"clip_qkv": 8.0}),
+    "glm4": ("glm4", 1, {}),
+}
+
+# Child: the FP32 decoder built by quantkit against transformers' model (argv: folder, output .onnx).
+_CHILD_EXACT = r"""
+import sys, json, numpy as np, torch
+from transformers import AutoModelForCausalLM
+from quantkit.frontends.llm_builder import build_llm, LLMSession
+hf, out = sys.argv[1], sys.argv[2]
+m = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+p = build_llm(hf, out)
+ids = np.random.default_rng(0).integers(3, 49000, (1, 64)).astype(np.int64)
+with torch.no_grad():
+    ref = m(torch.from_numpy(ids)).logits.numpy()
+got = LLMSession(p)(ids)
+print(json.dumps({"fp32_max_diff": float(np.abs(got - ref).max()), "ref_max": float(np.abs(ref).max()),
+                  "greedy_equal": int((got.argmax(-1) == ref.argmax(-1)).sum()), "tokens": int(ids.shape[1])}))
+"""
+
+
+def run_e2e(case: str, work: Path) -> dict[str, Any]:
+    """One ``--e2e`` case (module docstring): its row."""
+    from quantkit.frontends.llm import smollm2_folder
+
+    fam, layers, change = E2E[case]
+    hf = work / "hf"
+    hf.mkdir(parents=True)
+    cfg = {**FAMILIES[fam]["config"], **change}
+    _child(_CHILD_GEN, str(hf), json.dumps(cfg), str(layers))
+    tok = smollm2_folder()
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tok / f).is_file():
+            shutil.copy(tok / f, hf / f)
+    row: dict[str, Any] = {"case": case, "family": fam, "from": FAMILIES[fam]["from"], "layers": layers,
+                           "config_changes": change, "load_start": [round(x, 2) for x in os.getloadavg()]}
+    row.update(_child(_CHILD_EXACT, str(hf), str(work / "fp32" / "model.onnx")))
+    shutil.rmtree(work / "fp32", ignore_errors=True)
+    recipe = {"version": 1, "name": f"{case}-int4", "model": {"source": str(hf)},
+              "calibration": {"data": {"kind": "text", "source": "austen:prideprejudice", "mode": "windows",
+                                       "seq_len": 256, "count": 8, "seed": 0}},
+              "quantization": {"default": {"format": "int4", "group_size": 128, "algorithm": "gptq"}},
+              "evaluation": {"data": {"kind": "text", "source": "austen:emma", "mode": "windows", "seq_len": 256,
+                                      "count": 4, "seed": 0}}}  # fmt: skip
+    (work / "r.yaml").write_text(yaml.safe_dump(recipe))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    t0 = time.perf_counter()
+    r = subprocess.run([*_quantkit(), "calibrate", "-q", "--recipe", str(work / "r.yaml"), "--output",
+                        str(work / "out")], capture_output=True, text=True, env=env, check=False)  # fmt: skip
+    row.update({"calibrate_rc": r.returncode, "calibrate_s": round(time.perf_counter() - t0, 1)})
+    if r.returncode != 0:
+        row["calibrate_error"] = r.stderr.strip().splitlines()[-1][:600] if r.stderr.strip() else ""
+        return row
+    rep = json.loads((work / "out" / "report.json").read_text())
+    row["warnings"] = [str(w)[:200] for w in rep.get("warnings", [])]
+    row["peak_GB"] = round((rep.get("memory") or {}).get("measured_peak_bytes", 0) / 1e9, 2)
+    t0 = time.perf_counter()
+    g = subprocess.run([*_quantkit(), "generate", "--model", str(work / "out"), "--prompt",
+                        "It is a truth universally acknowledged", "--max-new-tokens", "16"],
+                       capture_output=True, text=True, env=env, check=False)  # fmt: skip
+    row.update({"generate_rc": g.returncode, "generate_s": round(time.perf_counter() - t0, 1)})
+    decode = [ln for ln in (g.stdout + g.stderr).splitlines() if "ms/token" in ln]
+    row["generate_timing"] = decode[-1].strip() if decode else ""
+    return row
+
 
 # Child: write the folder (torch + transformers live only here).  argv: folder, config (JSON), layers.
 _CHILD_GEN = r"""
@@ -342,6 +423,7 @@ def main() -> None:
     ap.add_argument("--family", nargs="*", default=[], help=f"families to run ('all': {', '.join(FAMILIES)})")
     ap.add_argument("--depth", choices=("both", "small", "full"), default="both", help="which depths to run")
     ap.add_argument("--refusal", action="store_true", help="measure the refusal of an unsupported family")
+    ap.add_argument("--e2e", nargs="*", default=[], help=f"end-to-end cases ({', '.join(E2E)}, or all)")
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
     from provenance import run_record
@@ -376,6 +458,18 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-fam-refusal-", dir=args.workdir) as w:
             data["refusal"] = measure_refusal(Path(w))
         print(json.dumps(data["refusal"]), flush=True)
+        save()
+    e2e = list(E2E) if args.e2e == ["all"] else args.e2e
+    if [c for c in e2e if c not in E2E]:
+        ap.error(f"unknown --e2e cases; known: {', '.join(E2E)}, all")
+    for case in e2e:
+        work = Path(tempfile.mkdtemp(prefix=f"bench-fam-e2e-{case}-", dir=args.workdir))
+        try:
+            row = {**run_e2e(case, work), "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name()}
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print(json.dumps(row), flush=True)
+        data["e2e"] = [r for r in data.get("e2e", []) if r["case"] != case] + [row]
         save()
     for family in families:
         small, full = FAMILIES[family]["layers"]

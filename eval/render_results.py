@@ -581,6 +581,28 @@ def _families(data: dict[str, Any]) -> list[str]:
              "(report): quantkit's own (`memory.measured_peak_bytes`); estimated: printed at the start "
              "(`memory.estimated_peak_bytes`). Random weights: the tokens are meaningless, the memory and time are "
              "not.", "", *_table(["family"], [(f"`{r['family']}`", r) for r in rows], cols)]  # fmt: skip
+    e2e = data.get("e2e") or []
+    if e2e:
+        ecols: list[Column] = [
+            ("shape of", lambda r: r.get("from"), "{}"),
+            ("layers", lambda r: r.get("layers"), "{}"),
+            ("changed", lambda r: ", ".join(f"{k} {v}" for k, v in (r.get("config_changes") or {}).items()) or None,
+             "{}"),
+            ("FP32 max logit diff", lambda r: r.get("fp32_max_diff"), "{:.1e}"),
+            ("greedy equal", lambda r: f"{r.get('greedy_equal')}/{r.get('tokens')}", "{}"),
+            ("calibrate exit", lambda r: r.get("calibrate_rc"), "{}"),
+            ("calibrate s", lambda r: r.get("calibrate_s"), "{:.0f}"),
+            ("peak GB", lambda r: r.get("peak_GB"), "{:.2f}"),
+            ("generate exit", lambda r: r.get("generate_rc"), "{}"),
+            ("generate", lambda r: r.get("generate_timing") or r.get("calibrate_error"), "{}"),
+            ("load (1 min) at start", lambda r: (r.get("load_start") or [None])[0], "{:.1f}"),
+            ("CPU", lambda r: r.get("cpu"), "{}"),
+        ]
+        lines += ["", "End to end as a user runs it (`--e2e`): random bf16 weights at the published width, SmolLM2's "
+                  "tokenizer; the FP32 decoder vs transformers on 64 token ids; `quantkit calibrate` (int4 GPTQ g128, 8 "
+                  "windows of 256 tokens of Pride and Prejudice, perplexity on Emma, latency on); `quantkit generate` "
+                  "(16 tokens). Random weights: the tokens are meaningless, exactness, exit codes and times are not.",
+                  "", *_table(["case"], [(f"`{r['case']}`", r) for r in e2e], ecols)]  # fmt: skip
     ref = data.get("refusal")
     if ref:
         lines += ["", f"Refusal of an unsupported family: `{ref['command']}` exits {', '.join(map(str, ref['returncodes']))} in "
