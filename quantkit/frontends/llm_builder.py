@@ -1272,7 +1272,8 @@ def block_model(cfg: DecoderConfig, index: int, weights: dict[str, Any], packed:
     seqlens_k, total_len = _mask_inputs(g)
     length = min(positions, cfg.context_length) if positions else None
     rotary = _rotary_inputs(g, [index], length, total_len) if cfg.uses_rope(index) else {}
-    io = _emit_block(g, index, dict(weights), _BlockIO("hidden", None, {}, "hidden"), packed, seqlens_k, total_len, rotary)
+    io = _emit_block(g, index, dict(weights), _BlockIO("hidden", None, {}, "hidden"), packed, seqlens_k, total_len,
+                     rotary)
     if io.pending is None:  # pragma: no cover - a block always ends in down_proj
         raise ModelError(f"block {index} has no MLP output")
     g.node("Add", [io.residual, io.pending], ["hidden_out"], f"{block_prefix(cfg, index)}/residual_add")
