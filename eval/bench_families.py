@@ -167,17 +167,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "bos_token_id": None, "eos_token_id": 151329, "pad_token_id": 151329}},
 }  # fmt: skip
 
-# End-to-end cases (--e2e): a family's published config above, the depth, and config changes (a variant's width).
-E2E: dict[str, tuple[str, int, dict[str, Any]]] = {
-    "opt": ("opt", 12, {}),
-    "bloom": ("bloom", 4, {}),
+# End-to-end cases (--e2e): a family's published config above, the depth, config changes (a variant's width) and,
+# when they change it, the checkpoint whose shape that is.
+E2E: dict[str, tuple[str, int, dict[str, Any], str]] = {
+    "opt": ("opt", 12, {}, ""),
+    "bloom": ("bloom", 4, {}, ""),
     "falcon_rw": ("falcon", 2, {"hidden_size": 2048, "num_attention_heads": 32, "vocab_size": 50304, "alibi": True,
-                                 "multi_query": False, "parallel_attn": False, "bias": True}),
+                                 "multi_query": False, "parallel_attn": False, "bias": True},
+                  "tiiuae/falcon-rw-1b (width; 2 of its 24 layers)"),
     "falcon40b": ("falcon", 1, {"hidden_size": 8192, "num_attention_heads": 128, "num_kv_heads": 8,
-                                "new_decoder_architecture": True, "multi_query": True}),
-    "gpt_bigcode": ("gpt_bigcode", 2, {}),
-    "olmo": ("olmo", 2, {"clip_qkv": 8.0}),
-    "glm4": ("glm4", 1, {}),
+                                "new_decoder_architecture": True, "multi_query": True},
+                  "tiiuae/falcon-40b (width; 1 of its 60 layers)"),
+    "gpt_bigcode": ("gpt_bigcode", 2, {}, ""),
+    "olmo": ("olmo", 2, {"clip_qkv": 8.0}, ""),
+    "glm4": ("glm4", 1, {}, ""),
 }
 
 # Child: the FP32 decoder built by quantkit against transformers' model (argv: folder, output .onnx).
@@ -201,7 +204,7 @@ def run_e2e(case: str, work: Path) -> dict[str, Any]:
     """One ``--e2e`` case (module docstring): its row."""
     from quantkit.frontends.llm import smollm2_folder
 
-    fam, layers, change = E2E[case]
+    fam, layers, change, label = E2E[case]
     hf = work / "hf"
     hf.mkdir(parents=True)
     cfg = {**FAMILIES[fam]["config"], **change}
@@ -210,7 +213,7 @@ def run_e2e(case: str, work: Path) -> dict[str, Any]:
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (tok / f).is_file():
             shutil.copy(tok / f, hf / f)
-    row: dict[str, Any] = {"case": case, "family": fam, "from": FAMILIES[fam]["from"], "layers": layers,
+    row: dict[str, Any] = {"case": case, "family": fam, "from": label or FAMILIES[fam]["from"], "layers": layers,
                            "config_changes": change, "load_start": [round(x, 2) for x in os.getloadavg()]}
     row.update(_child(_CHILD_EXACT, str(hf), str(work / "fp32" / "model.onnx")))
     shutil.rmtree(work / "fp32", ignore_errors=True)
