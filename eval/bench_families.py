@@ -245,6 +245,21 @@ def run_e2e(case: str, work: Path) -> dict[str, Any]:
     return row
 
 
+def _discard_cached_decoders(folder: Path) -> None:
+    """Remove the FP32 decoders quantkit cached for ``folder`` (``models/decoder-<name>-<key>``, whose ``info.json``
+    names that folder): the case's random checkpoint is deleted with its work folder, its cache entries would only
+    take space (GBs at these widths)."""
+    from quantkit.frontends.cache import cache_dir, discard_entry
+
+    for entry in (cache_dir() / "models").glob(f"decoder-{folder.name}-*"):
+        try:
+            info = json.loads((entry / "info.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if Path(str(info.get("folder", ""))).resolve() == folder.resolve():
+            discard_entry(entry)
+
+
 # Child: write the folder (torch + transformers live only here).  argv: folder, config (JSON), layers.
 _CHILD_GEN = r"""
 import json, sys, torch
@@ -470,6 +485,7 @@ def main() -> None:
         try:
             row = {**run_e2e(case, work), "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name()}
         finally:
+            _discard_cached_decoders(work / "hf")
             shutil.rmtree(work, ignore_errors=True)
         print(json.dumps(row), flush=True)
         data["e2e"] = [r for r in data.get("e2e", []) if r["case"] != case] + [row]
