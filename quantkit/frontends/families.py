@@ -65,7 +65,8 @@ class Names:
 
     embed: str = "model.embed_tokens"
     embed_norm: str | None = None
-    """A LayerNorm of the embedding rows before block 0 (BLOOM's ``word_embeddings_layernorm``)."""
+    """A norm (the family's kind) of the embedding rows before block 0 (BLOOM's ``word_embeddings_layernorm``;
+    nanochat's weightless RMSNorm, its final norm used twice)."""
     positions: str | None = None
     layers: str = "model.layers"
     final_norm: str = "model.norm"
@@ -191,8 +192,8 @@ class Family:
     norm_bias: bool = True
     """A LayerNorm family's norms have a bias (False: Cohere's LayerNorm, weight only)."""
     norm_free: bool = False
-    """The norms have no parameters at all (OLMo 1's LayerNorm): the checkpoint stores none, the graph's weights are
-    ones."""
+    """The norms have no parameters at all (OLMo 1's LayerNorm, nanochat's RMSNorm, q / k norms included): the
+    checkpoint stores none, the graph's weights are ones."""
     clip_qkv: bool = False
     """``clip_qkv`` is read: q, k and v are clamped to ``[-clip_qkv, clip_qkv]`` after their projections (OLMo 1)."""
     logit_scale: bool = False

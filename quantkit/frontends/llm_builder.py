@@ -250,7 +250,7 @@ class _Checkpoint:
         self.virtual: dict[str, np.ndarray] = {}  # graph name -> a tensor the checkpoint does not store (ones)
         if cfg is not None:
             fam = cfg.spec
-            for k in list(self.tensors):  # EXAONE 3's names for LLaMA's modules
+            for k in list(self.tensors) if fam.names.stored_renames else []:  # EXAONE 3's names for LLaMA's modules
                 graph = k
                 for pattern, repl in fam.names.stored_renames:
                     graph = re.sub(pattern, repl, graph)
@@ -291,8 +291,8 @@ class _Checkpoint:
             if fam.names.qkv_mp and fam.names.qkv is not None:  # CodeGen: mp shards of [q | v | k] -> [q | k | v]
                 sharded = np.arange(3 * cfg.hidden_size).reshape(fam.names.qkv_mp, 3, -1)
                 rows = np.concatenate([sharded[:, 0].reshape(-1), sharded[:, 2].reshape(-1), sharded[:, 1].reshape(-1)])
-                self.reordered = {f"{fam.names.layers}.{i}.{fam.names.qkv}.{t}": rows
-                                  for i in range(cfg.num_hidden_layers) for t in ("weight", "bias")}  # fmt: skip
+                self.reordered.update({f"{fam.names.layers}.{i}.{fam.names.qkv}.{t}": rows
+                                       for i in range(cfg.num_hidden_layers) for t in ("weight", "bias")})  # fmt: skip
             if cfg.qkv_interleaved and fam.names.qkv is not None:  # per key / value group [q_0 .. q_r-1 k v]
                 # (per head [q_h k_h v_h] when every head has its own k, v) -> [q | k | v]
                 nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -300,8 +300,8 @@ class _Checkpoint:
                 grouped = np.arange((nh + 2 * nkv) * hd).reshape(nkv, r + 2, hd)
                 rows = np.concatenate([grouped[:, :r].reshape(-1), grouped[:, r].reshape(-1),
                                        grouped[:, r + 1].reshape(-1)])  # fmt: skip
-                self.reordered = {f"{fam.names.layers}.{i}.{fam.names.qkv}.{t}": rows
-                                  for i in range(cfg.num_hidden_layers) for t in ("weight", "bias")}  # fmt: skip
+                self.reordered.update({f"{fam.names.layers}.{i}.{fam.names.qkv}.{t}": rows
+                                       for i in range(cfg.num_hidden_layers) for t in ("weight", "bias")})  # fmt: skip
 
     def _name(self, name: str) -> str:
         return self.stored.get(name, name)
