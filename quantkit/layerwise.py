@@ -64,7 +64,7 @@ import numpy as np
 
 from quantkit.algorithms.rotation import rotation_for
 from quantkit.algorithms.woq import WOQResult, get_weight_algorithm
-from quantkit.calibrate.layer_stats import LayerStats
+from quantkit.calibrate.layer_stats import LayerStats, quadratic_form
 from quantkit.checksum import dumps_checked, file_digest, loads_checked
 from quantkit.errors import DataError, QuantkitError, RecipeError
 from quantkit.frontends.llm_builder import (
@@ -148,7 +148,7 @@ def _layer_row(name: str, lp: LayerPlan, algo: str, w: np.ndarray, res: WOQResul
                block: int, seconds: float) -> dict[str, Any]:
     """The report row of one layer; the errors are summed over column slices (bounded temporaries)."""
     K, N = res.shape
-    H = stats.hessian() if stats is not None and stats.count else None
+    H = stats.hessian(np.float32) if stats is not None and stats.count else None  # dB figures: float32 is plenty
     err2 = ref2 = num = den = 0.0
     step = max(256, _SLICE_BYTES // (8 * K))
     for j in range(0, N, step):
@@ -159,8 +159,8 @@ def _layer_row(name: str, lp: LayerPlan, algo: str, w: np.ndarray, res: WOQResul
         err2 += float(np.sum(d * d))
         ref2 += float(np.sum(w64 * w64))
         if H is not None:
-            num += float(np.sum((H @ w64) * w64))  # tr(Wᵀ H W) = E‖xW‖²
-            den += float(np.sum((H @ d) * d))  # E‖x(W - Ŵ)‖²
+            num += quadratic_form(H, w64)  # tr(Wᵀ H W) = E‖xW‖²
+            den += quadratic_form(H, d)  # E‖x(W - Ŵ)‖²
     row: dict[str, Any] = {
         "layer": name, "format": lp.format, "algorithm": algo, "bits": res.bits, "group_size": res.group_size,
         "symmetric": res.symmetric, "K": K, "N": N, "block": block,

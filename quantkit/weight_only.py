@@ -33,7 +33,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from quantkit.algorithms.woq import WOQResult, get_weight_algorithm
-from quantkit.calibrate.layer_stats import LayerStats
+from quantkit.calibrate.layer_stats import LayerStats, quadratic_form
 from quantkit.errors import DataError, UnsupportedOpError
 from quantkit.lowering.select import _weighted_ok, constant_array, layer_plan
 from quantkit.progress import tqdm
@@ -284,11 +284,10 @@ def _layer_row(m: WOQLayer, w: np.ndarray, res: WOQResult, stats: LayerStats | N
         "stage": m.stage,
     }
     if stats is not None and stats.count:
-        H = stats.hessian()
+        H = stats.hessian(np.float32)  # dB figures: float32 is plenty (twice as fast on a wide layer)
         d = (w - w_hat).astype(np.float64)
-        w64 = w.astype(np.float64)
-        num = float(np.sum((H @ w64) * w64))  # tr(Wᵀ H W) = E‖xW‖²
-        den = float(np.sum((H @ d) * d))  # E‖x(W - Ŵ)‖²
+        num = quadratic_form(H, w)  # tr(Wᵀ H W) = E‖xW‖²
+        den = quadratic_form(H, d)  # E‖x(W - Ŵ)‖²
         row["output_sqnr_db"] = float("inf") if den <= 0 else float(10 * np.log10(max(num, 1e-300) / den))
     return row
 

@@ -50,28 +50,61 @@ from quantkit.scheme.qparams import dequantize, group_weight_codes, quantize
 __all__ = ["gptq", "inverse_hessian_cholesky", "obs_rounding"]
 
 
-def inverse_hessian_cholesky(H: np.ndarray, percdamp: float = 0.01) -> np.ndarray:
-    """Upper Cholesky factor ``U`` of ``(H + damp I)^-1`` (``= U^T U``), ``damp = percdamp * mean(diag H)``.
+def inverse_hessian_cholesky(H: np.ndarray, percdamp: float = 0.01, *, order: np.ndarray | None = None,
+                             scale: float = 1.0, dtype: Any = np.float64) -> np.ndarray:
+    """Upper Cholesky factor ``U`` of ``(A + damp I)^-1`` (``= U^T U``) with ``A = scale * H[order][:, order]``
+    (dead inputs, ``A_ii = 0``, get ``A_ii = 1``) and ``damp = percdamp * mean(diag A)``, computed in ``dtype``.
 
-    If ``H + damp I`` is not positive definite the damping is multiplied by 10 (up to 6 times).
+    If ``A + damp I`` is not positive definite the damping is multiplied by 10 (up to 6 times).  ``H`` is only
+    read, a band of rows at a time: the work takes one ``K x K`` array of ``dtype`` (float32: a quarter of the
+    float64 copies a direct ``inv`` / ``cholesky`` would hold).
     """
     K = H.shape[0]
-    damp = percdamp * float(np.mean(np.diag(H)))
+    idx = np.arange(K) if order is None else np.asarray(order)
+    diag = np.diag(H)[idx].astype(np.float64) * scale
+    dead = diag == 0
+    diag[dead] = 1.0
+    damp = percdamp * float(np.mean(diag))
     if damp <= 0.0:
         damp = percdamp
-    # With J the reversal permutation, J H J = L L^T gives H = R R^T with R = J L J upper
-    # triangular, so H^-1 = (R^-1)^T R^-1 and U = R^-1 = J L^-1 J: one Cholesky and one
-    # triangular inverse instead of inverse + second Cholesky.
-    Hr = np.ascontiguousarray(H[::-1, ::-1])
+    # With J the reversal permutation, J A J = L L^T gives A = R R^T with R = J L J upper triangular, so
+    # A^-1 = (R^-1)^T R^-1 and U = R^-1 = J L^-1 J: one Cholesky and one triangular inverse instead of
+    # inverse + second Cholesky.  J A J is gathered (and cast) straight from H, a band of rows at a time.
+    rev = idx[::-1]
+    Ar = np.empty((K, K), dtype)
+    band = max(1, (64 << 20) // (8 * K))
+    potrf, trtri = scipy.linalg.lapack.get_lapack_funcs(("potrf", "trtri"), (Ar,))
     for _ in range(7):
-        Hd = Hr + damp * np.eye(K)
-        L, info = scipy.linalg.lapack.dpotrf(Hd, lower=1, clean=1)
+        for a in range(0, K, band):
+            rows = np.asarray(H[rev[a:a + band]])[:, rev]
+            np.multiply(rows, scale, out=Ar[a:a + band], casting="same_kind")
+        d = Ar.reshape(-1)[:: K + 1]  # a view of the diagonal
+        d[dead[::-1]] = 1.0
+        d += damp
+        # Ar is symmetric, so its Fortran-ordered view Ar.T is the same matrix: LAPACK then works in Ar's memory
+        L, info = potrf(Ar.T, lower=1, clean=1, overwrite_a=1)
         if info == 0:
-            Linv, info = scipy.linalg.lapack.dtrtri(L, lower=1)
-            if info == 0:
-                return np.ascontiguousarray(Linv[::-1, ::-1])
-        damp *= 10.0
+            Linv, info = trtri(L, lower=1, overwrite_c=1)
+            if info == 0:  # Linv is Fortran-ordered: Linv.T is C-ordered, reversed it is U^T
+                return _reverse_in_place(Linv.T).T
+        damp *= 10.0  # (Ar refilled from H: the failed factorization overwrote part of it)
     raise CalibrationError("gptq: the Hessian is not positive definite even with heavy damping")
+
+
+def _reverse_in_place(a: np.ndarray) -> np.ndarray:
+    """``a[::-1, ::-1]`` of a C-contiguous square array, in its own memory (reversing both axes reverses the
+    flat array), swapped a band at a time instead of copying the whole matrix."""
+    a = np.ascontiguousarray(a)
+    f = a.reshape(-1)
+    n = f.size
+    half = n // 2
+    step = 1 << 22
+    for i in range(0, half, step):
+        j = min(i + step, half)
+        tmp = f[i:j].copy()
+        f[i:j] = f[n - j:n - i][::-1]
+        f[n - j:n - i] = tmp[::-1]
+    return a
 
 
 def obs_rounding(Wm: np.ndarray, U: np.ndarray, round_row: Callable[[int, np.ndarray, int], np.ndarray],
@@ -82,6 +115,7 @@ def obs_rounding(Wm: np.ndarray, U: np.ndarray, round_row: Callable[[int, np.nda
     every earlier row) and returns its dequantized value; the OBS update then spreads the row's error
     ``(w_r - dq) / U_rr`` over the rows not yet rounded.  ``Wm`` is updated in place."""
     K = Wm.shape[0]
+    gemm = scipy.linalg.blas.get_blas_funcs("gemm", (Wm, U))
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
         W1 = Wm[i1:i2].copy()
@@ -92,7 +126,11 @@ def obs_rounding(Wm: np.ndarray, U: np.ndarray, round_row: Callable[[int, np.nda
             err = (W1[i] - dq) / U1[i, i]
             W1[i + 1 :] -= np.outer(U1[i, i + 1 :], err)
             E1[i] = err
-        Wm[i2:] -= U[i1:i2, i2:].T @ E1
+        if i2 < K:  # Wm[i2:] -= U[i1:i2, i2:]^T E1, written in place (as its transpose, Fortran-ordered): no
+            # temporary the size of the rows left - a wide layer's largest array after W itself
+            out = gemm(-1.0, E1.T, U[i1:i2, i2:], beta=1.0, c=Wm[i2:].T, overwrite_c=1)
+            if not np.shares_memory(out, Wm):  # (BLAS worked on a copy: a non-contiguous Wm, mixed dtypes)
+                Wm[i2:] = out.T
 
 
 @register_weight_algorithm("gptq")
@@ -109,22 +147,31 @@ def gptq(
     narrow: bool = False,
     hessian: np.ndarray | None = None,
     clip: bool = True,
+    precision: str = "float32",
     **options: Any,
 ) -> WOQResult:
     """GPTQ-quantize ``W`` ``[K, N]`` using the input second moment from ``stats`` (or ``hessian``).
 
-    Returns the codes / scales GPTQ chose (groups of ``group_size`` rows along K).
+    Returns the codes / scales GPTQ chose (groups of ``group_size`` rows along K).  ``precision``: the dtype of the
+    factorization and the row loop (``float32``, as the reference implementation; ``float64`` takes twice the time
+    and memory, for checking).
     """
     if options:
         raise RecipeError(
-            f"gptq: unknown options {sorted(options)}; allowed: percdamp, act_order, block_size, narrow, hessian, clip"
+            f"gptq: unknown options {sorted(options)}; allowed: percdamp, act_order, block_size, narrow, hessian, clip, "
+            "precision"
         )
+    if precision not in ("float32", "float64"):
+        raise RecipeError(f"gptq: precision {precision!r} is not supported; allowed: float32, float64")
     w32 = check_weight(W, bits)
     K, N = w32.shape
+    scale = 1.0
     if hessian is not None:
-        H = np.array(hessian, np.float64)
+        H = np.asarray(hessian)
     elif stats is not None:
-        H = stats.hessian().copy()
+        if stats.count == 0:
+            raise CalibrationError("LayerStats: no inputs were collected for this layer")
+        H, scale = stats.H, 1.0 / stats.count  # read in place: H / count is taken a band of rows at a time
     else:
         raise CalibrationError("gptq needs calibration statistics (stats=LayerStats) of the layer input")
     if H.shape != (K, K):
@@ -132,13 +179,14 @@ def gptq(
     g = resolve_group_size(K, group_size)
     kb = -(-K // g)
     dtype = "uint4" if bits == 4 else "uint8"
+    work = np.dtype(precision)
 
-    Wm = w32.astype(np.float64)
-    dead = np.diag(H) == 0
-    H[dead, dead] = 1.0
-    Wm[dead, :] = 0.0
-
-    diag = np.diag(H).copy()
+    diag = np.diag(H).astype(np.float64) * scale
+    dead = diag == 0
+    diag[dead] = 1.0
+    perm = np.argsort(-diag, kind="stable") if act_order else np.arange(K)
+    Wm = np.asarray(w32[perm], work)  # the rows in processing order: the one working copy of W
+    Wm[dead[perm], :] = 0.0
 
     def group_qparams(rows: np.ndarray, imp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         r32 = rows.astype(np.float32)
@@ -153,14 +201,12 @@ def gptq(
     zeros = np.zeros((kb, N), np.uint8)
     static = act_order or g == K
     if static:
+        at = np.argsort(perm)  # where each original row is in Wm
         for b in range(kb):
-            scales[b], zeros[b] = group_qparams(Wm[b * g : (b + 1) * g], diag[b * g : (b + 1) * g])
+            scales[b], zeros[b] = group_qparams(Wm[at[b * g : (b + 1) * g]], diag[b * g : (b + 1) * g])
 
-    perm = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(K)
-    Wm = Wm[perm]
-    H = H[np.ix_(perm, perm)]
     group_of = perm // g  # group (original order) of each processed row
-    U = inverse_hessian_cholesky(H, percdamp)
+    U = inverse_hessian_cholesky(H, percdamp, order=perm, scale=scale, dtype=work)
 
     # blocks aligned to groups so that a group's rows are up to date when its qparams are taken
     B = block_size if static or block_size % g == 0 else g * max(1, -(-block_size // g))
@@ -172,10 +218,8 @@ def gptq(
         if not static and r % g == 0:
             scales[gi], zeros[gi] = group_qparams(W1[i : i + g], diag[r : r + g])
         q = quantize(W1[i].astype(np.float32), scales[gi], zeros[gi], axis=0, dtype=dtype)
-        Q[r] = q
-        return np.asarray(dequantize(q, scales[gi], zeros[gi], axis=0), np.float64)
+        Q[perm[r]] = q
+        return np.asarray(dequantize(q, scales[gi], zeros[gi], axis=0), work)
 
     obs_rounding(Wm, U, round_row, B)
-    codes = np.empty_like(Q)
-    codes[perm] = Q
-    return WOQResult(codes, scales, zeros, bits, g, symmetric)
+    return WOQResult(Q, scales, zeros, bits, g, symmetric)

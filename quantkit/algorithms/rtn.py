@@ -153,7 +153,7 @@ def rtn(
                          np.concatenate([p.scales for p in parts], axis=1),
                          np.concatenate([p.zero_points for p in parts], axis=1), bits, g, symmetric)
     if clip:
-        imp = np.diag(stats.hessian()) if stats is not None and stats.count else None
+        imp = stats.diagonal() if stats is not None and stats.count else None
         mn, mx = clip_ranges(w, bits, g, symmetric=symmetric, narrow=narrow, importance=imp)
         scales, codes, zps = group_weight_codes(w, bits, g, symmetric=symmetric, narrow=narrow, min_val=mn, max_val=mx)
     else:

@@ -306,7 +306,7 @@ def signround(
     if hessian is not None:
         H = np.array(hessian, np.float64)
     elif stats is not None and stats.count:
-        H = stats.hessian().copy()
+        H = stats.hessian()  # a new array (H / count): damped in place below
     else:
         raise CalibrationError("signround needs calibration statistics (stats=LayerStats) of the layer input")
     if H.shape != (K, K):
@@ -322,7 +322,7 @@ def signround(
         start = WOQResult(q, sc, z, bits, g, symmetric)
     damp = percdamp * float(np.mean(np.diag(H)))
     if damp > 0.0:
-        H = H + damp * np.eye(K)
+        H[np.diag_indices(K)] += damp  # H + damp I without a K x K identity and a second copy
     return signround_refine(w, H, start, iters=iters, lr=None if lr is None else float(lr), min_clip=min_clip,
                             narrow=narrow, learn_clip=learn_clip, relaxed=relaxed,
                             clip_lr_scale=clip_lr_scale)

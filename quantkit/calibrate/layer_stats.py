@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from quantkit.errors import CalibrationError
 
-__all__ = ["LayerStats"]
+__all__ = ["LayerStats", "quadratic_form"]
 
 
 class LayerStats:
@@ -122,11 +122,19 @@ class LayerStats:
         """Per-channel mean ``|x|`` ``[K]`` (zeros before any update)."""
         return self.abs_sum / max(self.count, 1)
 
-    def hessian(self) -> npt.NDArray[np.float64]:
-        """``H / count`` (float64 ``[K, K]``), the normalised second moment GPTQ uses."""
+    def hessian(self, dtype: npt.DTypeLike = np.float64) -> np.ndarray:
+        """``H / count`` (``[K, K]``, float64 unless ``dtype`` says otherwise: a float32 copy is made without a
+        float64 temporary), the normalised second moment GPTQ uses."""
         if self.count == 0:
             raise CalibrationError("LayerStats: no inputs were collected for this layer")
-        return self.H / self.count
+        out = np.empty((self.K, self.K), dtype)
+        return np.divide(self.H, self.count, out=out, casting="same_kind")
+
+    def diagonal(self) -> npt.NDArray[np.float64]:
+        """The diagonal of :meth:`hessian` (``E[x_k^2]``, float64 ``[K]``), without the ``K x K`` copy."""
+        if self.count == 0:
+            raise CalibrationError("LayerStats: no inputs were collected for this layer")
+        return np.diag(self.H) / self.count
 
     def state(self) -> dict[str, np.ndarray]:
         """Plain arrays that :meth:`from_state` restores (including the RNG state)."""
@@ -153,3 +161,10 @@ class LayerStats:
         st._filled = samples.shape[0]
         st._rng.bit_generator.state = json.loads(str(state["rng"]))
         return st
+
+
+def quadratic_form(H: np.ndarray, a: np.ndarray) -> float:
+    """``tr(a^T H a)`` for ``a`` ``[K, n]`` (e.g. ``E||x a||^2`` with ``H = E[x^T x]``), in ``H``'s dtype (float32:
+    the report's output errors of a wide layer, twice as fast as float64), summed in float64."""
+    a = np.asarray(a, H.dtype)
+    return float(np.sum((H @ a) * a, dtype=np.float64))
