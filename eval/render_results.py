@@ -614,6 +614,47 @@ def _families(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _gptq_precision(data: dict[str, Any]) -> list[str]:
+    """eval/bench_gptq.py: GPTQ's float32 path against float64 (and the code before it) per layer, and end to end."""
+    out = []
+    if data.get("layers"):
+        cols = [p for p in ("before", "float64", "float32") if p in data["layers"][0]]
+        out += ["| layer | K x N | " + " | ".join(f"{c}: s, GB above floor, output SQNR dB" for c in cols)
+                + " | float32 time / peak x " + ("before" if "before" in cols else "float64") + " |",
+                "|---|---|" + "---|" * len(cols) + "---|"]
+        for r in data["layers"]:
+            cells = [f"{r[c]['seconds']:.1f} s, {r[c]['peak_above_floor_gb']:.2f} GB, {r[c]['output_sqnr_db']:.3f}"
+                     for c in cols]
+            ref = "before" if "before" in cols else "float64"
+            t = r["float32"]["seconds"] / r[ref]["seconds"]
+            m = r["float32"]["peak_above_floor_gb"] / r[ref]["peak_above_floor_gb"]
+            out.append(f"| {r['layer']} | {r['K']} x {r['N']} | " + " | ".join(cells) + f" | {t:.2f} / {m:.2f} |")
+        if data.get("environment", {}).get("before"):
+            out += ["", f"before: `{data['environment']['before']}`"]
+    if data.get("model"):
+        texts = list(data["model"][0]["perplexity"])
+        out += ["", "| SmolLM2-135M, GPTQ everywhere | " + " | ".join(f"{t} (FP32 / int4)" for t in texts)
+                + " | GPTQ layers s | run s | peak GB (estimated) |", "|---|" + "---|" * (len(texts) + 3)]
+        for r in data["model"]:
+            ppl = [f"{r['perplexity'][t]['fp32']:.2f} / {r['perplexity'][t]['quantized']:.3f}" for t in texts]
+            mem = r["memory_gb"]
+            out.append(f"| {r['precision']} | " + " | ".join(ppl) + f" | {r['gptq_layer_s']:.1f} | {r['wall_s']:.0f} | "
+                       f"{mem['measured_peak']:.2f} ({mem['estimated_peak']:.2f}) |")
+        for key in ("model_environment", "model_noise_environment"):
+            env = data.get(key) or {}
+            if env.get("command"):
+                out += ["", f"End to end: `{env['command']}` ({(env.get('date') or '')[:10]}, {env.get('cpu')})"]
+    if data.get("real_hessians"):
+        out += ["", "| real SmolLM2-135M layer | K x N | condition number (damped H) | output error float32 / float64 |",
+                "|---|---|---|---|"]
+        out += [f"| {r['layer']} | {r['K']} x {r['N']} | {r['damped_condition_number']:.3g} | "
+                f"{r['error_float32_over_float64']:.5f} |" for r in data["real_hessians"]]
+        env = data.get("real_hessians_environment") or {}
+        if env.get("command"):
+            out += ["", f"Real layers: `{env['command']}` ({(env.get('date') or '')[:10]}, {env.get('cpu')})"]
+    return out
+
+
 def _flat(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
     if isinstance(data, dict):
         return [kv for k, v in data.items() if k != "environment" for kv in _flat(v, f"{prefix}{k}.")]
@@ -654,6 +695,8 @@ def body(name: str, data: Any) -> list[str]:
     if isinstance(data, dict) and ("fp32_exactness" in data or (
             isinstance(data.get("runs"), list) and data["runs"] and "rotation" in data["runs"][0])):
         return _int4_rotation(data)
+    if isinstance(data, dict) and "model_environment" in data and isinstance(data.get("model"), list):
+        return _gptq_precision(data)
     if isinstance(data, dict) and "quantkit_loop_alone" in data:
         return _decode_vs_genai(data)
     if isinstance(data, dict) and ("smollm2" in data or "synthetic" in data):

@@ -70,15 +70,19 @@ BASE_BYTES = 420 << 20
 """Python, numpy, onnx, ONNX Runtime, torch and transformers imported, a tokenizer loaded: a run's floor."""
 RTN_TEMP_BYTES = 200 << 20
 """Round-to-nearest of a column slice (16 MB of float32 weights) and the error rows of the report: ~12 slices."""
-GPTQ_HESSIAN_COPIES = 0.55
-"""GPTQ on a layer with K inputs, beside ``Σxᵀx``: the one float32 ``K x K`` array the damped, reordered Hessian is
-gathered into and factorized in place (then the report's float32 ``H / count``), in units of a float64 ``K x K``
-(measured 2026-12-06: K = 5632, N = 2048, the 1.1B shape's down_proj: 1.26 of them with the band and the slice)."""
+GPTQ_HESSIAN_COPIES = 1.1
+"""GPTQ on a layer with K inputs, beside ``Σxᵀx``: the one ``K x K`` array (float64 up to
+:data:`~quantkit.algorithms.gptq.FLOAT64_MAX_K` inputs, float32 above: ``precision: auto``) the damped, reordered
+Hessian is gathered into and factorized in place (then the report's float32 ``H / count``), in units of that array
+(measured 2026-12-06 on 2 cores: K = 5632, N = 2048 in float32, 0.31 GB above the floor with the band and the slice)."""
+GPTQ_FLOAT64_MAX_K = 4096
+""":data:`quantkit.algorithms.gptq.FLOAT64_MAX_K` (repeated: this module imports no numerics; a test keeps them equal)."""
 GPTQ_BAND_BYTES = 128 << 20
 """GPTQ: the band of float64 Hessian rows gathered at a time (64 MB) and its reordered copy."""
-GPTQ_SLICE_COPIES = 0.8
-"""GPTQ: the working copies of a column slice of W (float32 rows in processing order, the codes, the finiteness
-check) in units of a float64 copy; slices of 256 MB of float32 (measured: K = 4096, N = 49152, 0.62)."""
+GPTQ_SLICE_COPIES = 1.3
+"""GPTQ: the working copies of a column slice of W (the rows in processing order, the codes, the finiteness check)
+in units of the slice in the working dtype; slices of 256 MB of float32 (measured: K = 4096, N = 49152 in float32:
+1.23)."""
 AWQ_WEIGHT_COPIES = 10.0
 """AWQ: float32 copies of a layer's weights alive during the scale search (scaled, rounded, dequantized, the
 error; fitted: 1.1B shape, gate_proj and lm_head)."""
@@ -396,7 +400,8 @@ def _algo_extra(algorithm: str, k: int, n: int) -> float:
     """What rounding one layer ``[K, N]`` needs beyond its float32 weights (and the statistics), by algorithm."""
     if algorithm == "gptq":
         step = max(256, (256 << 20) // (4 * k))  # quantkit.layerwise: GPTQ column slices of 256 MB of float32
-        return GPTQ_HESSIAN_COPIES * 8 * k * k + GPTQ_BAND_BYTES + GPTQ_SLICE_COPIES * 8 * k * min(n, step)
+        size = 8 if k <= GPTQ_FLOAT64_MAX_K else 4
+        return GPTQ_HESSIAN_COPIES * size * k * k + GPTQ_BAND_BYTES + GPTQ_SLICE_COPIES * size * k * min(n, step)
     if algorithm in ("awq", "signround"):
         return 8 * k * k + (AWQ_WEIGHT_COPIES if algorithm == "awq" else SIGNROUND_WEIGHT_COPIES) * 4 * k * n
     return 0.0

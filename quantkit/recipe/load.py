@@ -404,7 +404,7 @@ ALGORITHM_OPTION_VALUES: dict[str, dict[str, Any]] = {
     "max_shrink": {"type": "float", "lo": 0.0, "hi": 1.0, "hi_open": True},
     "clip_lr_scale": {"type": "float", "lo": 0.0, "lo_open": True, "hi": 1e3},
     "init": {"type": "choice", "choices": ("gptq", "rtn")},
-    "precision": {"type": "choice", "choices": ("float32", "float64")},
+    "precision": {"type": "choice", "choices": ("auto", "float32", "float64")},
 }
 
 

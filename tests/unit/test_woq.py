@@ -6,11 +6,18 @@ import numpy as np
 import pytest
 
 from quantkit.algorithms.awq import awq, awq_shared
-from quantkit.algorithms.gptq import gptq, inverse_hessian_cholesky, obs_rounding
+from quantkit.algorithms.gptq import (
+    FLOAT64_MAX_K,
+    gptq,
+    inverse_hessian_cholesky,
+    obs_rounding,
+    work_precision,
+)
 from quantkit.algorithms.rtn import rtn
 from quantkit.algorithms.woq import WEIGHT_ALGORITHMS, WOQResult, get_weight_algorithm
 from quantkit.calibrate.layer_stats import LayerStats
 from quantkit.errors import CalibrationError, RecipeError, UnknownNameError
+from quantkit.memory import GPTQ_FLOAT64_MAX_K
 
 
 def _weight(K: int, N: int, seed: int = 0) -> np.ndarray:
@@ -216,8 +223,8 @@ def test_obs_rounding_updates_in_place_as_the_textbook_loop(order: str, dtype: t
 
 
 def test_gptq_in_float32_matches_float64() -> None:
-    """The default float32 factorization and row loop (the reference implementation's precision): the same output
-    error as float64 to 0.1% and almost every code the same, with an outlier channel in the inputs."""
+    """The float32 factorization and row loop (the reference implementation's precision): the same output error
+    as float64 to 0.1% and almost every code the same, with an outlier channel in the inputs."""
     K, N = 512, 96
     W = _weight(K, N)
     X = _correlated_inputs(2048, K)
@@ -225,7 +232,7 @@ def test_gptq_in_float32_matches_float64() -> None:
     stats = LayerStats(K)
     stats.update(X)
     H = stats.hessian()
-    r32 = gptq(W, bits=4, group_size=128, symmetric=False, stats=stats)
+    r32 = gptq(W, bits=4, group_size=128, symmetric=False, stats=stats, precision="float32")
     r64 = gptq(W, bits=4, group_size=128, symmetric=False, stats=stats, precision="float64")
 
     def err(r: WOQResult) -> float:
@@ -238,8 +245,13 @@ def test_gptq_in_float32_matches_float64() -> None:
     assert stats.hessian(np.float32).dtype == np.float32
     np.testing.assert_array_equal(stats.hessian(np.float32), H.astype(np.float32))
     np.testing.assert_array_equal(stats.diagonal(), np.diag(H))
-    with pytest.raises(RecipeError, match="precision 'float16'.*allowed: float32, float64"):
+    with pytest.raises(RecipeError, match="precision 'float16'.*allowed: auto, float32, float64"):
         gptq(W, bits=4, group_size=128, stats=stats, precision="float16")
+    # auto: float64 for this narrow layer (bit for bit), float32 above FLOAT64_MAX_K inputs
+    r_auto = gptq(W, bits=4, group_size=128, symmetric=False, stats=stats)
+    np.testing.assert_array_equal(r_auto.codes, r64.codes)
+    assert work_precision(K) == "float64" and work_precision(FLOAT64_MAX_K + 1) == "float32"
+    assert GPTQ_FLOAT64_MAX_K == FLOAT64_MAX_K
 
 
 # -- AWQ ------------------------------------------------------------------------------------------
