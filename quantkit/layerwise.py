@@ -62,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from quantkit.algorithms.gptq import gptq_factor
 from quantkit.algorithms.rotation import rotation_for
 from quantkit.algorithms.woq import WOQResult, get_weight_algorithm
 from quantkit.calibrate.layer_stats import LayerStats, quadratic_form
@@ -134,8 +135,8 @@ def _pack(res: WOQResult, accuracy_level: int) -> PackedLinear:
     return PackedLinear(B, scales, zp, res.bits, bs, K, N, res.input_scale, accuracy_level)
 
 
-# float32 bytes of W per column slice (RTN's temporaries are ~12x a slice; GPTQ factors the Hessian once per
-# slice, so its slices are larger)
+# float32 bytes of W per column slice (RTN's temporaries are ~12x a slice; GPTQ's ~1.3x in its working dtype, the
+# Hessian factorized once for all slices)
 _COLUMN_WISE = {"rtn": 16 << 20, "gptq": 32 << 20}
 """Bytes of float32 weights an algorithm that treats output columns one by one (given the layer's Hessian) takes per
 call: a wide layer goes in column slices, same result.  GPTQ's at 32 MB: SmolLM2's tied lm_head (576 x 49152, 113 MB)
@@ -340,6 +341,9 @@ class _Hook(BuildHook):
             res = fn(np.ascontiguousarray(w), bits=bits, group_size=lp.group_size, symmetric=lp.weight_symmetric,
                      stats=stats, **opts)  # fmt: skip
         else:  # each slice's codes and scales written into the layer's arrays (no list of parts beside them)
+            if algo == "gptq":  # one factorization of the Hessian (the K^3 part) shared by every slice
+                shared: dict[str, Any] = {k: opts[k] for k in ("percdamp", "act_order", "precision") if k in opts}
+                opts = {**opts, "factor": gptq_factor(stats, K=K, **shared)}
             codes = scales = zps = None
             first = None
             for j in range(0, N, step):

@@ -13,7 +13,7 @@ alone either way), BERT-base 59.7 -> 51.6 s, ResNet-18 for ``x86-vnni`` 5.4 -> 4
 :func:`blas_threads` limits the BLAS pools the process has loaded (``threadpoolctl``) for the length of a
 ``with`` block and restores them after: the default is one thread; ``$QUANTKIT_BLAS_THREADS`` sets another count,
 or ``all`` leaves the libraries' own setting.  ONNX Runtime's pools and torch's are not touched.  The layer-wise
-LLM path does not use it (its build runs in a process of its own, torch at one thread: see ``signround``).
+LLM path does not use it (its build runs in a process of its own; SignRound's torch keeps torch's thread count).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ error compensation).  With ``H = I`` there is nothing to compensate and the resu
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,7 +48,8 @@ from quantkit.calibrate.layer_stats import LayerStats
 from quantkit.errors import CalibrationError, RecipeError
 from quantkit.scheme.qparams import dequantize, group_weight_codes, quantize
 
-__all__ = ["FLOAT64_MAX_K", "gptq", "inverse_hessian_cholesky", "obs_rounding", "work_precision"]
+__all__ = ["FLOAT64_MAX_K", "GPTQFactor", "gptq", "gptq_factor", "inverse_hessian_cholesky", "obs_rounding",
+           "work_precision"]
 
 FLOAT64_MAX_K = 4096
 """``precision: auto``: the widest layer input factorized in float64 (a ``K x K`` float64 of 128 MB, 3.7 s against
@@ -143,6 +145,50 @@ def obs_rounding(Wm: np.ndarray, U: np.ndarray, round_row: Callable[[int, np.nda
                 Wm[i2:] = out.T
 
 
+@dataclass(frozen=True)
+class GPTQFactor:
+    """What GPTQ derives from a layer's Hessian alone, whatever its weight: the processing order ``perm``
+    (act-order), the damped diagonal ``diag`` (original order; dead inputs at 1), the ``dead`` inputs and the
+    upper factor ``U`` of the reordered, damped inverse (:func:`inverse_hessian_cholesky`).  A wide layer's column
+    slices share one (the factorization is the ``K^3`` part of the work)."""
+
+    K: int
+    percdamp: float
+    act_order: bool
+    precision: str
+    perm: np.ndarray
+    diag: np.ndarray
+    dead: np.ndarray
+    U: np.ndarray
+
+
+def gptq_factor(stats: LayerStats | None = None, hessian: np.ndarray | None = None, *, K: int | None = None,
+                percdamp: float = 0.01, act_order: bool = True, precision: str = "auto") -> GPTQFactor:
+    """:class:`GPTQFactor` of ``stats`` (``Σxᵀx / count``, read in place) or of ``hessian`` (``[K, K]``); ``K``, when
+    given, is checked against the Hessian's."""
+    if precision not in ("auto", "float32", "float64"):
+        raise RecipeError(f"gptq: precision {precision!r} is not supported; allowed: auto, float32, float64")
+    scale = 1.0
+    if hessian is not None:
+        H = np.asarray(hessian)
+    elif stats is not None:
+        if stats.count == 0:
+            raise CalibrationError("LayerStats: no inputs were collected for this layer")
+        H, scale = stats.H, 1.0 / stats.count  # read in place: H / count is taken a band of rows at a time
+    else:
+        raise CalibrationError("gptq needs calibration statistics (stats=LayerStats) of the layer input")
+    k = H.shape[0]
+    if H.shape != (k, k) or (K is not None and k != K):
+        raise CalibrationError(f"gptq: Hessian shape {H.shape} does not match the weight's K={K}")
+    work = work_precision(k) if precision == "auto" else precision
+    diag = np.diag(H).astype(np.float64) * scale
+    dead = diag == 0
+    diag[dead] = 1.0
+    perm = np.argsort(-diag, kind="stable") if act_order else np.arange(k)
+    U = inverse_hessian_cholesky(H, percdamp, order=perm, scale=scale, dtype=np.dtype(work))
+    return GPTQFactor(k, percdamp, act_order, work, perm, diag, dead, U)
+
+
 @register_weight_algorithm("gptq")
 def gptq(
     W: np.ndarray,
@@ -158,6 +204,7 @@ def gptq(
     hessian: np.ndarray | None = None,
     clip: bool = True,
     precision: str = "auto",
+    factor: GPTQFactor | None = None,
     **options: Any,
 ) -> WOQResult:
     """GPTQ-quantize ``W`` ``[K, N]`` using the input second moment from ``stats`` (or ``hessian``).
@@ -165,7 +212,8 @@ def gptq(
     Returns the codes / scales GPTQ chose (groups of ``group_size`` rows along K).  ``precision``: the dtype of the
     factorization and the row loop: ``float32`` (the reference implementation's; half the time and memory of
     float64 on a wide layer, the same output error on real layers), ``float64``, or ``auto``: float64 up to
-    :data:`FLOAT64_MAX_K` inputs (a ``K x K`` of at most 128 MB: cheap), float32 above.
+    :data:`FLOAT64_MAX_K` inputs (a ``K x K`` of at most 128 MB: cheap), float32 above.  ``factor``: the Hessian's
+    factorization from :func:`gptq_factor` with the same settings, shared by the column slices of a wide layer.
     """
     if options:
         raise RecipeError(
@@ -176,28 +224,19 @@ def gptq(
         raise RecipeError(f"gptq: precision {precision!r} is not supported; allowed: auto, float32, float64")
     w32 = check_weight(W, bits)
     K, N = w32.shape
-    scale = 1.0
-    if hessian is not None:
-        H = np.asarray(hessian)
-    elif stats is not None:
-        if stats.count == 0:
-            raise CalibrationError("LayerStats: no inputs were collected for this layer")
-        H, scale = stats.H, 1.0 / stats.count  # read in place: H / count is taken a band of rows at a time
-    else:
-        raise CalibrationError("gptq needs calibration statistics (stats=LayerStats) of the layer input")
-    if H.shape != (K, K):
-        raise CalibrationError(f"gptq: Hessian shape {H.shape} does not match the weight's K={K}")
+    if factor is None:
+        factor = gptq_factor(stats, hessian, K=K, percdamp=percdamp, act_order=act_order, precision=precision)
+    elif (factor.K, factor.percdamp, factor.act_order, factor.precision) != (
+            K, percdamp, act_order, precision if precision != "auto" else work_precision(K)):
+        raise CalibrationError(f"gptq: the factor given was computed for K={factor.K}, percdamp={factor.percdamp}, "
+                               f"act_order={factor.act_order}, precision={factor.precision}, not this call's")
     g = resolve_group_size(K, group_size)
     kb = -(-K // g)
     dtype = "uint4" if bits == 4 else "uint8"
-    work = np.dtype(work_precision(K) if precision == "auto" else precision)
-
-    diag = np.diag(H).astype(np.float64) * scale
-    dead = diag == 0
-    diag[dead] = 1.0
-    perm = np.argsort(-diag, kind="stable") if act_order else np.arange(K)
+    work = np.dtype(factor.precision)
+    perm, diag, U = factor.perm, factor.diag, factor.U
     Wm = np.asarray(w32[perm], work)  # the rows in processing order: the one working copy of W
-    Wm[dead[perm], :] = 0.0
+    Wm[factor.dead[perm], :] = 0.0
 
     def group_qparams(rows: np.ndarray, imp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         r32 = rows.astype(np.float32)
@@ -217,7 +256,6 @@ def gptq(
             scales[b], zeros[b] = group_qparams(Wm[at[b * g : (b + 1) * g]], diag[b * g : (b + 1) * g])
 
     group_of = perm // g  # group (original order) of each processed row
-    U = inverse_hessian_cholesky(H, percdamp, order=perm, scale=scale, dtype=work)
 
     # blocks aligned to groups so that a group's rows are up to date when its qparams are taken
     B = block_size if static or block_size % g == 0 else g * max(1, -(-block_size // g))

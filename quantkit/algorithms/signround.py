@@ -86,20 +86,15 @@ def signround_refine(
 ) -> WOQResult:
     """Signed-gradient refinement of ``init`` (codes / scales of ``w`` ``[K, N]`` on quantkit's grid) under
     the loss ``tr((W_hat - w)^T H (W_hat - w))``; ``H`` float ``[K, K]`` (damped by the caller)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    # one thread: the matrices are small (K, N <= a few thousand); on a shared 2-core machine two OpenMP
-    # threads spent 10x the CPU time of one (busy waiting) for the same result, and one thread keeps the
-    # float32 summation order, hence the codes, independent of the machine
-    torch.set_num_threads(1)
-    try:
-        if not learn_clip:
-            return _refine_fixed_scales(w, H, init, iters=iters, lr=lr, relaxed=relaxed)
-        return _refine_learned_clip(w, H, init, iters=iters, lr=lr, min_clip=min_clip, narrow=narrow,
-                                    relaxed=relaxed, clip_lr_scale=clip_lr_scale)
-    finally:
-        torch.set_num_threads(threads)
+    # torch's own thread count (the cores, unless the caller set it): its float32 matmuls split the output, not
+    # the sums, so the codes are the same as on one thread (checked bit for bit on 576 x 1536 .. 2048 x 2048), and
+    # on 2 cores two threads took 0.55-0.62x the time of one from 576 x 1536 to 5632 x 2048, SmolLM2's
+    # llama-int4 recipe 83.7 s of SignRound instead of 109.1 s, the same model (one thread had been chosen for its
+    # CPU time: busy-waiting OpenMP threads spend ~10x more of it; the wall time is what a run waits for)
+    if not learn_clip:
+        return _refine_fixed_scales(w, H, init, iters=iters, lr=lr, relaxed=relaxed)
+    return _refine_learned_clip(w, H, init, iters=iters, lr=lr, min_clip=min_clip, narrow=narrow,
+                                relaxed=relaxed, clip_lr_scale=clip_lr_scale)
 
 
 def _refine_learned_clip(w: np.ndarray, H: np.ndarray, init: WOQResult, *, iters: int, lr: float | None,

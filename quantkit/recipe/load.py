@@ -369,7 +369,7 @@ def _check_algorithm_options(model: RecipeModel, where: str) -> None:
     if model.search is not None:
         items += [(f"search.candidates[{i}]", cand.algorithm or d.algorithm, dict(cand.algorithm_options))
                   for i, cand in enumerate(model.search.candidate_list()) if cand.algorithm_options is not None]
-    reserved = {"W", "w", "bits", "group_size", "symmetric", "stats", "hessian"}
+    reserved = {"W", "w", "bits", "group_size", "symmetric", "stats", "hessian", "factor"}
     for key, name, options in items:
         fn = get_weight_algorithm(name)
         params = inspect.signature(fn).parameters

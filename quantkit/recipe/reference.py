@@ -485,7 +485,7 @@ def _registry_tables() -> list[str]:
               "signatures (counts are bounded: "
               + ", ".join(f"`{k}` {lo} to {hi}" for k, (lo, hi) in ALGORITHM_COUNT_RANGES.items()) + "):", "",
               "| algorithm | options | description |", "|---|---|---|"]
-    reserved = {"W", "w", "bits", "group_size", "symmetric", "stats", "hessian"}
+    reserved = {"W", "w", "bits", "group_size", "symmetric", "stats", "hessian", "factor"}
     for name in _registered("algorithm"):
         fn = get_weight_algorithm(name)
         params = inspect.signature(fn).parameters

@@ -9,6 +9,7 @@ from quantkit.algorithms.awq import awq, awq_shared
 from quantkit.algorithms.gptq import (
     FLOAT64_MAX_K,
     gptq,
+    gptq_factor,
     inverse_hessian_cholesky,
     obs_rounding,
     work_precision,
@@ -252,6 +253,25 @@ def test_gptq_in_float32_matches_float64() -> None:
     np.testing.assert_array_equal(r_auto.codes, r64.codes)
     assert work_precision(K) == "float64" and work_precision(FLOAT64_MAX_K + 1) == "float32"
     assert GPTQ_FLOAT64_MAX_K == FLOAT64_MAX_K
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_gptq_column_slices_sharing_one_factor_are_the_whole_layer_bit_for_bit(precision: str) -> None:
+    """A wide layer (an lm_head) goes in column slices that share one factorization of the Hessian (the K^3 part):
+    the same codes and scales as the whole layer; a factor of other settings is refused."""
+    K, N = 320, 700
+    W = _weight(K, N, seed=5)
+    stats = LayerStats(K)
+    stats.update(_correlated_inputs(1500, K))
+    whole = gptq(W, bits=4, group_size=64, symmetric=False, stats=stats, precision=precision)
+    f = gptq_factor(stats, K=K, precision=precision)
+    parts = [gptq(np.ascontiguousarray(W[:, j : j + 256]), bits=4, group_size=64, symmetric=False, stats=stats,
+                  precision=precision, factor=f) for j in range(0, N, 256)]
+    np.testing.assert_array_equal(np.concatenate([q.codes for q in parts], axis=1), whole.codes)
+    np.testing.assert_array_equal(np.concatenate([q.scales for q in parts], axis=1), whole.scales)
+    np.testing.assert_array_equal(np.concatenate([q.zero_points for q in parts], axis=1), whole.zero_points)
+    with pytest.raises(CalibrationError, match="factor given was computed for .*percdamp=0.01"):
+        gptq(W, bits=4, group_size=64, stats=stats, precision=precision, percdamp=0.02, factor=f)
 
 
 # -- AWQ ------------------------------------------------------------------------------------------
