@@ -362,6 +362,7 @@ class _Hook(BuildHook):
             assert first is not None and codes is not None and scales is not None and zps is not None  # noqa: S101
             res = WOQResult(codes, scales, zps, first.bits, first.group_size, first.symmetric, None)
             del first, codes, scales, zps
+            opts.pop("factor", None)  # GPTQ's factor freed before the report row takes its own K x K
         self.result_rows.append(_layer_row(name, lp, algo, w, res, stats, block, time.perf_counter() - t0))
         if name not in (self.embed, f"{self.embed}.hot"):  # a MatMulNBits (the embedding: GatherBlockQuantized)
             self.result_rows[-1]["accuracy_level"] = self.accuracy_level

@@ -23,6 +23,11 @@ Details, as in the reference implementation:
 * groups: min-max qparams of each group of ``g`` rows (the grid of
   :func:`~quantkit.scheme.qparams.group_weight_codes`), computed when the group's first row
   is reached, i.e. from the weights already updated by all earlier rows;
+* precision: the factorization and the row loop in float32, as the reference implementation (which runs on a
+  GPU), for layers of more than :data:`FLOAT64_MAX_K` inputs, float64 below (``precision: auto``); the Hessian is
+  gathered reordered, band by band, into one ``K x K`` array that LAPACK factorizes and inverts in place, and the
+  lazy block updates are one in-place GEMM each; the column slices of a wide layer share one factorization
+  (:class:`GPTQFactor`);
 * act-order (``act_order=True``): rows are processed in order of decreasing ``H_ii``.
   Groups must stay contiguous in the original K order (``MatMulNBits`` and blocked
   ``DequantizeLinear`` groups are contiguous along K), so this uses the "static groups"
@@ -148,7 +153,7 @@ def obs_rounding(Wm: np.ndarray, U: np.ndarray, round_row: Callable[[int, np.nda
 @dataclass(frozen=True)
 class GPTQFactor:
     """What GPTQ derives from a layer's Hessian alone, whatever its weight: the processing order ``perm``
-    (act-order), the damped diagonal ``diag`` (original order; dead inputs at 1), the ``dead`` inputs and the
+    (act-order), the diagonal ``diag`` of ``H / count`` (original order; dead inputs at 1), the ``dead`` inputs and the
     upper factor ``U`` of the reordered, damped inverse (:func:`inverse_hessian_cholesky`).  A wide layer's column
     slices share one (the factorization is the ``K^3`` part of the work)."""
 
