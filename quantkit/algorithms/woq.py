@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from quantkit.calibrate.layer_stats import LayerStats
 
 __all__ = [
+    "RESERVED_OPTIONS",
     "WEIGHT_ALGORITHMS",
     "WOQResult",
     "WeightAlgorithm",
@@ -114,6 +115,11 @@ class WeightAlgorithm(Protocol):
 
 
 WEIGHT_ALGORITHMS: Registry[WeightAlgorithm] = Registry("weight algorithm")
+
+
+RESERVED_OPTIONS = frozenset({"W", "w", "bits", "group_size", "symmetric", "stats", "hessian", "factor"})
+"""Keyword arguments of a weight algorithm that quantkit passes itself (the weight, the format's bits / group /
+grid, the statistics, GPTQ's shared factorization): never ``algorithm_options`` a recipe may set."""
 
 
 def register_weight_algorithm(name: str) -> Any:

@@ -359,7 +359,7 @@ def _check_algorithm_options(model: RecipeModel, where: str) -> None:
     its ``options`` attribute when it takes them through ``**kwargs`` (checked by name)."""
     import inspect
 
-    from quantkit.algorithms.woq import get_weight_algorithm
+    from quantkit.algorithms.woq import RESERVED_OPTIONS, get_weight_algorithm
 
     d = model.quantization.default
     items = [("quantization.default", d.algorithm, dict(d.algorithm_options))] + [
@@ -369,7 +369,7 @@ def _check_algorithm_options(model: RecipeModel, where: str) -> None:
     if model.search is not None:
         items += [(f"search.candidates[{i}]", cand.algorithm or d.algorithm, dict(cand.algorithm_options))
                   for i, cand in enumerate(model.search.candidate_list()) if cand.algorithm_options is not None]
-    reserved = {"W", "w", "bits", "group_size", "symmetric", "stats", "hessian", "factor"}
+    reserved = RESERVED_OPTIONS
     for key, name, options in items:
         fn = get_weight_algorithm(name)
         params = inspect.signature(fn).parameters

@@ -466,7 +466,7 @@ def _data_tables() -> list[str]:
 
 
 def _registry_tables() -> list[str]:
-    from quantkit.algorithms.woq import get_weight_algorithm
+    from quantkit.algorithms.woq import RESERVED_OPTIONS, get_weight_algorithm
     from quantkit.calibrate import get_calibrator
     from quantkit.recipe.load import ALGORITHM_COUNT_RANGES
 
@@ -485,7 +485,7 @@ def _registry_tables() -> list[str]:
               "signatures (counts are bounded: "
               + ", ".join(f"`{k}` {lo} to {hi}" for k, (lo, hi) in ALGORITHM_COUNT_RANGES.items()) + "):", "",
               "| algorithm | options | description |", "|---|---|---|"]
-    reserved = {"W", "w", "bits", "group_size", "symmetric", "stats", "hessian", "factor"}
+    reserved = RESERVED_OPTIONS
     for name in _registered("algorithm"):
         fn = get_weight_algorithm(name)
         params = inspect.signature(fn).parameters
