@@ -89,9 +89,11 @@ class R(CalibrationDataReader):
             return None
         self.i += 1
         return {k: data[k][self.i - 1 : self.i] for k in names}
-os.chdir(tempfile.mkdtemp())  # its calibrator writes augmented models into the working directory
-quantize_static(src, dst, R(), quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QUInt8,
-                weight_type=QuantType.QInt8, reduce_range=rr)
+with tempfile.TemporaryDirectory(prefix="zoo-ort-") as work:  # removed after (it was left behind in /tmp)
+    os.chdir(work)  # its calibrator writes augmented models into the working directory
+    quantize_static(src, dst, R(), quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QUInt8,
+                    weight_type=QuantType.QInt8, reduce_range=rr)
+    os.chdir(os.path.dirname(os.path.abspath(dst)))
 """
 
 
