@@ -160,7 +160,7 @@ def _layer_row(name: str, lp: LayerPlan, algo: str, w: np.ndarray, res: WOQResul
         err2 += float(np.sum(d * d))
         ref2 += float(np.sum(w64 * w64))
         if H is not None:
-            num += quadratic_form(H, w64)  # tr(Wᵀ H W) = E‖xW‖²
+            num += quadratic_form(H, w[:, j : j + step])  # tr(Wᵀ H W) = E‖xW‖² (w is float32 already)
             den += quadratic_form(H, d)  # E‖x(W - Ŵ)‖²
     row: dict[str, Any] = {
         "layer": name, "format": lp.format, "algorithm": algo, "bits": res.bits, "group_size": res.group_size,
