@@ -165,6 +165,19 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 32768, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
         "rms_norm_eps": 1.5625e-07, "attention_bias": True, "hidden_act": "silu", "tie_word_embeddings": False,
         "bos_token_id": None, "eos_token_id": 151329, "pad_token_id": 151329}},
+    "olmoe": {"from": "allenai/OLMoE-1B-7B-0924 (width; 1 and 2 of its 16 layers)", "layers": (1, 2), "config": {
+        "model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "num_hidden_layers": 16, "vocab_size": 50304, "max_position_embeddings": 4096,
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "num_experts": 64, "num_experts_per_tok": 8,
+        "norm_topk_prob": False, "clip_qkv": None, "hidden_act": "silu", "tie_word_embeddings": False,
+        "bos_token_id": None, "eos_token_id": 50279, "pad_token_id": 1}},
+    "qwen3_moe": {"from": "Qwen/Qwen3-30B-A3B (width; 1 and 2 of its 48 layers)", "layers": (1, 2), "config": {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_hidden_layers": 48,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None, "max_window_layers": 48,
+        "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645}},
 }  # fmt: skip
 
 # End-to-end cases (--e2e): a family's published config above, the depth, config changes (a variant's width) and,
@@ -181,6 +194,8 @@ E2E: dict[str, tuple[str, int, dict[str, Any], str]] = {
     "gpt_bigcode": ("gpt_bigcode", 2, {}, ""),
     "olmo": ("olmo", 2, {"clip_qkv": 8.0}, ""),
     "glm4": ("glm4", 1, {}, ""),
+    "olmoe": ("olmoe", 2, {}, ""),
+    "qwen3_moe": ("qwen3_moe", 1, {}, "Qwen/Qwen3-30B-A3B (width; 1 of its 48 layers)"),
 }
 
 # Child: the FP32 decoder built by quantkit against transformers' model (argv: folder, output .onnx).
@@ -235,6 +250,8 @@ def run_e2e(case: str, work: Path) -> dict[str, Any]:
     rep = json.loads((work / "out" / "report.json").read_text())
     row["warnings"] = [str(w)[:200] for w in rep.get("warnings", [])]
     row["peak_GB"] = round((rep.get("memory") or {}).get("measured_peak_bytes", 0) / 1e9, 2)
+    row["estimated_GB"] = round(((rep.get("memory") or {}).get("estimated_peak_bytes") or 0) / 1e9, 2)
+    row["timings_s"] = {k: round(v, 1) for k, v in (rep.get("timings") or {}).items() if isinstance(v, (int, float))}
     t0 = time.perf_counter()
     g = subprocess.run([*_quantkit(), "generate", "--model", str(work / "out"), "--prompt",
                         "It is a truth universally acknowledged", "--max-new-tokens", "16"],
@@ -270,6 +287,14 @@ folder, cfg, layers = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3
 cfg = dict(cfg, **{("n_layer" if "n_layer" in cfg else "num_hidden_layers"): layers})
 conf = AutoConfig.for_model(**cfg)
 conf.torch_dtype = torch.bfloat16
+if any(cfg.get(k) for k in ("num_experts", "num_local_experts")):
+    # a mixture of experts: transformers holds the experts as [experts, N, K] tensors and writes them one linear per
+    # expert (the Hub's layout, the one quantkit reads): the model is made for real, in bfloat16, and saved by it
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(conf, dtype=torch.bfloat16)
+    model.save_pretrained(str(folder), max_shard_size="1GB")
+    print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "architecture": type(model).__name__}))
+    raise SystemExit(0)
 with torch.device("meta"):
     model = AutoModelForCausalLM.from_config(conf)
 params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # a tied lm_head is not listed (shared)

@@ -164,6 +164,10 @@ DOCUMENTED: dict[str, dict[str, str]] = {
     "int4_rotation_x86-vnni.json": {
         "title": "INT4 SmolLM2-135M with and without the randomized Hadamard rotation (quantization.rotation)",
     },
+    "moe_x86-vnni.json": {
+        "title": "Mixtures of experts at published widths: ONNX Runtime's QMoE kernel vs the standard-op expert dispatch "
+                 "(INT4 RTN g128, same packed weights) and the float MoE kernel",
+    },
 }
 
 
@@ -663,6 +667,26 @@ def _flat(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return [(prefix.rstrip("."), data)]
 
 
+def _moe(data: dict[str, Any]) -> list[str]:
+    """eval/bench_moe.py: per case, decode / prefill latency of every decoder and their logits' agreement."""
+    out: list[str] = []
+    for r in data["cases"]:
+        names = list(r["decode_ms"])
+        base = r["decode_ms"].get("fp32")
+        out += ["", f"**{r['case']}**: {r['from']}, {r['layers']} layer(s), {r['params'] / 1e9:.2f}B parameters "
+                f"({r['date']}, load {r['load_start']} -> {r.get('load_end')})", "",
+                "| decoder | decode ms/token (past 128) | x FP32 | prefill 128 tokens ms | max logit diff / max logit "
+                "vs int4 dispatch level 0 | QMoE / MoE / MatMulNBits / NonZero nodes |", "|---|---|---|---|---|---|"]
+        for k in names:
+            ops = r.get(f"{k} ops") or {}
+            cnt = " / ".join(str(ops.get(o, 0)) for o in ("QMoE", "MoE", "MatMulNBits", "NonZero")) if ops else ""
+            ratio = f"{base / r['decode_ms'][k]:.2f}" if base else ""
+            diff = r["logits_vs_dispatch_level0"].get(k)
+            out.append(f"| {k} | {r['decode_ms'][k]:.2f} | {ratio} | {r['prefill128_ms'].get(k, float('nan')):.1f} | "
+                       f"{'' if diff is None else f'{diff:.2e}'} | {cnt} |")
+    return out
+
+
 def _zoo(data: dict[str, Any]) -> list[str]:
     """The conformance zoo (eval/zoo/run.py): its own table, rendered by the script that wrote the file."""
     import importlib.util
@@ -682,6 +706,9 @@ def body(name: str, data: Any) -> list[str]:
         return _memory_estimate(data)
     if isinstance(data, dict) and isinstance(data.get("families"), list):
         return _families(data)
+    if isinstance(data, dict) and isinstance(data.get("cases"), list) and data["cases"] and \
+            "decode_ms" in data["cases"][0]:
+        return _moe(data)
     if isinstance(data, dict) and isinstance(data.get("rows"), list) and data["rows"] and "methods" in data["rows"][0]:
         return _zoo(data)
     if isinstance(data, dict) and isinstance(data.get("rows"), list) and data["rows"] and \

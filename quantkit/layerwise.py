@@ -78,11 +78,13 @@ from quantkit.frontends.llm_builder import (
     build_llm,
     embedded_stream,
     input_groups,
+    input_stages,
     linear_shapes,
     read_decoder_config,
 )
 from quantkit.lowering.nbits import matmul_nbits_arrays
 from quantkit.lowering.w4a8 import level4_check, w4a8_summary
+from quantkit.memory import STAGE_STATS_BYTES
 from quantkit.progress import tqdm
 from quantkit.recipe.plan import LayerPlan, PrecisionPlan
 from quantkit.weight_only import STATS_ALGORITHMS
@@ -170,6 +172,8 @@ def _layer_row(name: str, lp: LayerPlan, algo: str, w: np.ndarray, res: WOQResul
     }  # fmt: skip
     if H is not None:
         row["output_sqnr_db"] = float("inf") if den <= 0 else float(10 * np.log10(max(num, 1e-300) / den))
+    if stats is not None:  # the calibration rows behind the statistics (an expert: the tokens routed to it)
+        row["calibration_rows"] = int(stats.count)
     return row
 
 
@@ -185,10 +189,9 @@ class _Hook(BuildHook):
         self.notes: dict[str, str] = {}
         self.resumed = 0
         self.hidden: np.ndarray | None = None  # memory-mapped [windows, seq, H] entering the current block
-        self.groups = input_groups(cfg)  # graph order of a block's linears, grouped by the tensor they read
         self.embed = cfg.spec.names.embed
         self.plans = {f"{block_prefix(cfg, i)}.{s}": self._layer_plan(f"{block_prefix(cfg, i)}.{s}")
-                      for i in range(cfg.num_hidden_layers) for s in linear_shapes(cfg)}  # fmt: skip
+                      for i in range(cfg.num_hidden_layers) for s in linear_shapes(cfg, i)}  # fmt: skip
         self.plans["lm_head"] = self._layer_plan("lm_head")
         # the input embedding of a tied model whose head is rounded from statistics (stored apart): a Gather,
         # so rounded to the nearest level (its own plan entry, format / group as the recipe says)
@@ -442,24 +445,11 @@ class _Hook(BuildHook):
     def _gather(self, batches: Iterable[np.ndarray], K: int, want_stats: bool, want_sample: bool, seed: int
                 ) -> tuple[LayerStats | None, np.ndarray | None]:
         """Statistics (``want_stats``) and / or a sample of at most ``max_rows`` rows (``want_sample``) of one layer
-        input, from its per-window batches.  The sample is the statistics' reservoir when there are statistics,
-        else the same number of rows drawn from every window (seeded: a rerun draws the same rows)."""
-        stats = LayerStats(K, max_rows=self.max_rows) if want_stats else None
-        n = int(self.windows.shape[0]) if self.windows is not None else 1
-        per = -(-self.max_rows // max(n, 1))
-        rng = np.random.default_rng(seed)
-        parts: list[np.ndarray] = []
+        input, from its per-window batches (:class:`_Gather`)."""
+        acc = _Gather(self, K, want_stats, want_sample, seed)
         for x in batches:
-            if stats is not None:
-                stats.update(x)
-            elif want_sample:
-                rows = np.asarray(x, np.float32).reshape(-1, K)
-                pick = np.sort(rng.choice(rows.shape[0], min(per, rows.shape[0]), replace=False))
-                parts.append(rows[pick])
-        sample = None
-        if want_sample:
-            sample = stats.samples if stats is not None else (np.concatenate(parts)[: self.max_rows] if parts else None)
-        return stats, sample
+            acc.add(x)
+        return acc.result()
 
     def _final_rows(self, norm_weight: Any, norm_bias: Any = None) -> Iterable[np.ndarray]:
         """The final norm's output on the hidden states after the last block, window by window: what the lm_head
@@ -502,9 +492,23 @@ class _Hook(BuildHook):
     def _collect(self, index: int, weights: dict[str, Any], packed: dict[str, PackedLinear], tap: str, K: int,
                  want_stats: bool = True, want_sample: bool = False) -> tuple[LayerStats | None, np.ndarray | None]:
         """Statistics and / or a row sample (:meth:`_gather`) of the input of layer ``tap`` in block ``index``."""
-        sess = self._session(index, weights, packed, [tap])
-        batches = (sess.run([f"{tap}/input"], feed)[0] for _, feed in self._feeds(index))
-        return self._gather(batches, K, want_stats, want_sample, seed=index + 1)
+        return self._collect_many(index, weights, packed, {tap: (K, want_stats, want_sample)})[tap]
+
+    def _collect_many(self, index: int, weights: dict[str, Any], packed: dict[str, PackedLinear],
+                      asks: dict[str, tuple[int, bool, bool]]
+                      ) -> dict[str, tuple[LayerStats | None, np.ndarray | None]]:
+        """:meth:`_collect` of several layers' inputs (``tap -> (K, want_stats, want_sample)``) from one run of the
+        block.  A tap no calibration row reaches (an expert no token was routed to) gets ``(None, None)``: its layers
+        are rounded without statistics, and the report says so."""
+        taps = list(asks)
+        sess = self._session(index, weights, packed, taps)
+        outs = [f"{t}/input" for t in taps]
+        gathers = {t: _Gather(self, asks[t][0], asks[t][1], asks[t][2], seed=index + 1) for t in taps}
+        for _, feed in self._feeds(index):
+            for t, x in zip(taps, sess.run(outs, feed), strict=True):
+                gathers[t].add(x)
+        del sess
+        return {t: gathers[t].result() for t in taps}
 
     def _advance(self, index: int, weights: dict[str, Any], packed: dict[str, PackedLinear]) -> None:
         """Run the quantized block on the cached states; they become block ``index + 1``'s input."""
@@ -646,19 +650,31 @@ class _Hook(BuildHook):
                     self.hidden = np.load(self.work / f"hidden_{index + 1}.npy", mmap_mode="r")
                 self.bar.update(1)
                 return loaded
-        ws = {f"{p}.{s}": np.ascontiguousarray(_f32(weights[f"{p}.{s}.weight"]).T) for s in linear_shapes(self.cfg)}
+        ws = {f"{p}.{s}": np.ascontiguousarray(_f32(weights[f"{p}.{s}.weight"]).T)
+              for s in linear_shapes(self.cfg, index)}  # fmt: skip
         packed: dict[str, PackedLinear] = {}
-        for group in self.groups:
-            names = [f"{p}.{s}" for s in group]
-            wants = [n for n in names if LAYERWISE_FORMATS[self.plans[n].format] is not None
-                     and self.plans[n].algorithm in STATS_ALGORITHMS]  # fmt: skip
-            check = self.checks and any(LAYERWISE_FORMATS[self.plans[n].format] == 4 for n in names)
-            stats = sample = None
-            if (wants or check) and self.needs_stats:
-                stats, sample = self._collect(index, weights, packed, names[0], ws[names[0]].shape[0],
-                                              want_stats=bool(wants), want_sample=check)  # fmt: skip
-            packed.update(self._quantize_group(names, ws, stats, index, sample))
-            del stats, sample
+        for stage in input_stages(self.cfg, index):
+            # the groups of a stage read inputs no other group of it changes (a mixture of experts: every expert's
+            # gate / up): their statistics come from one run of the block, as many at once as STAGE_STATS_BYTES holds
+            todo = [[f"{p}.{s}" for s in group] for group in stage]
+            while todo:
+                part: list[list[str]] = []
+                size = 0
+                while todo and (not part or size + _stats_bytes(ws[todo[0][0]].shape[0]) <= STAGE_STATS_BYTES):
+                    size += _stats_bytes(ws[todo[0][0]].shape[0])
+                    part.append(todo.pop(0))
+                asks: dict[str, tuple[int, bool, bool]] = {}
+                for names in part:
+                    wants = [n for n in names if LAYERWISE_FORMATS[self.plans[n].format] is not None
+                             and self.plans[n].algorithm in STATS_ALGORITHMS]  # fmt: skip
+                    check = self.checks and any(LAYERWISE_FORMATS[self.plans[n].format] == 4 for n in names)
+                    if (wants or check) and self.needs_stats:
+                        asks[names[0]] = (ws[names[0]].shape[0], bool(wants), check)
+                got = self._collect_many(index, weights, packed, asks) if asks else {}
+                for names in part:
+                    stats, sample = got.pop(names[0], (None, None))
+                    packed.update(self._quantize_group(names, ws, stats, index, sample))
+                    del stats, sample
         del ws
         if self.needs_stats:
             self._advance(index, weights, packed)
@@ -793,7 +809,7 @@ class _Hook(BuildHook):
     def _packed_from(self, index: int, arrays: dict[str, np.ndarray], layers: Any) -> dict[str, PackedLinear]:
         """The :class:`PackedLinear` of block ``index`` from a block file's arrays, checked against this run."""
         p = block_prefix(self.cfg, index)
-        want = {f"{p}.{s}": shape for s, shape in linear_shapes(self.cfg).items()
+        want = {f"{p}.{s}": shape for s, shape in linear_shapes(self.cfg, index).items()
                 if LAYERWISE_FORMATS[self.plans[f"{p}.{s}"].format] is not None}  # fmt: skip
         if not isinstance(layers, dict) or set(layers) != set(want):
             raise _BadEntry(f"holds layers {sorted(layers) if isinstance(layers, dict) else layers!r}, "
@@ -828,7 +844,8 @@ class _Hook(BuildHook):
             out[n] = PackedLinear(B, scales, got["zp"], bits, bs, K, N, got["s"], acc)
         if set(arrays) - used:
             raise _BadEntry(f"holds unexpected arrays {sorted(set(arrays) - used)[:3]}")
-        for group in self.groups:  # the layers reading one input have one level (the check decides per input)
+        for group in input_groups(self.cfg, index):  # the layers reading one input have one level (the check decides
+            # per input)
             lv = {out[f"{p}.{s}"].accuracy_level for s in group if f"{p}.{s}" in out}
             if len(lv) > 1:
                 raise _BadEntry(f"the layers {', '.join(group)} have accuracy levels {sorted(lv)}; one input, one level")
@@ -845,6 +862,47 @@ class _BadEntry(Exception):
 
 _OWN = re.compile(r"block_\d+(\.tmp)?\.npz|hidden_\d+\.npy(\.tmp)?|state\.json(\.tmp)?")
 """Names of the files quantkit writes into a work folder: the only ones it ever removes there."""
+
+
+def _stats_bytes(K: int) -> int:
+    return 8 * K * K
+
+
+class _Gather:
+    """One layer input's statistics (``want_stats``) and / or sample of at most ``max_rows`` rows (``want_sample``),
+    fed its per-window batches.  The sample is the statistics' reservoir when there are statistics, else the same
+    number of rows drawn from every window (seeded: a rerun draws the same rows).  Batches without rows (an expert no
+    token of a window was routed to) add nothing; an input that got no row at all has neither."""
+
+    def __init__(self, hook: Any, K: int, want_stats: bool, want_sample: bool, seed: int) -> None:
+        self.K, self.want_sample = K, want_sample
+        self.stats = LayerStats(K, max_rows=hook.max_rows) if want_stats else None
+        n = int(hook.windows.shape[0]) if hook.windows is not None else 1
+        self.per = -(-hook.max_rows // max(n, 1))
+        self.max_rows = hook.max_rows
+        self.rng = np.random.default_rng(seed)
+        self.parts: list[np.ndarray] = []
+        self.rows = 0
+
+    def add(self, x: np.ndarray) -> None:
+        rows = np.asarray(x, np.float32).reshape(-1, self.K)
+        if not rows.shape[0]:
+            return
+        self.rows += rows.shape[0]
+        if self.stats is not None:
+            self.stats.update(rows)
+        elif self.want_sample:
+            pick = np.sort(self.rng.choice(rows.shape[0], min(self.per, rows.shape[0]), replace=False))
+            self.parts.append(rows[pick])
+
+    def result(self) -> tuple[LayerStats | None, np.ndarray | None]:
+        if not self.rows:
+            return None, None
+        sample = None
+        if self.want_sample:
+            sample = (self.stats.samples if self.stats is not None
+                      else np.concatenate(self.parts)[: self.max_rows] if self.parts else None)  # fmt: skip
+        return self.stats, sample
 
 
 def _remove(path: Path) -> None:

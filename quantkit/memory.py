@@ -109,6 +109,10 @@ LOGITS_COPIES = 2.0
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
                 "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # fmt: skip
 _BLOCK = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+STAGE_STATS_BYTES = 1 << 30
+"""The statistics (``Σxᵀx``, float64 ``K x K``) one run of a block gathers at most for the layers of one calibration
+stage (a mixture of experts: every expert's gate / up, then every expert's down; :mod:`quantkit.layerwise`)."""
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
@@ -326,6 +330,7 @@ class DecoderSizes:
     vocab: int
     itemsize: float  # stored bytes per parameter
     block_shapes: tuple[tuple[int, int], ...] = ()  # (K, N) of the largest block's linear layers
+    experts: int = 0  # experts in the largest block (a mixture of experts), 0: a dense block
 
     @property
     def fp32_bytes(self) -> int:
@@ -350,15 +355,26 @@ def decoder_sizes(folder: str | os.PathLike[str]) -> DecoderSizes:
             outside[name] = t.shape
             continue
         blk = blocks.setdefault(int(m.group(1)), {"stored": 0, "linear": 0, "largest": 0, "k": 0, "n": 0,
-                                                  "shapes": []})  # fmt: skip
+                                                  "shapes": [], "experts": set()})  # fmt: skip
         blk["stored"] += b
+        e = _EXPERT.search(name)
+        if e is not None:
+            blk["experts"].add(int(e.group(1)))
+        if len(t.shape) == 3:  # experts stored together ([experts, N, K]: Granite-MoE): a linear per expert
+            e, nn, kk = (int(v) for v in t.shape)
+            blk["experts"].update(range(e))
+            blk["shapes"] += [(kk, nn)] * e
+            blk["linear"] += n
+            blk["largest"] = max(blk["largest"], nn * kk)
+            blk["n"], blk["k"] = max(blk["n"], nn), max(blk["k"], kk)
         if len(t.shape) == 2:
             blk["shapes"].append((int(t.shape[1]), int(t.shape[0])))
             blk["linear"] += n
             blk["largest"] = max(blk["largest"], n)
             blk["n"], blk["k"] = max(blk["n"], t.shape[0]), max(blk["k"], t.shape[1])  # HF layout [N, K]
     big: dict[str, Any] = max(blocks.values(), key=lambda b: b["stored"]) if blocks else {"stored": 0, "linear": 0, "largest": 0,
-                                                                          "k": 0, "n": 0, "shapes": []}  # fmt: skip
+                                                                          "k": 0, "n": 0, "shapes": [],
+                                                                          "experts": set()}  # fmt: skip
     mats = {k: s for k, s in outside.items() if len(s) == 2}
     emb_name = next((k for k in mats if k.endswith("embed_tokens.weight") or k.endswith("wte.weight")),
                     max(mats, key=lambda k: math.prod(mats[k]), default=None))  # fmt: skip
@@ -369,6 +385,7 @@ def decoder_sizes(folder: str | os.PathLike[str]) -> DecoderSizes:
         block_linear=big["linear"], largest_linear=big["largest"], max_k=big["k"], widest_n=big["n"],
         embedding=math.prod(emb), head=math.prod(head) if head else 0, hidden=emb[1] if len(emb) == 2 else 0,
         vocab=emb[0] if emb else 0, itemsize=stored / max(params, 1), block_shapes=tuple(big["shapes"]),
+        experts=len(big["experts"]),
     )  # fmt: skip
 
 
@@ -449,6 +466,10 @@ def layerwise_estimate(sizes: DecoderSizes, *, bits: int, algorithms: Iterable[s
         session = SESSION_COPIES * 4 * s.block_linear + 4 * 4 * windows[1] * wide
         layer = max(((8 * k * k if hessian else 0) + 4 * rows * k + max(_algo_extra(a, k, n) for a in algos)
                      for k, n in s.block_shapes), default=0.0)  # fmt: skip
+        if s.experts:  # a stage's statistics and row samples at once: the experts' inputs (capped per run)
+            per = 8 * s.max_k * s.max_k if hessian else 0
+            at_once = min(s.experts, max(1, STAGE_STATS_BYTES // per)) if per else s.experts
+            layer += (at_once - 1) * (per + 4 * min(rows, max_rows) * s.max_k)
         block += states + max(session + (8 * s.max_k * s.max_k if hessian else 0), layer)
         block += w4a8_bytes
     # the table as read: the shard's mapped pages and the tensor copied out of them

@@ -111,6 +111,22 @@ class Names:
     stored_prefix: str = ""
     """A prefix that checkpoints may lack (GPT-2 on the Hub stores ``h.0.attn...``, ``save_pretrained`` of
     ``GPT2LMHeadModel`` ``transformer.h.0.attn...``): such a tensor is read under the shorter name."""
+    router: str | None = None
+    """A mixture-of-experts block's router: a linear ``[experts, H]`` giving every token its expert logits (kept in
+    float32: it decides which experts run)."""
+    experts: str | None = None
+    """The experts of a mixture-of-experts block: expert ``e``'s linears are ``<experts>.<e>.<role>`` for the roles of
+    :attr:`expert_roles`."""
+    expert_roles: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """An expert's ``gate``, ``up`` and ``down`` linears (Mixtral: ``w1``, ``w3``, ``w2``)."""
+    expert_store: tuple[str, str] | None = None
+    """Experts stored as two ``[experts, N, K]`` tensors (suffixes after the block): ``gate`` and ``up`` rows in the
+    first (``[gate | up]`` per expert), ``down`` in the second (Granite-MoE's ``input_linear`` / ``output_linear``);
+    each expert's linears are read as slices under their graph names.  None: one tensor per expert linear."""
+    shared_expert: str | None = None
+    """An expert every token runs (Qwen2-MoE's ``mlp.shared_expert``: ``gate_proj`` / ``up_proj`` / ``down_proj``)."""
+    shared_expert_gate: str | None = None
+    """A linear ``[1, H]`` whose sigmoid scales the shared expert's output per token (kept in float32)."""
 
 
 @dataclass(frozen=True)
@@ -243,6 +259,17 @@ class Family:
     """Granite's scalars are read: ``embedding_multiplier`` (the embedding rows), ``residual_multiplier`` (attention
     and MLP outputs before each residual add), ``attention_multiplier`` (the attention scale, instead of
     ``head_dim ** -0.5``) and ``logits_scaling`` (the logits are divided by it)."""
+    moe: bool = False
+    """Mixture-of-experts blocks (:attr:`Names.router`, :attr:`Names.experts`): the router's softmax over the experts,
+    the ``experts_per_token`` largest probabilities (renormalized to sum to 1 when :attr:`DecoderConfig.norm_topk_prob`)
+    weight the outputs of those experts, each a gated MLP."""
+    moe_norm_key: str = "norm_topk_prob"
+    """The config key saying whether the top-k routing weights are renormalized; empty: always (Mixtral)."""
+    moe_inter_key: str = "moe_intermediate_size"
+    """The config key of an expert's intermediate size; empty: ``intermediate_size`` (Mixtral)."""
+    moe_sparse_layers: bool = False
+    """Only some layers are mixture-of-experts (Qwen-MoE's ``decoder_sparse_step`` / ``mlp_only_layers``); the others
+    have a dense MLP of ``intermediate_size``."""
     genai_type: str = ""
 
     @property
@@ -277,6 +304,8 @@ class Family:
             return "it normalizes the embedding rows with a weighted norm"
         if self.parallel != "never":
             return "its attention and MLP read the block input in parallel (not handled by the rotation)"
+        if self.moe:
+            return "its mixture-of-experts blocks (a router beside the experts) are not handled by the rotation"
         return None
 
     @property
@@ -382,6 +411,25 @@ FAMILIES: tuple[Family, ...] = (
            defaults=(("partial_rotary_factor", 0.25), ("layer_norm_eps", 1e-5)), genai_type="decoder"),
     Family("olmo", ("olmo",), "OLMo (1)", norm="layer", norm_bias=False, norm_free=True, clip_qkv=True,
            defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
+    Family("mixtral", ("mixtral",), "Mixtral (mixture of experts)",
+           names=Names(router="block_sparse_moe.gate", experts="block_sparse_moe.experts",
+                       expert_roles=("w1", "w3", "w2")),
+           windows="all", moe=True, moe_norm_key="", moe_inter_key="", genai_type="decoder"),
+    Family("granitemoe", ("granitemoe",), "Granite-MoE (3.x)",
+           names=Names(router="block_sparse_moe.router.layer", experts="block_sparse_moe.experts",
+                       expert_store=("block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight")),
+           multipliers=True, moe=True, moe_norm_key="", moe_inter_key="", genai_type="decoder"),
+    Family("qwen2_moe", ("qwen2_moe",), "Qwen1.5-MoE / Qwen2-MoE",
+           names=Names(router="mlp.gate", experts="mlp.experts", shared_expert="mlp.shared_expert",
+                       shared_expert_gate="mlp.shared_expert_gate"),
+           windows="layer_types", window_rule="qwen", moe=True, moe_sparse_layers=True, genai_type="decoder"),
+    Family("qwen3_moe", ("qwen3_moe",), "Qwen3-MoE",
+           names=Names(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", router="mlp.gate", experts="mlp.experts"),
+           windows="layer_types", window_rule="qwen", moe=True, moe_sparse_layers=True, genai_type="decoder"),
+    Family("olmoe", ("olmoe",), "OLMoE",
+           names=Names(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", qk_norm_whole=True, router="mlp.gate",
+                       experts="mlp.experts"),
+           clip_qkv=True, moe=True, moe_inter_key="", defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
     Family("olmo2", ("olmo2",), "OLMo-2",
            names=_OLMO_NAMES,
            defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
@@ -608,17 +656,23 @@ _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_ex
 
 
 def moe_message(cfg: Mapping[str, Any], where: str) -> str | None:
-    """Why a mixture-of-experts decoder (``config.json`` names experts) cannot be quantized, or None for a dense
-    one: the streaming builder has no expert routing, and ``torch.export`` cannot trace the routing of
-    transformers' MoE blocks (their grouped matrix products have no ONNX export), so the whole-graph path fails
-    too - refused at once instead of after the export."""
+    """Why the whole-graph path refuses a mixture-of-experts decoder (``config.json`` names experts), or None for a
+    dense one: ``torch.export`` cannot trace the expert dispatch of transformers' MoE blocks (their grouped matrix
+    products have no ONNX export) - refused at once instead of after the export.  A family of the streaming builder
+    (Mixtral, Qwen-MoE, OLMoE) is pointed to the layer-wise path; another one is named unsupported, with the MoE
+    families that are."""
     keys = [k for k in _MOE_KEYS if isinstance(cfg.get(k), int) and not isinstance(cfg.get(k), bool) and cfg[k] > 1]
     if not keys:
         return None
-    return (f"{where}: model_type {str(cfg.get('model_type', '?'))!r} is a mixture-of-experts decoder "
-            f"({keys[0]}: {cfg[keys[0]]}); quantkit does not support MoE models: the layer-wise builder has no expert "
-            "routing and the whole-graph path cannot export it (torch.export does not trace the expert dispatch); "
-            f"supported decoder families: {', '.join(supported_model_types())}")
+    model_type = str(cfg.get("model_type", "?")).lower()
+    head = f"{where}: model_type {model_type!r} is a mixture-of-experts decoder ({keys[0]}: {cfg[keys[0]]})"
+    moe_types = [t for f in FAMILIES if f.moe for t in f.model_types]
+    if model_type in moe_types:
+        return (f"{head}; the whole-graph path cannot export it (torch.export does not trace the expert dispatch): "
+                "quantize it layer-wise (calibration.layerwise: true, the default for decoders)")
+    return (f"{head}; quantkit supports the mixture-of-experts families {', '.join(moe_types)} (layer-wise); this "
+            "one's routing is not supported, and the whole-graph path cannot export it (torch.export does not trace "
+            f"the expert dispatch); supported decoder families: {', '.join(supported_model_types())}")
 
 
 def unsupported_message(model_type: str, where: str, cfg: Mapping[str, Any] | None = None) -> str:
@@ -702,6 +756,23 @@ class DecoderConfig:
     """q, k and v are clamped to ``[-clip_qkv, clip_qkv]`` after their projections (OLMo 1)."""
     qkv_interleaved: bool = False
     """The packed ``qkv`` weight is stored per head (or per key / value group): see :attr:`Names.qkv_per_head`."""
+    num_experts: int = 0
+    """Experts of a mixture-of-experts block (0: a dense decoder)."""
+    experts_per_token: int = 0
+    """Experts each token runs (top-k of the router's probabilities)."""
+    norm_topk_prob: bool = False
+    """The top-k routing weights are renormalized to sum to 1 (else: the softmax over all experts, as they are)."""
+    moe_intermediate_size: int = 0
+    """An expert's intermediate size."""
+    shared_expert_intermediate_size: int = 0
+    """The shared expert's intermediate size (0: none)."""
+    moe_layers: tuple[bool, ...] = ()
+    """Per layer, whether it is a mixture-of-experts block (the others have a dense MLP); empty with
+    :attr:`num_experts`: every layer is."""
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` is a mixture-of-experts block."""
+        return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[layer])
 
     @property
     def spec(self) -> Family:
@@ -941,8 +1012,45 @@ def parse_config(raw: Any, where: str) -> DecoderConfig:
         raise ModelError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
                          "and there is no head_dim; allowed: a multiple, or an explicit head_dim")  # fmt: skip
     out = dataclasses.replace(out, **_attention_extras(cfg, fam, out, where))
+    if fam.moe:
+        out = dataclasses.replace(out, **_moe_fields(cfg, fam, out, where))
     _check_numbers(out, where)
     return out
+
+
+def _count(cfg: Mapping[str, Any], key: str, where: str, *, minimum: int = 1) -> int:
+    v = cfg.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ModelError(f"{where}: {key} {v!r}; allowed: an integer >= {minimum}")
+    return v
+
+
+def _moe_fields(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: str) -> dict[str, Any]:
+    """The mixture-of-experts values of ``config.json`` (:attr:`Family.moe`), checked."""
+    key = next((k for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None), "num_experts")
+    experts = _count(cfg, key, where, minimum=2)
+    top = _count(cfg, "num_experts_per_tok", where)
+    if top > experts:
+        raise ModelError(f"{where}: num_experts_per_tok {top} exceeds {key} {experts}; allowed: 1 .. {experts}")
+    norm = True
+    if fam.moe_norm_key:
+        norm = cfg.get(fam.moe_norm_key, False)
+        if not isinstance(norm, bool):
+            raise ModelError(f"{where}: {fam.moe_norm_key} {norm!r}; allowed: true or false")
+    inter = _count(cfg, fam.moe_inter_key, where) if fam.moe_inter_key else out.intermediate_size
+    shared = 0
+    if fam.names.shared_expert is not None:
+        shared = _count(cfg, "shared_expert_intermediate_size", where)
+    layers: tuple[bool, ...] = ()
+    if fam.moe_sparse_layers:
+        step = _count(cfg, "decoder_sparse_step", where) if cfg.get("decoder_sparse_step") is not None else 1
+        dense = cfg.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+            raise ModelError(f"{where}: mlp_only_layers {dense!r}; allowed: a list of layer indices")
+        layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(out.num_hidden_layers))
+    return {"num_experts": experts, "experts_per_token": top, "norm_topk_prob": bool(norm),
+            "moe_intermediate_size": int(inter), "shared_expert_intermediate_size": int(shared),
+            "moe_layers": layers}
 
 
 def read_config(folder: str | os.PathLike[str]) -> DecoderConfig:
@@ -968,6 +1076,8 @@ def _attention_extras(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, w
     L = out.num_hidden_layers
     extra: dict[str, Any] = {}
     window = cfg.get("sliding_window")
+    if window == 0 and fam.window_rule == "qwen" and not cfg.get("use_sliding_window"):
+        window = None  # Qwen2-MoE's config class writes 0 for a window it does not use
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ModelError(f"{where}: sliding_window {window!r}; allowed: an integer >= 1 or null")
     types: tuple[str, ...] = ()

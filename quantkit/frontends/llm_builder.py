@@ -98,7 +98,10 @@ __all__ = [
     "embedded_stream",
     "stream_extras",
     "generate",
+    "expert_linears",
+    "float_linears",
     "input_groups",
+    "input_stages",
     "linear_groups",
     "linear_shapes",
     "norm_gamma",
@@ -248,6 +251,8 @@ class _Checkpoint:
         self.transposed: set[str] = set()  # graph names of Conv1D weights
         self.reordered: dict[str, np.ndarray] = {}  # graph name -> the order its rows are read in
         self.virtual: dict[str, np.ndarray] = {}  # graph name -> a tensor the checkpoint does not store (ones)
+        # graph name -> (stored [experts, N, K] tensor, expert, first row, end row): experts stored together
+        self.sliced: dict[str, tuple[str, int, int, int]] = {}
         if cfg is not None:
             fam = cfg.spec
             for k in list(self.tensors) if fam.names.stored_renames else []:  # EXAONE 3's names for LLaMA's modules
@@ -285,9 +290,18 @@ class _Checkpoint:
             for graph, stored in fam.names.stored_aliases:
                 if graph not in self.tensors and stored in self.tensors:
                     self.stored[graph] = stored
+            if fam.names.expert_store is not None:  # Granite-MoE: [experts, 2 I, H] and [experts, H, I] per block
+                up_down = fam.names.expert_store
+                inter = cfg.moe_intermediate_size
+                for i in range(cfg.num_hidden_layers):
+                    p = block_prefix(cfg, i)
+                    for e, (gate, up, down) in enumerate(expert_linears(cfg) if cfg.is_moe(i) else []):
+                        self.sliced[f"{p}.{gate}.weight"] = (f"{p}.{up_down[0]}", e, 0, inter)
+                        self.sliced[f"{p}.{up}.weight"] = (f"{p}.{up_down[0]}", e, inter, 2 * inter)
+                        self.sliced[f"{p}.{down}.weight"] = (f"{p}.{up_down[1]}", e, 0, cfg.hidden_size)
             if fam.conv1d:
                 self.transposed = {f"{fam.names.layers}.{i}.{s}.weight" for i in range(cfg.num_hidden_layers)
-                                   for s in linear_shapes(cfg)}  # fmt: skip
+                                   for s in linear_shapes(cfg, i)}  # fmt: skip
             if fam.names.qkv_mp and fam.names.qkv is not None:  # CodeGen: mp shards of [q | v | k] -> [q | k | v]
                 sharded = np.arange(3 * cfg.hidden_size).reshape(fam.names.qkv_mp, 3, -1)
                 rows = np.concatenate([sharded[:, 0].reshape(-1), sharded[:, 2].reshape(-1), sharded[:, 1].reshape(-1)])
@@ -307,16 +321,27 @@ class _Checkpoint:
         return self.stored.get(name, name)
 
     def __contains__(self, name: str) -> bool:
+        if name in self.sliced:
+            return self._name(self.sliced[name][0]) in self.where
         return name in self.virtual or self._name(name) in self.where
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """A tensor's shape from the header (``[N, K]`` for a Conv1D weight, as it is read)."""
+        """A tensor's shape from the header (``[N, K]`` for a Conv1D weight, as it is read; an expert's slice of the
+        experts' tensor, which must hold that expert and those rows)."""
         if name in self.virtual:
             return tuple(self.virtual[name].shape)
+        if name in self.sliced:
+            stored, e, a, b = self.sliced[name]
+            shape = self.tensors[self._name(stored)].shape
+            if len(shape) != 3 or e >= shape[0] or b > shape[1]:
+                return tuple(shape)  # reported as a mis-shaped tensor by check_checkpoint
+            return (b - a, shape[2])
         shape = self.tensors[self._name(name)].shape
         return tuple(reversed(shape)) if name in self.transposed else shape
 
     def file(self, name: str) -> Path:
+        if name in self.sliced:
+            return self.where[self._name(self.sliced[name][0])]
         return self.where[self._name(name)] if name not in self.virtual else Path("(none: ones)")
 
     def read(self, names: Iterable[str]) -> Iterator[tuple[str, Any]]:
@@ -331,9 +356,16 @@ class _Checkpoint:
         missing = [n for n in names if n not in self]
         if missing:
             raise ModelError(f"checkpoint lacks tensors {missing[:4]}")
+        together: dict[str, Any] = {}  # experts' tensors read once per call, sliced per expert
         for n in names:
             if n in self.virtual:
                 yield n, self.virtual[n].copy()
+                continue
+            if n in self.sliced:
+                stored, e, a, b = self.sliced[n]
+                if stored not in together:
+                    together[stored] = read_tensor(self.tensors[self._name(stored)])
+                yield n, together[stored][e, a:b]
                 continue
             t = read_tensor(self.tensors[self._name(n)])
             order = self.reordered.get(n)
@@ -553,6 +585,7 @@ class _GraphBuilder:
         self._consts: dict[tuple[str, bytes], str] = {}
         self.positions: str | None = None  # position ids [B, S] for RotaryEmbedding nodes, made once
         self.alibi: str | None = None  # ALiBi's attention bias [1, heads, S, T], made once
+        self.tapped = False  # a calibration block graph: every linear a node of its own (no fused QMoE)
 
     def node(
         self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs: Any
@@ -653,9 +686,29 @@ def block_prefix(cfg: DecoderConfig, index: int) -> str:
     return f"{cfg.spec.names.layers}.{index}"
 
 
-def linear_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, int]]:
+def _moe_needs_index(cfg: DecoderConfig, index: int | None) -> None:
+    if index is None and cfg.num_experts:
+        raise ValueError("a mixture-of-experts decoder's blocks differ: pass the block index")
+
+
+def expert_linears(cfg: DecoderConfig) -> list[tuple[str, str, str]]:
+    """A mixture-of-experts block's gated MLPs as ``(gate, up, down)`` suffixes after :func:`block_prefix`: the
+    shared expert first when there is one, then expert 0, 1, ..."""
+    n = cfg.spec.names
+    out: list[tuple[str, str, str]] = []
+    if n.shared_expert is not None:
+        out.append((f"{n.shared_expert}.gate_proj", f"{n.shared_expert}.up_proj", f"{n.shared_expert}.down_proj"))
+    g, u, d = n.expert_roles
+    out += [(f"{n.experts}.{e}.{g}", f"{n.experts}.{e}.{u}", f"{n.experts}.{e}.{d}") for e in range(cfg.num_experts)]
+    return out
+
+
+def linear_shapes(cfg: DecoderConfig, index: int | None = None) -> dict[str, tuple[int, int]]:
     """A block's linear layers (suffix after :func:`block_prefix`) -> HF weight shape ``[N, K]``, in graph order
-    (a packed ``qkv`` / ``gate_up`` weight is one layer, as the checkpoint stores it)."""
+    (a packed ``qkv`` / ``gate_up`` weight is one layer, as the checkpoint stores it).  ``index``: the block (a
+    mixture-of-experts decoder's blocks differ: its experts' linears, :func:`expert_linears`; the router stays
+    float and is not listed)."""
+    _moe_needs_index(cfg, index)
     H, nh, nkv, hd, inter = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                              cfg.intermediate_size)  # fmt: skip
     n = cfg.spec.names
@@ -666,6 +719,12 @@ def linear_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, int]]:
         assert n.q is not None and n.k is not None and n.v is not None  # noqa: S101 - a family has one or the other
         out[n.q], out[n.k], out[n.v] = (nh * hd, H), (nkv * hd, H), (nkv * hd, H)
     out[n.o] = (H, nh * hd)
+    if index is not None and cfg.is_moe(index):
+        for j, (g, u, d) in enumerate(expert_linears(cfg)):
+            width = (cfg.shared_expert_intermediate_size if j == 0 and n.shared_expert is not None
+                     else cfg.moe_intermediate_size)  # fmt: skip
+            out[g], out[u], out[d] = (width, H), (width, H), (H, width)
+        return out
     if n.gate_up is not None:
         out[n.gate_up] = (2 * inter, H)
     else:
@@ -677,23 +736,44 @@ def linear_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, int]]:
     return out
 
 
-def linear_groups(cfg: DecoderConfig) -> tuple[tuple[str, ...], ...]:
+def linear_groups(cfg: DecoderConfig, index: int | None = None) -> tuple[tuple[str, ...], ...]:
     """A block's linears grouped by the tensor they read, in graph order: attention input, o_proj, MLP input,
-    down_proj (suffixes as in :func:`linear_shapes`)."""
+    down_proj (suffixes as in :func:`linear_shapes`).  A mixture-of-experts block: attention input, o_proj, then
+    every expert's ``(gate, up)`` (each reads the rows routed to it), then every expert's ``(down,)``."""
+    _moe_needs_index(cfg, index)
     n = cfg.spec.names
     attn = (n.qkv,) if n.qkv is not None else (n.q, n.k, n.v)
+    head = tuple(tuple(s for s in grp if s is not None) for grp in (attn, (n.o,)))
+    if index is not None and cfg.is_moe(index):
+        experts = expert_linears(cfg)
+        return head + tuple((g, u) for g, u, _ in experts) + tuple((d,) for _, _, d in experts)
     mlp = (n.gate_up,) if n.gate_up is not None else tuple(s for s in (n.gate, n.up) if s is not None)
-    return tuple(tuple(s for s in grp if s is not None) for grp in (attn, (n.o,), mlp, (n.down,)))
+    return head + (mlp, (n.down,))
 
 
-def input_groups(cfg: DecoderConfig) -> tuple[tuple[str, ...], ...]:
+def input_groups(cfg: DecoderConfig, index: int | None = None) -> tuple[tuple[str, ...], ...]:
     """:func:`linear_groups` with the groups that read one tensor merged: a parallel block whose MLP reads the
     attention's norm (Phi-2, StableLM, Cohere) has q/k/v and the MLP's input linears in one group, so that an AWQ
     input scale searched for all of them folds into that norm (and q/k/v still fuse into one ``MatMulNBits``)."""
-    attn, o, mlp, down = linear_groups(cfg)
+    groups = linear_groups(cfg, index)
+    if index is not None and cfg.is_moe(index):
+        return groups
+    attn, o, mlp, down = groups
     if cfg.parallel_residual and cfg.mlp_norm is None:
         return (attn + mlp, o, down)
     return (attn, o, mlp, down)
+
+
+def input_stages(cfg: DecoderConfig, index: int) -> tuple[tuple[tuple[str, ...], ...], ...]:
+    """:func:`input_groups` in the stages of layer-wise calibration: the groups of one stage read inputs that no other
+    group of the stage changes, so their statistics come from one run of the block.  Dense blocks: a group per stage;
+    a mixture-of-experts block: attention input, o_proj, every expert's gate / up (the rows routed to it), every
+    expert's down (its own gate / up quantized)."""
+    groups = input_groups(cfg, index)
+    if not cfg.is_moe(index):
+        return tuple((grp,) for grp in groups)
+    half = (len(groups) - 2) // 2
+    return ((groups[0],), (groups[1],), groups[2 : 2 + half], groups[2 + half :])
 
 
 def block_norms(cfg: DecoderConfig) -> list[str]:
@@ -707,6 +787,18 @@ def norm_params(cfg: DecoderConfig, name: str) -> list[str]:
     return [f"{name}.weight"] + ([f"{name}.bias"] if cfg.spec.norm == "layer" and cfg.spec.norm_bias else [])
 
 
+def float_linears(cfg: DecoderConfig, index: int) -> dict[str, tuple[int, int]]:
+    """The linears of block ``index`` that stay float32 (suffix -> HF shape ``[N, K]``): a mixture-of-experts
+    block's router and its shared expert's gate."""
+    n = cfg.spec.names
+    if not cfg.is_moe(index) or n.router is None:
+        return {}
+    out = {n.router: (cfg.num_experts, cfg.hidden_size)}
+    if n.shared_expert_gate is not None:
+        out[n.shared_expert_gate] = (1, cfg.hidden_size)
+    return out
+
+
 def block_tensor_names(cfg: DecoderConfig, index: int, has: Any) -> list[str]:
     """The checkpoint tensors of block ``index`` (``has(name)``: whether an optional bias exists)."""
     p = block_prefix(cfg, index)
@@ -714,8 +806,9 @@ def block_tensor_names(cfg: DecoderConfig, index: int, has: Any) -> list[str]:
     names = [t for s in block_norms(cfg) for t in norm_params(cfg, f"{p}.{s}")]
     names += [f"{p}.{s}.weight" for s in (n.q_norm, n.k_norm) if s is not None]
     names += [f"{p}.{n.sinks}"] if n.sinks is not None else []
-    names += [f"{p}.{s}.weight" for s in linear_shapes(cfg)]
-    names += [f"{p}.{s}.bias" for s in linear_shapes(cfg) if has(f"{p}.{s}.bias")]
+    names += [f"{p}.{s}.weight" for s in linear_shapes(cfg, index)]
+    names += [f"{p}.{s}.bias" for s in linear_shapes(cfg, index) if has(f"{p}.{s}.bias")]
+    names += [f"{p}.{s}.weight" for s in float_linears(cfg, index)]
     if cfg.activation == "xielu":  # Apertus: the activation's own parameters
         names += [f"{p}.{n.act}.{k}" for k in XIELU_PARAMS if has(f"{p}.{n.act}.{k}")]
     return names
@@ -747,10 +840,11 @@ def check_checkpoint(cfg: DecoderConfig, ckpt: _Checkpoint) -> None:
         for qk, heads in ((n.q_norm, cfg.num_attention_heads), (n.k_norm, cfg.num_key_value_heads)):
             if qk is not None:
                 want[f"{p}.{qk}.weight"] = (cfg.head_dim * (heads if n.qk_norm_whole else 1),)
-        for s, shape in linear_shapes(cfg).items():
+        for s, shape in linear_shapes(cfg, i).items():
             want[f"{p}.{s}.weight"] = shape
             if f"{p}.{s}.bias" in ckpt:
                 want[f"{p}.{s}.bias"] = shape[:1]
+        want.update({f"{p}.{s}.weight": shape for s, shape in float_linears(cfg, i).items()})
         if n.sinks is not None:
             want[f"{p}.{n.sinks}"] = (cfg.num_attention_heads,)
         if cfg.activation == "xielu":  # Apertus: the two learned scalars (beta and eps fall back to their defaults)
@@ -766,7 +860,9 @@ def check_checkpoint(cfg: DecoderConfig, ckpt: _Checkpoint) -> None:
             raise ModelError(f"tensor {t!r} in {str(ckpt.file(t))!r} has shape {list(got)}, config.json "
                              f"implies {list(expected)} (hidden_size {H}, vocab_size {V}, num_attention_heads "
                              f"{cfg.num_attention_heads}, num_key_value_heads {cfg.num_key_value_heads}, head_dim "
-                             f"{cfg.head_dim}, intermediate_size {cfg.intermediate_size})")  # fmt: skip
+                             f"{cfg.head_dim}, intermediate_size {cfg.intermediate_size}"
+                             + (f", experts {cfg.num_experts} of intermediate size {cfg.moe_intermediate_size}"
+                                if cfg.num_experts else "") + ")")  # fmt: skip
 
 
 def check_decoder_folder(folder: str | Path) -> DecoderConfig:
@@ -1014,11 +1110,15 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
     fam, n = cfg.spec, cfg.spec.names
     p = block_prefix(cfg, i)
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    shapes = linear_shapes(cfg)
+    shapes = linear_shapes(cfg, i)
     for s, shape in shapes.items():
         _check_shape(f"{p}.{s}.weight", w[f"{p}.{s}.weight"], shape)
     q = {s: packed.get(f"{p}.{s}") for s in shapes}
-    attn_in, (o_proj,), mlp_in, (down_proj,) = linear_groups(cfg)
+    groups = linear_groups(cfg, i)
+    attn_in, (o_proj,) = groups[0], groups[1]
+    moe = cfg.is_moe(i)
+    # a mixture-of-experts block's MLP input is read by the router and the experts: no AWQ scale folds into its norm
+    mlp_in, down_proj = ((), "") if moe else (groups[2], groups[3][0])
     taps: dict[str, str] = {}
     residual, pending = io.residual, io.pending
 
@@ -1110,7 +1210,11 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
     h = _shared_scale(g, h, f"{p}/mlp_input_scale", q, mlp_in)
     a = f"{p}.{n.act}"
     act_params = {k: w.pop(f"{a}.{k}") for k in XIELU_PARAMS if f"{a}.{k}" in w}
-    if fam.mlp == "plain":  # GPT-2: down(act(fc(x)))
+    if moe:
+        mlp_out = _moe_mlp(g, i, h, w, q, taps)
+        assert n.router is not None  # noqa: S101 - a MoE family names its router
+        down_proj = n.router.rsplit(".", 1)[0]  # the block's MLP (mlp, block_sparse_moe) names its output's nodes
+    elif fam.mlp == "plain":  # GPT-2: down(act(fc(x)))
         assert n.up is not None  # noqa: S101 - a plain MLP has its first linear as `up`
         prod = _activation(g, _linear(g, h, f"{p}.{n.up}", w.pop(f"{p}.{n.up}.weight"), w.pop(f"{p}.{n.up}.bias", None),
                                       q[n.up]), a, act_params)  # fmt: skip
@@ -1132,15 +1236,181 @@ def _emit_block(g: _GraphBuilder, i: int, w: dict[str, Any], io: _BlockIO, packe
                        q[n.gate])  # fmt: skip
         up = _linear(g, h, f"{p}.{n.up}", w.pop(f"{p}.{n.up}.weight"), up_bias, q[n.up])
         prod = g.node("Mul", [_activation(g, gate, a), up], [f"{p}.mlp/Mul/output_0"], f"{p}.mlp/Mul")[0]
-    taps[f"{p}.{down_proj}"] = prod
-    pending = _linear(g, prod, f"{p}.{down_proj}", w.pop(f"{p}.{down_proj}.weight"),
-                      w.pop(f"{p}.{down_proj}.bias", None), q[down_proj])  # fmt: skip
+    if not moe:
+        taps[f"{p}.{down_proj}"] = prod
+        mlp_out = _linear(g, prod, f"{p}.{down_proj}", w.pop(f"{p}.{down_proj}.weight"),
+                          w.pop(f"{p}.{down_proj}.bias", None), q[down_proj])  # fmt: skip
     if n.mlp_post_norm is not None:  # Gemma 2: a norm of the MLP output before the residual add
-        pending, _ = norm(n.mlp_post_norm, pending, None)
-    pending = _residual_scaled(g, pending, f"{p}.{down_proj}")
+        mlp_out, _ = norm(n.mlp_post_norm, mlp_out, None)
+    pending = _residual_scaled(g, mlp_out, f"{p}.{down_proj}")
     if cfg.parallel_residual:  # x + (attn + mlp), the order transformers adds them in
         pending = g.node("Add", [o, pending], [f"{p}/parallel_add/output_0"], f"{p}/parallel_add")[0]
     return _BlockIO(residual, pending, taps, io.stream)
+
+
+def _gated_mlp(g: _GraphBuilder, x: str, p: str, roles: tuple[str, str, str], w: dict[str, Any],
+               q: dict[str, PackedLinear | None], taps: dict[str, str]) -> str:
+    """``down(act(gate(x)) * up(x))`` of the linears ``roles`` (suffixes after ``p``), recording what each reads."""
+    gate_s, up_s, down_s = roles
+    for s in (gate_s, up_s):
+        taps[f"{p}.{s}"] = x
+    x = _shared_scale(g, x, f"{p}.{gate_s.rsplit('.', 1)[0]}/input_scale", q, (gate_s, up_s))
+    up_bias = w.pop(f"{p}.{up_s}.bias", None)
+    q[up_s], q[down_s], up_bias = _fold_into_up(q[up_s], q[down_s], up_bias)
+    gate = _linear(g, x, f"{p}.{gate_s}", w.pop(f"{p}.{gate_s}.weight"), w.pop(f"{p}.{gate_s}.bias", None), q[gate_s])
+    up = _linear(g, x, f"{p}.{up_s}", w.pop(f"{p}.{up_s}.weight"), up_bias, q[up_s])
+    name = f"{p}.{gate_s.rsplit('.', 1)[0]}"
+    prod = g.node("Mul", [_activation(g, gate, f"{name}.act_fn"), up], [f"{name}/Mul/output_0"], f"{name}/Mul")[0]
+    taps[f"{p}.{down_s}"] = prod
+    return _linear(g, prod, f"{p}.{down_s}", w.pop(f"{p}.{down_s}.weight"), w.pop(f"{p}.{down_s}.bias", None),
+                   q[down_s])  # fmt: skip
+
+
+QMOE_BLOCK_SIZES = (16, 32, 64, 128)
+"""Block sizes of ONNX Runtime 1.32's CPU ``QMoE`` kernel for 4-bit weights (per-channel runs too, ~5x slower)."""
+
+
+def _qmoe_weights(cfg: DecoderConfig, experts: list[tuple[PackedLinear | None, ...]]) -> Any:
+    """The routed experts ``[(gate, up, down), ...]`` as ``QMoE`` inputs, or None when one ``QMoE`` node cannot run
+    them as packed: ``((fc1 B, scales, zero points), (fc2 ...), bits, block_size, accuracy_level)``.
+
+    ONNX Runtime 1.32's CPU kernel (measured: docs/llm-families.md) takes ``[experts, N, K]`` weights in
+    ``MatMulNBits``' byte order (two 4-bit codes per byte, the even one low; zero point 8 when none is given; scales
+    and packed zero points per block), fc1 the gate and up rows interleaved (``swiglu_fusion=1``: gate 0, up 0, gate 1,
+    ...), and SiLU-gated experts only.  It needs every expert in float32 activations at 4 bits with one block size and
+    one accuracy level (at 8 bits it quantizes the activations whatever the level), no AWQ input scale (its experts
+    share one input) and ``K`` a multiple of the block; otherwise the standard-op dispatch is written."""
+    flat = [t for trio in experts for t in trio]
+    if cfg.activation != "silu" or not flat or any(t is None for t in flat):
+        return None
+    ps = [t for t in flat if t is not None]
+    if len({(t.bits, t.block_size, t.accuracy_level) for t in ps}) != 1 or ps[0].bits != 4:
+        return None
+    bits, bs, level = ps[0].bits, ps[0].block_size, ps[0].accuracy_level
+    if bs not in QMOE_BLOCK_SIZES or any(t.K % bs or t.input_scale is not None or t.hot is not None for t in ps):
+        return None
+    mid = 0x88
+
+    def arrays(ts: list[PackedLinear]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        B = np.stack([t.B.reshape(t.N, -1) for t in ts])
+        S = np.stack([t.scales.reshape(t.N, -1) for t in ts]).astype(np.float32)
+        if all(t.zero_points is None for t in ts):
+            return B, S, None
+        width = next(t.zero_points for t in ts if t.zero_points is not None).shape[-1]
+        Z = np.stack([t.zero_points.reshape(t.N, -1) if t.zero_points is not None
+                      else np.full((t.N, width), mid, np.uint8) for t in ts])  # fmt: skip
+        return B, S, Z
+
+    def interleave(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+        if a is None or b is None:
+            return None
+        out = np.empty((a.shape[0], 2 * a.shape[1], *a.shape[2:]), a.dtype)
+        out[:, 0::2], out[:, 1::2] = a, b
+        return out
+
+    trios = [(g, u, d) for g, u, d in experts if g is not None and u is not None and d is not None]
+    gate, up, down = (arrays([t[j] for t in trios]) for j in range(3))
+    if (gate[2] is None) != (up[2] is None):  # one of them symmetric: its zero points written as the mid level
+        width = (gate[2] if gate[2] is not None else up[2]).shape[-1]  # type: ignore[union-attr]
+        fill = np.full((*gate[0].shape[:2], width), mid, np.uint8)
+        gate = (gate[0], gate[1], gate[2] if gate[2] is not None else fill)
+        up = (up[0], up[1], up[2] if up[2] is not None else fill)
+    fc1 = (interleave(gate[0], up[0]), interleave(gate[1], up[1]), interleave(gate[2], up[2]))
+    return fc1, down, bits, bs, 4 if level == 4 else 0
+
+
+def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, PackedLinear | None],
+             taps: dict[str, str]) -> str:
+    """Block ``i``'s mixture of experts on the normed stream ``h`` ``[B, S, H]``, in standard ops (+ ``MatMulNBits``).
+
+    The router (float32) gives each token's expert logits; their softmax's ``experts_per_token`` largest probabilities
+    (``TopK``; renormalized when :attr:`DecoderConfig.norm_topk_prob`) weight the outputs of those experts.  Expert
+    ``e`` runs on the rows routed to it only (``NonZero`` of ``top_indices == e``, ``Gather``), its weighted output
+    added back into their rows (``ScatterND`` with ``reduction="add"``, in expert order as transformers' index_add);
+    a shared expert (Qwen2-MoE) runs on every row, scaled by the sigmoid of its gate.  An expert no token is routed to
+    runs on zero rows.  The taps of expert ``e``'s gate / up are its routed rows: layer-wise calibration gathers the
+    statistics of exactly the tokens each expert sees."""
+    cfg = g.cfg
+    n, p = cfg.spec.names, block_prefix(cfg, i)
+    assert n.router is not None  # noqa: S101 - a MoE family names its router
+    H = cfg.hidden_size
+    m = f"{p}.{n.router.rsplit('.', 1)[0]}"
+    x = g.node("Reshape", [h, g.const([-1, H])], [f"{m}/tokens/output_0"], f"{m}/tokens")[0]
+    logits = _linear(g, x, f"{p}.{n.router}", w.pop(f"{p}.{n.router}.weight"), None, None)
+    probs = g.node("Softmax", [logits], [f"{m}/router_softmax/output_0"], f"{m}/router_softmax", axis=-1)[0]
+    top_w, top_i = g.node("TopK", [probs, g.const([cfg.experts_per_token])],
+                          [f"{m}/router_topk/values", f"{m}/router_topk/indices"], f"{m}/router_topk", axis=-1)
+    if cfg.norm_topk_prob:
+        total = g.node("ReduceSum", [top_w, g.const([-1])], [f"{m}/router_norm/sum"], f"{m}/router_norm/sum",
+                       keepdims=1)[0]  # fmt: skip
+        top_w = g.node("Div", [top_w, total], [f"{m}/router_norm/output_0"], f"{m}/router_norm")[0]
+    shape = g.node("Shape", [x], [f"{m}/zeros/shape"], f"{m}/zeros/shape")[0]
+    out = g.node("ConstantOfShape", [shape], [f"{m}/zeros/output_0"], f"{m}/zeros",
+                 value=onnx.numpy_helper.from_array(np.zeros(1, np.float32)))[0]  # fmt: skip
+    experts = expert_linears(cfg)
+    zero = g.const(0)
+    if n.shared_expert is not None:  # every row, scaled by sigmoid(shared_expert_gate(x))
+        shared = _gated_mlp(g, x, p, experts.pop(0), w, q, taps)
+        sg = _linear(g, x, f"{p}.{n.shared_expert_gate}", w.pop(f"{p}.{n.shared_expert_gate}.weight"), None, None)
+        sig = g.node("Sigmoid", [sg], [f"{p}.{n.shared_expert_gate}/Sigmoid/output_0"],
+                     f"{p}.{n.shared_expert_gate}/Sigmoid")[0]  # fmt: skip
+        shared = g.node("Mul", [shared, sig], [f"{p}.{n.shared_expert}/gated/output_0"],
+                        f"{p}.{n.shared_expert}/gated")[0]  # fmt: skip
+    else:
+        shared = None
+    fused = None if g.tapped else _qmoe_weights(cfg, [tuple(q[s] for s in roles) for roles in experts])
+    if fused is not None:  # one QMoE node: the routed experts' 4-bit weights stacked, ONNX Runtime's CPU kernel
+        for roles in experts:
+            for s in roles:
+                w.pop(f"{p}.{s}.weight")
+        (b1, s1, z1), (b2, s2, z2), bits, bs, level = fused
+        ins = [x, logits, g.external(f"{p}.{n.experts}.fc1.weight_Q{bits}", b1),
+               g.external(f"{p}.{n.experts}.fc1.weight_scales", s1), "",
+               g.external(f"{p}.{n.experts}.fc2.weight_Q{bits}", b2),
+               g.external(f"{p}.{n.experts}.fc2.weight_scales", s2), "", "", "", "",
+               g.external(f"{p}.{n.experts}.fc1.weight_zero_points", z1) if z1 is not None else "",
+               g.external(f"{p}.{n.experts}.fc2.weight_zero_points", z2) if z2 is not None else "", ""]  # fmt: skip
+        if not cfg.norm_topk_prob:  # the kernel renormalizes the top-k of its own softmax unless given the weights
+            ins.append(probs)
+        out = g.node("QMoE", ins, [f"{p}.{n.experts}/output_0"], f"{p}.{n.experts}", _MS, k=cfg.experts_per_token,
+                     activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=int(cfg.norm_topk_prob),
+                     expert_weight_bits=bits, block_size=bs, weights_prepacked=0, accuracy_level=level)[0]  # fmt: skip
+        experts = []
+    elif not g.tapped and cfg.activation == "silu" and all(q[s] is None for roles in experts for s in roles):
+        # float experts: ONNX Runtime's CPU MoE kernel, the same layout in float32 (fc1 gate / up rows interleaved)
+        def stack(j: int) -> np.ndarray:
+            return np.stack([_float32_rows(w.pop(f"{p}.{roles[j]}.weight"), 0, shapes[roles[j]][0])
+                             for roles in experts])  # fmt: skip
+
+        shapes = linear_shapes(cfg, i)
+        gate, up = stack(0), stack(1)
+        fc1 = np.empty((gate.shape[0], 2 * gate.shape[1], gate.shape[2]), np.float32)
+        fc1[:, 0::2], fc1[:, 1::2] = gate, up
+        del gate, up
+        out = g.node("MoE", [x, logits, g.external(f"{p}.{n.experts}.fc1.weight", fc1), "",
+                             g.external(f"{p}.{n.experts}.fc2.weight", stack(2))],
+                     [f"{p}.{n.experts}/output_0"], f"{p}.{n.experts}", _MS, k=cfg.experts_per_token,
+                     activation_type="swiglu", swiglu_fusion=1,
+                     normalize_routing_weights=int(cfg.norm_topk_prob))[0]  # fmt: skip
+        del fc1
+        experts = []
+    for e, roles in enumerate(experts):
+        en = f"{p}.{n.experts}.{e}"
+        sel = g.node("Equal", [top_i, g.const(e)], [f"{en}/routed/output_0"], f"{en}/routed")[0]
+        where = g.node("NonZero", [sel], [f"{en}/where/output_0"], f"{en}/where")[0]  # [2, rows]: token, slot
+        rows = g.node("Gather", [where, zero], [f"{en}/rows/output_0"], f"{en}/rows", axis=0)[0]
+        xe = g.node("Gather", [x, rows], [f"{en}/input/output_0"], f"{en}/input", axis=0)[0]
+        ye = _gated_mlp(g, xe, p, roles, w, q, taps)
+        slots = g.node("Transpose", [where], [f"{en}/slots/output_0"], f"{en}/slots", perm=[1, 0])[0]
+        we = g.node("GatherND", [top_w, slots], [f"{en}/weight/output_0"], f"{en}/weight")[0]
+        we = g.node("Unsqueeze", [we, g.const([-1])], [f"{en}/weight/column"], f"{en}/weight/column")[0]
+        ye = g.node("Mul", [ye, we], [f"{en}/weighted/output_0"], f"{en}/weighted")[0]
+        idx = g.node("Unsqueeze", [rows, g.const([-1])], [f"{en}/rows/column"], f"{en}/rows/column")[0]
+        out = g.node("ScatterND", [out, idx, ye], [f"{en}/add/output_0"], f"{en}/add", reduction="add")[0]
+    if shared is not None:
+        out = g.node("Add", [out, shared], [f"{m}/shared_add/output_0"], f"{m}/shared_add")[0]
+    hshape = g.node("Shape", [h], [f"{m}/stream/shape"], f"{m}/stream/shape")[0]
+    return g.node("Reshape", [out, hshape], [f"{m}/output_0"], f"{m}/output")[0]
 
 
 def alibi_slopes(heads: int) -> np.ndarray:
@@ -1269,6 +1539,8 @@ def block_model(cfg: DecoderConfig, index: int, weights: dict[str, Any], packed:
     on SmolLM2-135M's blocks; ``o_proj``'s and ``gate_proj``'s about half a block).
     """
     g = _GraphBuilder(cfg, _InMemoryData())
+    taps = list(taps)
+    g.tapped = bool(taps)
     seqlens_k, total_len = _mask_inputs(g)
     length = min(positions, cfg.context_length) if positions else None
     rotary = _rotary_inputs(g, [index], length, total_len) if cfg.uses_rope(index) else {}
@@ -1283,7 +1555,6 @@ def block_model(cfg: DecoderConfig, index: int, weights: dict[str, Any], packed:
               helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
                                             ["batch_size", "total_sequence_length"]), *past_in]  # fmt: skip
     outputs = [helper.make_tensor_value_info("hidden_out", f32, ["batch_size", "sequence_length", H])]
-    taps = list(taps)
     if not hidden_out:
         if not taps:
             raise ValueError("block_model: hidden_out=False needs at least one tap")
@@ -1502,7 +1773,7 @@ def _build(
     io = _BlockIO(residual, pending, {})
     for i in range(L):
         w = dict(ckpt.read(block_tensor_names(cfg, i, ckpt.__contains__)))  # released after the block
-        for s, shape in linear_shapes(cfg).items():
+        for s, shape in linear_shapes(cfg, i).items():
             _check_shape(f"{block_prefix(cfg, i)}.{s}.weight", w[f"{block_prefix(cfg, i)}.{s}.weight"], shape)
         if transform is not None:
             transform.block(i, w)

@@ -250,16 +250,36 @@ def _spec(kind: str) -> tuple[Any, Any]:
                                                            residual_multiplier=0.4, attention_multiplier=0.2,
                                                            logits_scaling=4.0, sliding_window=_WINDOW,
                                                            layer_rope_theta=[0, 10000.0])  # fmt: skip
+    # mixtures of experts: 4 experts of width 48, 2 per token (every expert gets rows of a 20-token sequence)
+    if kind == "mixtral":  # the top-2 weights renormalized, windowed attention
+        return t.MixtralForCausalLM, t.MixtralConfig(**{**c, "intermediate_size": 48}, num_local_experts=4,
+                                                     num_experts_per_tok=2, sliding_window=_WINDOW)  # fmt: skip
+    if kind == "qwen2_moe":  # top-2 softmax weights as they are, a shared expert behind a sigmoid gate, layer 1 dense
+        return t.Qwen2MoeForCausalLM, t.Qwen2MoeConfig(**c, num_experts=4, num_experts_per_tok=2,
+                                                       moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                                                       mlp_only_layers=[1])  # fmt: skip
+    if kind == "qwen3_moe":  # per-head q / k norms, the top-2 weights renormalized
+        return t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(**c, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                       moe_intermediate_size=48, norm_topk_prob=True)  # fmt: skip
+    if kind == "olmoe":  # q / k norms over the whole projection, q / k / v clamped, top-3 of 4 as they are
+        return t.OlmoeForCausalLM, t.OlmoeConfig(**{**c, "intermediate_size": 48}, num_experts=4,
+                                                 num_experts_per_tok=3, clip_qkv=0.5)  # fmt: skip
+    if kind == "granitemoe":  # Granite's four scalars, the experts stored as two [experts, N, K] tensors
+        return t.GraniteMoeForCausalLM, t.GraniteMoeConfig(**{**c, "intermediate_size": 48}, num_local_experts=4,
+                                                           num_experts_per_tok=2, embedding_multiplier=3.0,
+                                                           residual_multiplier=0.4, attention_multiplier=0.2,
+                                                           logits_scaling=4.0)  # fmt: skip
     raise AssertionError(kind)
 
 
+MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"]
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm", "glm4",
          "qwen3_yarn", "llama_yarn", "olmo3", "cohere", "cohere2", "nemotron", "gptj",
          "stablelm_rd20", "gptj_rd8", "hunyuan", "opt", "bloom", "bloom_h6", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_new", "falcon_new1", "falcon_rw", "olmo", "gpt_neo", "codegen", "biogpt", "xglm", "exaone", "internlm3", "iquestcoder", "cwm", "jais2",
          "vaultgemma", "mpt", "mpt_h6", "hyperclovax", "hyperclovax_plain", "apertus",
-         "nanochat", "granite_swa"]
+         "nanochat", "granite_swa", *MOE_KINDS]
 
 
 def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
@@ -383,13 +403,18 @@ def test_block_graphs_reproduce_transformers_hidden_states(built: Any, kind: str
 
     for i in range(cfg.num_hidden_layers):
         w = dict(ckpt.read(llm_builder.block_tensor_names(cfg, i, ckpt.__contains__)))
-        tap = f"{block_prefix(cfg, i)}.{cfg.spec.names.down}"
+        last = list(llm_builder.linear_shapes(cfg, i))[-1]  # down_proj (of the last expert in a mixture)
+        tap = f"{block_prefix(cfg, i)}.{last}"
         sess = ort.InferenceSession(block_model(cfg, i, w, {}, [tap], positions=20).SerializeToString(),
                                     providers=["CPUExecutionProvider"])  # fmt: skip
         empty = np.zeros((1, cfg.num_key_value_heads, 0, cfg.head_dim), np.float32)
         h, x = sess.run(None, {"hidden": h, "attention_mask": np.ones((1, 20), np.int64),
                                f"past_key_values.{i}.key": empty, f"past_key_values.{i}.value": empty})  # fmt: skip
-        assert x.shape == (1, 20, cfg.intermediate_size)
+        assert x.shape[-1] == llm_builder.linear_shapes(cfg, i)[last][1]
+        if not cfg.is_moe(i):
+            assert x.shape == (1, 20, cfg.intermediate_size)
+        else:  # the rows routed to the expert (every expert gets some of 20 tokens here)
+            assert 0 < x.shape[0] < 20 and x.ndim == 2
         if i + 1 < cfg.num_hidden_layers:  # transformers' last hidden state is after the final norm
             want = hs[i + 1].numpy()
             np.testing.assert_allclose(h, want, atol=2e-5 * float(np.abs(want).max()), rtol=0)
@@ -403,6 +428,27 @@ def _plan(folder: Path, **default: Any) -> Any:
     return PrecisionPlan.from_recipe(load_recipe({"version": 1, "model": {"source": str(folder)},
                                                   "calibration": {"layerwise": True},
                                                   "quantization": {"default": q}}))  # fmt: skip
+
+
+def _expert_weight(model: Any, layer: str) -> Any:
+    """The ``[N, K]`` view of expert linear ``layer`` (``...mlp.experts.3.up_proj``, Mixtral's
+    ``...block_sparse_moe.experts.3.w3``) inside transformers' ``[experts, N, K]`` tensors, or None."""
+    import re
+
+    m = re.fullmatch(r"(.*)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)", layer)
+    if m is None:
+        return None
+    try:  # transformers' module: mlp.experts (Mixtral's block_sparse_moe renamed), Granite-MoE's block_sparse_moe
+        experts = model.get_submodule(f"{m.group(1)}.mlp.experts")
+    except AttributeError:
+        experts = model.get_submodule(f"{m.group(1)}.{m.group(2)}.experts")
+    e, role = int(m.group(3)), m.group(4)
+    half = experts.gate_up_proj.shape[1] // 2
+    if role in ("gate_proj", "w1"):
+        return experts.gate_up_proj.data[e, :half]
+    if role in ("up_proj", "w3"):
+        return experts.gate_up_proj.data[e, half:]
+    return experts.down_proj.data[e]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -421,13 +467,25 @@ def test_int4_rtn_equals_the_same_weights_in_pytorch(built: Any, kind: str, tmp_
     plan = _plan(b.folder, algorithm="rtn", algorithm_options={"clip": False})
     res = quantize_llm_layerwise(b.folder, tmp_path / "q" / "model.onnx", plan, None, work_dir=tmp_path / "w",
                                  accuracy_level=1, progress=False)  # fmt: skip
-    ops = [nd.op_type for nd in onnx.load(str(res.path), load_external_data=False).graph.node]
-    assert "MatMul" not in ops and ops.count("MatMulNBits") >= 4 * 2 + 1
+    nodes = onnx.load(str(res.path), load_external_data=False).graph.node
+    ops = [nd.op_type for nd in nodes]
+    cfg = read_decoder_config(b.folder)
+    routers = {f"{block_prefix(cfg, i)}.{s}" for i in range(cfg.num_hidden_layers) for s in llm_builder.float_linears(cfg, i)}
+    # every linear is 4-bit but a mixture's router (and shared-expert gate): float32, as they choose the experts
+    assert {nd.name for nd in nodes if nd.op_type == "MatMul"} == routers
+    assert ops.count("MatMulNBits") >= 4 * 2 + 1
     model = copy.deepcopy(b.model)
     rtn = get_weight_algorithm("rtn")
     conv1d = read_decoder_config(b.folder).spec.conv1d
     with torch.no_grad():
         for row in res.rows:
+            expert = _expert_weight(model, row["layer"])
+            if expert is not None:  # transformers holds the experts as [experts, N, K] tensors
+                lp = plan.layer(row["layer"], "MatMul", row["layer"])
+                eff = rtn(np.ascontiguousarray(expert.numpy().T), bits=4, group_size=32, symmetric=lp.weight_symmetric,
+                          stats=None, clip=False).effective_weight()  # fmt: skip
+                expert.copy_(torch.from_numpy(eff.T))
+                continue
             # (BioGPT's lm_head is its output_projection)
             mod = model.get_output_embeddings() if row["layer"] == "lm_head" else model.get_submodule(row["layer"])
             stored_kn = conv1d and row["layer"] != "lm_head"  # GPT-2's Conv1D keeps [K, N]
@@ -835,17 +893,98 @@ def test_dynamic_ntk_rope_is_built_for_its_original_context(built: Any) -> None:
 
 @pytest.mark.parametrize("cfg", [{"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
                                  {"model_type": "qwen2_moe", "num_experts": 8, "num_experts_per_tok": 2}])
-def test_mixture_of_experts_is_refused_on_both_paths_naming_why(tmp_path: Path, cfg: dict[str, Any]) -> None:
-    """The generic refusal suggested calibration.layerwise: false, whose export then failed after a long torch
-    dump: a mixture-of-experts decoder is refused at once by both paths, saying why."""
+def test_mixture_of_experts_whole_graph_path_points_to_the_layerwise_one(tmp_path: Path, cfg: dict[str, Any]) -> None:
+    """torch.export cannot trace transformers' expert dispatch: the whole-graph path refuses a mixture of experts at
+    once (not after a long torch dump) and names the layer-wise path, which builds it."""
     from quantkit.frontends.hf_folder import check_hf_folder
 
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_size": 64, "num_hidden_layers": 2,
                                                       "num_attention_heads": 4, "vocab_size": 256}))
+    with pytest.raises(ModelError, match=r"is a mixture-of-experts decoder \(num_\w+: \d\); the whole-graph path "
+                                         r"cannot export it.*calibration.layerwise: true"):
+        check_hf_folder(tmp_path)
+
+
+def test_unsupported_mixture_of_experts_is_refused_naming_the_supported_ones(tmp_path: Path) -> None:
+    from quantkit.frontends.hf_folder import check_hf_folder
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phimoe", "num_local_experts": 16,
+                                                      "num_experts_per_tok": 2, "hidden_size": 64,
+                                                      "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "vocab_size": 256}))  # fmt: skip
     for call in (read_decoder_config, check_hf_folder):
-        with pytest.raises(ModelError, match=r"is a mixture-of-experts decoder \(num_\w+: \d\); quantkit does not "
-                                             r"support MoE models.*whole-graph path cannot export it"):
+        with pytest.raises(ModelError, match=r"'phimoe' is a mixture-of-experts decoder \(num_local_experts: 16\); "
+                                             r"quantkit supports the mixture-of-experts families mixtral, granitemoe, qwen2_moe, "
+                                             r"qwen3_moe, olmoe \(layer-wise\)"):
             call(tmp_path)
+
+
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"num_experts_per_tok": 5}, r"num_experts_per_tok 5 exceeds num_experts 4; allowed: 1 \.\. 4"),
+    ({"num_experts": 1}, r"num_experts 1; allowed: an integer >= 2"),
+    ({"norm_topk_prob": "yes"}, r"norm_topk_prob 'yes'; allowed: true or false"),
+    ({"mlp_only_layers": "0"}, r"mlp_only_layers '0'; allowed: a list of layer indices"),
+    ({"moe_intermediate_size": 0}, r"moe_intermediate_size 0; allowed: an integer >= 1"),
+])  # fmt: skip
+def test_mixture_of_experts_config_values_are_checked(tmp_path: Path, changes: dict[str, Any], match: str) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4,
+                                                      "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                                      "hidden_size": 64, "intermediate_size": 128,
+                                                      "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "num_key_value_heads": 2, "vocab_size": 256, **changes}))  # fmt: skip
+    with pytest.raises(ModelError, match=match):
+        read_decoder_config(tmp_path)
+
+
+def test_moe_experts_see_only_their_routed_tokens_and_an_idle_expert_is_rounded_without_statistics(
+        built: Any, tmp_path: Path) -> None:
+    """GPTQ layer-wise on a mixture of experts: each expert's gate / up / down statistics count exactly the tokens
+    the router sends it (together ``tokens x experts_per_token``; the shared expert and attention every token), and an
+    expert no calibration token reaches is rounded without statistics, saying so."""
+    from quantkit.layerwise import quantize_llm_layerwise
+    from quantkit.recipe import load_recipe
+    from quantkit.recipe.plan import PrecisionPlan
+
+    b = built("qwen2_moe")
+    cfg = read_decoder_config(b.folder)
+    windows = _ids(20, 9, rows=3)
+    # attention kept in float: the router then sees transformers' FP32 stream, and routes as transformers does
+    plan = PrecisionPlan.from_recipe(load_recipe({
+        "version": 1, "model": {"source": str(b.folder)}, "calibration": {"layerwise": True},
+        "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": "gptq"},
+                         "overrides": [{"pattern": r"self_attn\.", "format": "fp32"}]}}))  # fmt: skip
+    res = quantize_llm_layerwise(b.folder, tmp_path / "q" / "model.onnx", plan, windows, work_dir=tmp_path / "w",
+                                 accuracy_level=4, progress=False)  # fmt: skip
+    rows = {r["layer"]: r for r in res.rows}
+    p = block_prefix(cfg, 0)
+    assert rows[f"{p}.mlp.shared_expert.up_proj"]["calibration_rows"] == 60
+    assert rows[f"{p}.mlp.shared_expert.gate_proj"]["calibration_rows"] == 60
+    routed = [rows[f"{p}.mlp.experts.{e}.gate_proj"]["calibration_rows"] for e in range(4)]
+    assert sum(routed) == 60 * cfg.experts_per_token and min(routed) > 0
+    for e in range(4):  # down_proj reads the same rows as its expert's gate / up
+        assert rows[f"{p}.mlp.experts.{e}.down_proj"]["calibration_rows"] == routed[e]
+    # transformers' routing on the same tokens: the counts per expert agree
+    with torch.no_grad():
+        hs = b.model(torch.from_numpy(windows), output_hidden_states=True).hidden_states[0]
+        layer = b.model.model.layers[0]
+        _, _, idx = layer.mlp.gate(layer.post_attention_layernorm(hs + layer.self_attn(
+            layer.input_layernorm(hs), position_embeddings=b.model.model.rotary_emb(hs, torch.arange(20)[None]),
+            attention_mask=None)[0]))  # fmt: skip
+    assert routed == np.bincount(idx.numpy().ravel(), minlength=4).tolist()
+
+    # one calibration token: the router picks 2 of the 4 experts; the other two are rounded without statistics
+    res = quantize_llm_layerwise(b.folder, tmp_path / "q2" / "model.onnx", plan, windows[:1, :1],
+                                 work_dir=tmp_path / "w2", accuracy_level=4, progress=False)  # fmt: skip
+    rows = {r["layer"]: r for r in res.rows}
+    algos = [rows[f"{p}.mlp.experts.{e}.{role}"]["algorithm"] for e in range(4) for role in ("gate_proj", "down_proj")]
+    assert sorted(algos) == ["gptq"] * 4 + ["rtn"] * 4
+    for e in range(4):
+        r = rows[f"{p}.mlp.experts.{e}.gate_proj"]
+        if r["algorithm"] == "rtn":
+            assert "calibration_rows" not in r
+            assert "no calibration statistics" in res.notes[f"{p}.mlp.experts.{e}.gate_proj"]
+        else:
+            assert r["calibration_rows"] == 1
 
 
 @pytest.mark.parametrize(("cfg", "windows"), [
@@ -870,3 +1009,75 @@ def test_which_layers_attend_through_a_window(cfg: dict[str, Any], windows: list
                 num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)  # fmt: skip
     c = parse_config({**base, **cfg}, "config.json")
     assert [c.window(i) for i in range(3)] == windows
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+@pytest.mark.parametrize("level", [0, 4])
+def test_moe_qmoe_kernel_equals_the_standard_op_dispatch(built: Any, kind: str, level: int, tmp_path: Path) -> None:
+    """The shipped graph runs a block's 4-bit experts in one ``QMoE`` node (ONNX Runtime's CPU kernel); calibration
+    runs the same packed weights as one ``MatMulNBits`` per expert (its taps).  The kernel is checked against that
+    math on every block: float32 activations to float rounding, int8 activations (level 4) within their rounding."""
+    import onnxruntime as ort
+
+    from quantkit.algorithms.woq import get_weight_algorithm
+    from quantkit.frontends.llm_builder import PackedLinear
+    from quantkit.lowering.nbits import matmul_nbits_arrays
+
+    b = built(kind)
+    cfg = read_decoder_config(b.folder)
+    ckpt = llm_builder._Checkpoint(b.folder, cfg)
+    rtn = get_weight_algorithm("rtn")
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((1, 20, cfg.hidden_size)).astype(np.float32)
+    checked = 0
+    for i in range(cfg.num_hidden_layers):
+        if not cfg.is_moe(i):
+            continue
+        w = dict(ckpt.read(llm_builder.block_tensor_names(cfg, i, ckpt.__contains__)))
+        p = block_prefix(cfg, i)
+        packed = {}
+        for s in llm_builder.linear_shapes(cfg, i):
+            res = rtn(np.ascontiguousarray(np.asarray(w[f"{p}.{s}.weight"], np.float32).T), bits=4, group_size=16,
+                      symmetric=s.endswith(("up_proj", "w3")), stats=None)  # mixed zero points: both layouts
+            B, sc, zp, bs = matmul_nbits_arrays(res)
+            packed[f"{p}.{s}"] = PackedLinear(B, sc, zp, 4, bs, *res.shape, None, level)
+        fused = block_model(cfg, i, w, packed, positions=20)
+        assert [nd.op_type for nd in fused.graph.node].count("QMoE") == 1
+        assert "NonZero" not in [nd.op_type for nd in fused.graph.node]
+        tap = f"{p}.{llm_builder.expert_linears(cfg)[-1][0]}"
+        plain = block_model(cfg, i, w, packed, [tap], positions=20)
+        assert "QMoE" not in [nd.op_type for nd in plain.graph.node]
+        empty = np.zeros((1, cfg.num_key_value_heads, 0, cfg.head_dim), np.float32)
+        feed = {"hidden": h, "attention_mask": np.ones((1, 20), np.int64), f"past_key_values.{i}.key": empty,
+                f"past_key_values.{i}.value": empty}  # fmt: skip
+        got, want = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            ["hidden_out"], feed)[0] for m in (fused, plain))  # fmt: skip
+        delta = h - want  # the block's own contribution
+        err = float(np.abs(got - want).max()) / float(np.abs(delta).max())
+        assert err < (1e-5 if level == 0 else 0.05), err
+        checked += 1
+    assert checked
+
+
+def test_moe_calibration_stages_and_memory_sizes(built: Any) -> None:
+    """A mixture-of-experts block is calibrated in four stages (attention input, o_proj, every expert's gate / up,
+    every expert's down: one block run each), a dense block of the same decoder in one stage per input; the memory
+    estimate counts the experts from the safetensors headers."""
+    from quantkit.memory import decoder_sizes
+
+    b = built("qwen2_moe")
+    cfg = read_decoder_config(b.folder)
+    moe, dense = llm_builder.input_stages(cfg, 0), llm_builder.input_stages(cfg, 1)
+    assert [len(st) for st in moe] == [1, 1, 5, 5]  # the shared expert and 4 routed ones
+    assert moe[2][0] == ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")
+    assert moe[3][-1] == ("mlp.experts.3.down_proj",)
+    assert dense == (((("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),), (("self_attn.o_proj",),),
+                     (("mlp.gate_proj", "mlp.up_proj"),), (("mlp.down_proj",),))  # fmt: skip
+    assert decoder_sizes(b.folder).experts == 4
+    assert decoder_sizes(built("qwen3").folder).experts == 0
+    # experts stored together ([experts, N, K]): every expert's linears counted
+    g = decoder_sizes(built("granitemoe").folder)
+    assert g.experts == 4 and sorted(set(g.block_shapes)) == [(48, 64), (64, 4), (64, 32), (64, 64), (64, 96)]
+    assert g.block_shapes.count((64, 96)) == 4 and g.block_shapes.count((48, 64)) == 4
+    with pytest.raises(ValueError, match="pass the block index"):
+        llm_builder.linear_shapes(cfg)
