@@ -597,6 +597,8 @@ def _families(data: dict[str, Any]) -> list[str]:
             ("calibrate exit", lambda r: r.get("calibrate_rc"), "{}"),
             ("calibrate s", lambda r: r.get("calibrate_s"), "{:.0f}"),
             ("peak GB", lambda r: r.get("peak_GB"), "{:.2f}"),
+            ("estimated GB", lambda r: r.get("estimated_GB"), "{:.2f}"),
+            ("quantize s", lambda r: (r.get("timings_s") or {}).get("quantize_s"), "{:.0f}"),
             ("generate exit", lambda r: r.get("generate_rc"), "{}"),
             ("generate", lambda r: r.get("generate_timing") or r.get("calibrate_error"), "{}"),
             ("load (1 min) at start", lambda r: (r.get("load_start") or [None])[0], "{:.1f}"),

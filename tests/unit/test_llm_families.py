@@ -1081,3 +1081,29 @@ def test_moe_calibration_stages_and_memory_sizes(built: Any) -> None:
     assert g.block_shapes.count((64, 96)) == 4 and g.block_shapes.count((48, 64)) == 4
     with pytest.raises(ValueError, match="pass the block index"):
         llm_builder.linear_shapes(cfg)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "olmoe"])
+def test_moe_int4_qmoe_kv_cache_decode_equals_recomputation(built: Any, kind: str, tmp_path: Path) -> None:
+    """The shipped INT4 mixture (QMoE, float32 activations) decodes with the KV cache one token at a time - the kernel
+    routing a single row - exactly as the whole sequence recomputed."""
+    import onnx
+
+    from quantkit.layerwise import quantize_llm_layerwise
+
+    b = built(kind)
+    plan = _plan(b.folder, algorithm="rtn", group_size=16)  # experts 48 wide: QMoE blocks must divide K
+    res = quantize_llm_layerwise(b.folder, tmp_path / "q" / "model.onnx", plan, None,
+                                 work_dir=tmp_path / "w", accuracy_level=0, progress=False)  # fmt: skip
+    assert "QMoE" in [nd.op_type for nd in onnx.load(str(res.path), load_external_data=False).graph.node]
+    prompt = _ids(PROMPT, 2)
+    sess = LLMSession(res.path, max_length=PROMPT + NEW)
+    steps = [sess(prompt)[:, -1]]
+    tokens = [int(steps[-1].argmax())]
+    for _ in range(NEW - 1):
+        steps.append(sess(np.asarray([[tokens[-1]]], np.int64))[:, -1])
+        tokens.append(int(steps[-1].argmax()))
+    seq = np.concatenate([prompt, np.asarray([tokens[:-1]], np.int64)], axis=1)
+    full = LLMSession(res.path)(seq)[:, PROMPT - 1 :]
+    np.testing.assert_allclose(np.stack(steps, 1), full, atol=1e-4, rtol=0)
+    assert full.argmax(-1).tolist() == [tokens]
