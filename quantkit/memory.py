@@ -331,6 +331,7 @@ class DecoderSizes:
     itemsize: float  # stored bytes per parameter
     block_shapes: tuple[tuple[int, int], ...] = ()  # (K, N) of the largest block's linear layers
     experts: int = 0  # experts in the largest block (a mixture of experts), 0: a dense block
+    expert_linear: int = 0  # parameters of that block's expert linears
 
     @property
     def fp32_bytes(self) -> int:
@@ -355,14 +356,16 @@ def decoder_sizes(folder: str | os.PathLike[str]) -> DecoderSizes:
             outside[name] = t.shape
             continue
         blk = blocks.setdefault(int(m.group(1)), {"stored": 0, "linear": 0, "largest": 0, "k": 0, "n": 0,
-                                                  "shapes": [], "experts": set()})  # fmt: skip
+                                                  "shapes": [], "experts": set(), "expert_linear": 0})  # fmt: skip
         blk["stored"] += b
         e = _EXPERT.search(name)
         if e is not None:
             blk["experts"].add(int(e.group(1)))
+            blk["expert_linear"] += n if len(t.shape) == 2 else 0
         if len(t.shape) == 3:  # experts stored together ([experts, N, K]: Granite-MoE): a linear per expert
             e, nn, kk = (int(v) for v in t.shape)
             blk["experts"].update(range(e))
+            blk["expert_linear"] += n
             blk["shapes"] += [(kk, nn)] * e
             blk["linear"] += n
             blk["largest"] = max(blk["largest"], nn * kk)
@@ -374,7 +377,7 @@ def decoder_sizes(folder: str | os.PathLike[str]) -> DecoderSizes:
             blk["n"], blk["k"] = max(blk["n"], t.shape[0]), max(blk["k"], t.shape[1])  # HF layout [N, K]
     big: dict[str, Any] = max(blocks.values(), key=lambda b: b["stored"]) if blocks else {"stored": 0, "linear": 0, "largest": 0,
                                                                           "k": 0, "n": 0, "shapes": [],
-                                                                          "experts": set()}  # fmt: skip
+                                                                          "experts": set(), "expert_linear": 0}  # fmt: skip
     mats = {k: s for k, s in outside.items() if len(s) == 2}
     emb_name = next((k for k in mats if k.endswith("embed_tokens.weight") or k.endswith("wte.weight")),
                     max(mats, key=lambda k: math.prod(mats[k]), default=None))  # fmt: skip
@@ -385,7 +388,7 @@ def decoder_sizes(folder: str | os.PathLike[str]) -> DecoderSizes:
         block_linear=big["linear"], largest_linear=big["largest"], max_k=big["k"], widest_n=big["n"],
         embedding=math.prod(emb), head=math.prod(head) if head else 0, hidden=emb[1] if len(emb) == 2 else 0,
         vocab=emb[0] if emb else 0, itemsize=stored / max(params, 1), block_shapes=tuple(big["shapes"]),
-        experts=len(big["experts"]),
+        experts=len(big["experts"]), expert_linear=big["expert_linear"],
     )  # fmt: skip
 
 
@@ -463,7 +466,11 @@ def layerwise_estimate(sizes: DecoderSizes, *, bits: int, algorithms: Iterable[s
     if stats and windows is not None:
         states = 2 * 4 * windows[0] * windows[1] * s.hidden  # hidden states in and out (memory-mapped files)
         wide = max([n for _, n in s.block_shapes] + [s.hidden])
-        session = SESSION_COPIES * 4 * s.block_linear + 4 * 4 * windows[1] * wide
+        # the block's session: its float32 weights; a mixture's experts are not among them - a stage's taps need no
+        # expert weights (gate / up: the routed rows) or only packed ones (down: its own gate / up, rounded), and the
+        # block that produces the next hidden states runs packed
+        float_linear = s.block_linear - s.expert_linear + per_param / 4 * s.expert_linear
+        session = SESSION_COPIES * 4 * float_linear + 4 * 4 * windows[1] * wide
         layer = max(((8 * k * k if hessian else 0) + 4 * rows * k + max(_algo_extra(a, k, n) for a in algos)
                      for k, n in s.block_shapes), default=0.0)  # fmt: skip
         if s.experts:  # a stage's statistics and row samples at once: the experts' inputs (capped per run)
