@@ -363,10 +363,10 @@ def decoder_sizes(folder: str | os.PathLike[str]) -> DecoderSizes:
             blk["experts"].add(int(e.group(1)))
             blk["expert_linear"] += n if len(t.shape) == 2 else 0
         if len(t.shape) == 3:  # experts stored together ([experts, N, K]: Granite-MoE): a linear per expert
-            e, nn, kk = (int(v) for v in t.shape)
-            blk["experts"].update(range(e))
+            ne, nn, kk = (int(v) for v in t.shape)
+            blk["experts"].update(range(ne))
             blk["expert_linear"] += n
-            blk["shapes"] += [(kk, nn)] * e
+            blk["shapes"] += [(kk, nn)] * ne
             blk["linear"] += n
             blk["largest"] = max(blk["largest"], nn * kk)
             blk["n"], blk["k"] = max(blk["n"], nn), max(blk["k"], kk)
