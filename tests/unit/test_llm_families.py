@@ -353,19 +353,25 @@ def test_fp32_decoder_matches_transformers(built: Any, kind: str) -> None:
     assert read_decoder_config(b.folder).model_type in supported_model_types()
 
 
+def _greedy_with_cache(path: Path, prompt: np.ndarray) -> tuple[list[np.ndarray], list[int], np.ndarray]:
+    """Greedy decode of ``NEW`` tokens with the KV cache (one shared buffer): each step's last logits, the tokens, and
+    the sequence the steps saw (prompt + all tokens but the last)."""
+    sess = LLMSession(path, max_length=PROMPT + NEW)
+    steps = [sess(prompt)[:, -1]]
+    tokens = [int(steps[-1].argmax())]
+    for _ in range(NEW - 1):
+        steps.append(sess(np.asarray([[tokens[-1]]], np.int64))[:, -1])
+        tokens.append(int(steps[-1].argmax()))
+    return steps, tokens, np.concatenate([prompt, np.asarray([tokens[:-1]], np.int64)], axis=1)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_kv_cache_decode_equals_recomputation(built: Any, kind: str) -> None:
     """Greedy decode of 16 tokens with the KV cache in one shared buffer: each step's logits equal a forward of the
     whole sequence without a cache, and every chosen token is transformers' greedy choice on that sequence."""
     b = built(kind)
     prompt = _ids(PROMPT, 2)
-    sess = LLMSession(b.path, max_length=PROMPT + NEW)
-    steps = [sess(prompt)[:, -1]]
-    tokens = [int(steps[-1].argmax())]
-    for _ in range(NEW - 1):
-        steps.append(sess(np.asarray([[tokens[-1]]], np.int64))[:, -1])
-        tokens.append(int(steps[-1].argmax()))
-    seq = np.concatenate([prompt, np.asarray([tokens[:-1]], np.int64)], axis=1)
+    steps, tokens, seq = _greedy_with_cache(b.path, prompt)
     if kind == "phi3_longrope":
         # transformers switches every position to the long factors once the sequence passes the original context;
         # a cache keeps the keys it rotated before (transformers' own cache does the same): compare with it
@@ -1097,13 +1103,7 @@ def test_moe_int4_qmoe_kv_cache_decode_equals_recomputation(built: Any, kind: st
                                  work_dir=tmp_path / "w", accuracy_level=0, progress=False)  # fmt: skip
     assert "QMoE" in [nd.op_type for nd in onnx.load(str(res.path), load_external_data=False).graph.node]
     prompt = _ids(PROMPT, 2)
-    sess = LLMSession(res.path, max_length=PROMPT + NEW)
-    steps = [sess(prompt)[:, -1]]
-    tokens = [int(steps[-1].argmax())]
-    for _ in range(NEW - 1):
-        steps.append(sess(np.asarray([[tokens[-1]]], np.int64))[:, -1])
-        tokens.append(int(steps[-1].argmax()))
-    seq = np.concatenate([prompt, np.asarray([tokens[:-1]], np.int64)], axis=1)
+    steps, tokens, seq = _greedy_with_cache(res.path, prompt)
     full = LLMSession(res.path)(seq)[:, PROMPT - 1 :]
     np.testing.assert_allclose(np.stack(steps, 1), full, atol=1e-4, rtol=0)
     assert full.argmax(-1).tolist() == [tokens]
