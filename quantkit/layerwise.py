@@ -489,16 +489,11 @@ class _Hook(BuildHook):
             yield j, {"hidden": np.ascontiguousarray(self.hidden[j : j + 1]), "attention_mask": mask,
                       f"past_key_values.{index}.key": empty, f"past_key_values.{index}.value": empty}  # fmt: skip
 
-    def _collect(self, index: int, weights: dict[str, Any], packed: dict[str, PackedLinear], tap: str, K: int,
-                 want_stats: bool = True, want_sample: bool = False) -> tuple[LayerStats | None, np.ndarray | None]:
-        """Statistics and / or a row sample (:meth:`_gather`) of the input of layer ``tap`` in block ``index``."""
-        return self._collect_many(index, weights, packed, {tap: (K, want_stats, want_sample)})[tap]
-
     def _collect_many(self, index: int, weights: dict[str, Any], packed: dict[str, PackedLinear],
                       asks: dict[str, tuple[int, bool, bool]]
                       ) -> dict[str, tuple[LayerStats | None, np.ndarray | None]]:
-        """:meth:`_collect` of several layers' inputs (``tap -> (K, want_stats, want_sample)``) from one run of the
-        block.  A tap no calibration row reaches (an expert no token was routed to) gets ``(None, None)``: its layers
+        """Statistics and / or a row sample (:class:`_Gather`) of the inputs of layers in block ``index``
+        (``tap -> (K, want_stats, want_sample)``), all from one run of the block.  A tap no calibration row reaches (an expert no token was routed to) gets ``(None, None)``: its layers
         are rounded without statistics, and the report says so."""
         taps = list(asks)
         sess = self._session(index, weights, packed, taps)

@@ -251,8 +251,8 @@ class _Checkpoint:
         self.transposed: set[str] = set()  # graph names of Conv1D weights
         self.reordered: dict[str, np.ndarray] = {}  # graph name -> the order its rows are read in
         self.virtual: dict[str, np.ndarray] = {}  # graph name -> a tensor the checkpoint does not store (ones)
-        # graph name -> (stored [experts, N, K] tensor, expert, first row, end row): experts stored together
-        self.sliced: dict[str, tuple[str, int, int, int]] = {}
+        # graph name -> (stored [experts, N, K] tensor, expert, first row, end row, N): experts stored together
+        self.sliced: dict[str, tuple[str, int, int, int, int]] = {}
         if cfg is not None:
             fam = cfg.spec
             for k in list(self.tensors) if fam.names.stored_renames else []:  # EXAONE 3's names for LLaMA's modules
@@ -296,9 +296,10 @@ class _Checkpoint:
                 for i in range(cfg.num_hidden_layers):
                     p = block_prefix(cfg, i)
                     for e, (gate, up, down) in enumerate(expert_linears(cfg) if cfg.is_moe(i) else []):
-                        self.sliced[f"{p}.{gate}.weight"] = (f"{p}.{up_down[0]}", e, 0, inter)
-                        self.sliced[f"{p}.{up}.weight"] = (f"{p}.{up_down[0]}", e, inter, 2 * inter)
-                        self.sliced[f"{p}.{down}.weight"] = (f"{p}.{up_down[1]}", e, 0, cfg.hidden_size)
+                        self.sliced[f"{p}.{gate}.weight"] = (f"{p}.{up_down[0]}", e, 0, inter, 2 * inter)
+                        self.sliced[f"{p}.{up}.weight"] = (f"{p}.{up_down[0]}", e, inter, 2 * inter, 2 * inter)
+                        self.sliced[f"{p}.{down}.weight"] = (f"{p}.{up_down[1]}", e, 0, cfg.hidden_size,
+                                                             cfg.hidden_size)  # fmt: skip
             if fam.conv1d:
                 self.transposed = {f"{fam.names.layers}.{i}.{s}.weight" for i in range(cfg.num_hidden_layers)
                                    for s in linear_shapes(cfg, i)}  # fmt: skip
@@ -331,10 +332,10 @@ class _Checkpoint:
         if name in self.virtual:
             return tuple(self.virtual[name].shape)
         if name in self.sliced:
-            stored, e, a, b = self.sliced[name]
+            stored, _, a, b, rows = self.sliced[name]
             shape = self.tensors[self._name(stored)].shape
-            if len(shape) != 3 or e >= shape[0] or b > shape[1]:
-                return tuple(shape)  # reported as a mis-shaped tensor by check_checkpoint
+            if tuple(shape[:2]) != (self.cfg.num_experts if self.cfg else -1, rows):
+                return tuple(shape)  # not [experts, rows, K]: reported as a mis-shaped tensor by check_checkpoint
             return (b - a, shape[2])
         shape = self.tensors[self._name(name)].shape
         return tuple(reversed(shape)) if name in self.transposed else shape
@@ -362,7 +363,7 @@ class _Checkpoint:
                 yield n, self.virtual[n].copy()
                 continue
             if n in self.sliced:
-                stored, e, a, b = self.sliced[n]
+                stored, e, a, b, _ = self.sliced[n]
                 if stored not in together:
                     together[stored] = read_tensor(self.tensors[self._name(stored)])
                 yield n, together[stored][e, a:b]

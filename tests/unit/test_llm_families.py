@@ -1107,3 +1107,15 @@ def test_moe_int4_qmoe_kv_cache_decode_equals_recomputation(built: Any, kind: st
     full = LLMSession(res.path)(seq)[:, PROMPT - 1 :]
     np.testing.assert_allclose(np.stack(steps, 1), full, atol=1e-4, rtol=0)
     assert full.argmax(-1).tolist() == [tokens]
+
+
+def test_experts_stored_together_must_match_the_config(built: Any, tmp_path: Path) -> None:
+    """Granite-MoE's experts are read as slices of [experts, 2 x intermediate, H]: a config whose intermediate size
+    does not fill those rows exactly (the up rows would start elsewhere) is refused naming the stored tensor."""
+    import shutil
+
+    shutil.copytree(built("granitemoe").folder, tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 32}))
+    with pytest.raises(ModelError, match=r"block_sparse_moe\.experts\.0\.w?\w*.*has shape \[4, 96, 64\]"):
+        build_llm(tmp_path / "hf", tmp_path / "o" / "model.onnx")
