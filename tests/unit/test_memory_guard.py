@@ -279,8 +279,8 @@ def test_the_rounded_table_is_transposed_in_row_blocks_to_the_same_values() -> N
 def test_moe_block_session_holds_no_float_expert_weights() -> None:
     """A mixture-of-experts block's calibration sessions need no float expert weights (gate / up taps read the routed
     rows; down taps read gate / up already packed; the block that advances runs packed): the estimate counts them
-    packed. Measured at published widths (eval/results/families_x86-vnni.json, e2e): OLMoE 5.19 GB, Qwen3-30B-A3B
-    6.61 GB; the estimate had said 7.17 / 10.27 GB with the experts in float32 in the session."""
+    packed. Measured at published widths (eval/results/families_x86-vnni.json, e2e): OLMoE 5.13 GB, Qwen3-30B-A3B
+    6.59 GB, estimated 6.60 / 8.68 GB; with the experts in float32 in the session it had said 7.17 / 10.27 GB."""
     from quantkit.memory import SESSION_COPIES, DecoderSizes, layerwise_estimate
 
     H, E, inter = 256, 16, 128
