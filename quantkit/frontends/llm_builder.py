@@ -1338,18 +1338,11 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
     m = f"{p}.{n.router.rsplit('.', 1)[0]}"
     x = g.node("Reshape", [h, g.const([-1, H])], [f"{m}/tokens/output_0"], f"{m}/tokens")[0]
     logits = _linear(g, x, f"{p}.{n.router}", w.pop(f"{p}.{n.router}.weight"), None, None)
-    probs = g.node("Softmax", [logits], [f"{m}/router_softmax/output_0"], f"{m}/router_softmax", axis=-1)[0]
-    top_w, top_i = g.node("TopK", [probs, g.const([cfg.experts_per_token])],
-                          [f"{m}/router_topk/values", f"{m}/router_topk/indices"], f"{m}/router_topk", axis=-1)
-    if cfg.norm_topk_prob:
-        total = g.node("ReduceSum", [top_w, g.const([-1])], [f"{m}/router_norm/sum"], f"{m}/router_norm/sum",
-                       keepdims=1)[0]  # fmt: skip
-        top_w = g.node("Div", [top_w, total], [f"{m}/router_norm/output_0"], f"{m}/router_norm")[0]
-    shape = g.node("Shape", [x], [f"{m}/zeros/shape"], f"{m}/zeros/shape")[0]
-    out = g.node("ConstantOfShape", [shape], [f"{m}/zeros/output_0"], f"{m}/zeros",
-                 value=onnx.numpy_helper.from_array(np.zeros(1, np.float32)))[0]  # fmt: skip
+
+    def probs() -> str:  # the softmax over all experts (ONNX Runtime runs every node: written only where read)
+        return g.node("Softmax", [logits], [f"{m}/router_softmax/output_0"], f"{m}/router_softmax", axis=-1)[0]
+
     experts = expert_linears(cfg)
-    zero = g.const(0)
     if n.shared_expert is not None:  # every row, scaled by sigmoid(shared_expert_gate(x))
         shared = _gated_mlp(g, x, p, experts.pop(0), w, q, taps)
         sg = _linear(g, x, f"{p}.{n.shared_expert_gate}", w.pop(f"{p}.{n.shared_expert_gate}.weight"), None, None)
@@ -1372,11 +1365,10 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
                g.external(f"{p}.{n.experts}.fc1.weight_zero_points", z1) if z1 is not None else "",
                g.external(f"{p}.{n.experts}.fc2.weight_zero_points", z2) if z2 is not None else "", ""]  # fmt: skip
         if not cfg.norm_topk_prob:  # the kernel renormalizes the top-k of its own softmax unless given the weights
-            ins.append(probs)
+            ins.append(probs())
         out = g.node("QMoE", ins, [f"{p}.{n.experts}/output_0"], f"{p}.{n.experts}", _MS, k=cfg.experts_per_token,
                      activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=int(cfg.norm_topk_prob),
                      expert_weight_bits=bits, block_size=bs, weights_prepacked=0, accuracy_level=level)[0]  # fmt: skip
-        experts = []
     elif not g.tapped and cfg.activation == "silu" and all(q[s] is None for roles in experts for s in roles):
         # float experts: ONNX Runtime's CPU MoE kernel, the same layout in float32 (fc1 gate / up rows interleaved)
         def stack(j: int) -> np.ndarray:
@@ -1394,20 +1386,30 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
                      activation_type="swiglu", swiglu_fusion=1,
                      normalize_routing_weights=int(cfg.norm_topk_prob))[0]  # fmt: skip
         del fc1
-        experts = []
-    for e, roles in enumerate(experts):
-        en = f"{p}.{n.experts}.{e}"
-        sel = g.node("Equal", [top_i, g.const(e)], [f"{en}/routed/output_0"], f"{en}/routed")[0]
-        where = g.node("NonZero", [sel], [f"{en}/where/output_0"], f"{en}/where")[0]  # [2, rows]: token, slot
-        rows = g.node("Gather", [where, zero], [f"{en}/rows/output_0"], f"{en}/rows", axis=0)[0]
-        xe = g.node("Gather", [x, rows], [f"{en}/input/output_0"], f"{en}/input", axis=0)[0]
-        ye = _gated_mlp(g, xe, p, roles, w, q, taps)
-        slots = g.node("Transpose", [where], [f"{en}/slots/output_0"], f"{en}/slots", perm=[1, 0])[0]
-        we = g.node("GatherND", [top_w, slots], [f"{en}/weight/output_0"], f"{en}/weight")[0]
-        we = g.node("Unsqueeze", [we, g.const([-1])], [f"{en}/weight/column"], f"{en}/weight/column")[0]
-        ye = g.node("Mul", [ye, we], [f"{en}/weighted/output_0"], f"{en}/weighted")[0]
-        idx = g.node("Unsqueeze", [rows, g.const([-1])], [f"{en}/rows/column"], f"{en}/rows/column")[0]
-        out = g.node("ScatterND", [out, idx, ye], [f"{en}/add/output_0"], f"{en}/add", reduction="add")[0]
+    else:  # the standard-op dispatch: each expert on the rows routed to it
+        top_w, top_i = g.node("TopK", [probs(), g.const([cfg.experts_per_token])],
+                              [f"{m}/router_topk/values", f"{m}/router_topk/indices"], f"{m}/router_topk", axis=-1)
+        if cfg.norm_topk_prob:
+            total = g.node("ReduceSum", [top_w, g.const([-1])], [f"{m}/router_norm/sum"], f"{m}/router_norm/sum",
+                           keepdims=1)[0]  # fmt: skip
+            top_w = g.node("Div", [top_w, total], [f"{m}/router_norm/output_0"], f"{m}/router_norm")[0]
+        shape = g.node("Shape", [x], [f"{m}/zeros/shape"], f"{m}/zeros/shape")[0]
+        out = g.node("ConstantOfShape", [shape], [f"{m}/zeros/output_0"], f"{m}/zeros",
+                     value=onnx.numpy_helper.from_array(np.zeros(1, np.float32)))[0]  # fmt: skip
+        zero = g.const(0)
+        for e, roles in enumerate(experts):
+            en = f"{p}.{n.experts}.{e}"
+            sel = g.node("Equal", [top_i, g.const(e)], [f"{en}/routed/output_0"], f"{en}/routed")[0]
+            where = g.node("NonZero", [sel], [f"{en}/where/output_0"], f"{en}/where")[0]  # [2, rows]: token, slot
+            rows = g.node("Gather", [where, zero], [f"{en}/rows/output_0"], f"{en}/rows", axis=0)[0]
+            xe = g.node("Gather", [x, rows], [f"{en}/input/output_0"], f"{en}/input", axis=0)[0]
+            ye = _gated_mlp(g, xe, p, roles, w, q, taps)
+            slots = g.node("Transpose", [where], [f"{en}/slots/output_0"], f"{en}/slots", perm=[1, 0])[0]
+            we = g.node("GatherND", [top_w, slots], [f"{en}/weight/output_0"], f"{en}/weight")[0]
+            we = g.node("Unsqueeze", [we, g.const([-1])], [f"{en}/weight/column"], f"{en}/weight/column")[0]
+            ye = g.node("Mul", [ye, we], [f"{en}/weighted/output_0"], f"{en}/weighted")[0]
+            idx = g.node("Unsqueeze", [rows, g.const([-1])], [f"{en}/rows/column"], f"{en}/rows/column")[0]
+            out = g.node("ScatterND", [out, idx, ye], [f"{en}/add/output_0"], f"{en}/add", reduction="add")[0]
     if shared is not None:
         out = g.node("Add", [out, shared], [f"{m}/shared_add/output_0"], f"{m}/shared_add")[0]
     hshape = g.node("Shape", [h], [f"{m}/stream/shape"], f"{m}/stream/shape")[0]
