@@ -178,6 +178,26 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
         "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None, "max_window_layers": 48,
         "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645}},
+    # vision-language checkpoints: the text decoder is built (the vision tower stays in the folder, unread)
+    "smolvlm": {"from": "HuggingFaceTB/SmolVLM-256M-Instruct's shapes (Idefics3: LLaMA text, SigLIP vision)",
+                "layers": (8, 30), "config": {
+        "model_type": "idefics3", "scale_factor": 4, "image_token_id": 49190, "tie_word_embeddings": False,
+        "text_config": {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+                        "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30,
+                        "vocab_size": 49280, "rope_theta": 100000.0, "max_position_embeddings": 8192,
+                        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+        "vision_config": {"model_type": "idefics3_vision", "hidden_size": 768, "intermediate_size": 3072,
+                          "num_hidden_layers": 12, "num_attention_heads": 12, "patch_size": 16, "image_size": 512}}},
+    "gemma3_vlm": {"from": "google/gemma-3-4b-it's config.json (width; 1 of its 34 text layers, the full SigLIP "
+                           "vision tower)", "layers": (1, 2), "config": {
+        "model_type": "gemma3", "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+        "image_token_index": 262144, "mm_tokens_per_image": 256,
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                          "patch_size": 14, "vision_use_head": False}}},
 }  # fmt: skip
 
 # End-to-end cases (--e2e): a family's published config above, the depth, config changes (a variant's width) and,
@@ -196,19 +216,23 @@ E2E: dict[str, tuple[str, int, dict[str, Any], str]] = {
     "glm4": ("glm4", 1, {}, ""),
     "olmoe": ("olmoe", 2, {}, ""),
     "qwen3_moe": ("qwen3_moe", 1, {}, "Qwen/Qwen3-30B-A3B (width; 1 of its 48 layers)"),
+    "smolvlm": ("smolvlm", 30, {}, ""),
+    "gemma3_vlm": ("gemma3_vlm", 1, {}, ""),
 }
 
 # Child: the FP32 decoder built by quantkit against transformers' model (argv: folder, output .onnx).
 _CHILD_EXACT = r"""
 import sys, json, numpy as np, torch
-from transformers import AutoModelForCausalLM
+from pathlib import Path
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from quantkit.frontends.llm_builder import build_llm, LLMSession
 hf, out = sys.argv[1], sys.argv[2]
-m = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+vlm = "vision_config" in json.loads((Path(hf) / "config.json").read_text())  # the reference: the multimodal model
+m = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(hf, dtype=torch.float32).eval()
 p = build_llm(hf, out)
 ids = np.random.default_rng(0).integers(3, 49000, (1, 64)).astype(np.int64)
 with torch.no_grad():
-    ref = m(torch.from_numpy(ids)).logits.numpy()
+    ref = m(input_ids=torch.from_numpy(ids)).logits.numpy()
 got = LLMSession(p)(ids)
 print(json.dumps({"fp32_max_diff": float(np.abs(got - ref).max()), "ref_max": float(np.abs(ref).max()),
                   "greedy_equal": int((got.argmax(-1) == ref.argmax(-1)).sum()), "tokens": int(ids.shape[1])}))
@@ -282,8 +306,16 @@ _CHILD_GEN = r"""
 import json, sys, torch
 from pathlib import Path
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 folder, cfg, layers = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+if "text_config" in cfg:  # a vision-language model: made for real (vision tower included), in bfloat16, saved by it
+    cfg["text_config"] = dict(cfg["text_config"], num_hidden_layers=layers)
+    conf = AutoConfig.for_model(**cfg)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(conf, dtype=torch.bfloat16)
+    model.save_pretrained(str(folder), max_shard_size="1GB")
+    print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "architecture": type(model).__name__}))
+    raise SystemExit(0)
 cfg = dict(cfg, **{("n_layer" if "n_layer" in cfg else "num_hidden_layers"): layers})
 conf = AutoConfig.for_model(**cfg)
 conf.torch_dtype = torch.bfloat16
@@ -369,7 +401,7 @@ def run_case(family: str, layers: int, work: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     gen = _child(_CHILD_GEN, str(hf), json.dumps(spec["config"]), str(layers))
     gen_s = time.perf_counter() - t0
-    vocab = int(spec["config"]["vocab_size"])
+    vocab = int(spec["config"].get("vocab_size") or spec["config"]["text_config"].get("vocab_size", 262208))
     ids = np.random.default_rng(0).integers(3, vocab, (2, 64)).astype(np.int64)
     np.savez(work / "cal.npz", input_ids=ids, attention_mask=np.ones_like(ids))
     recipe = _plain(str(hf), {"kind": "npz", "path": str(work / "cal.npz")}, layerwise=True)

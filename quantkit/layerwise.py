@@ -994,6 +994,10 @@ def quantize_llm_layerwise(
     if transform is not None:
         hook.rotated = True
         hook.notes["rotation"] = transform.describe()
+    if cfg.multimodal:
+        hook.notes["model"] = (f"the text decoder ({cfg.model_type}) of a multimodal checkpoint ({cfg.multimodal}): "
+                               "the output takes token ids only; the vision / audio towers and their projector are "
+                               "neither read nor written")  # fmt: skip
     path = build_llm(folder, out, hook=hook, transform=transform)
     _clear_work(work)
     res = LayerwiseResult(path, hook.result_rows, hook.notes, {"build_s": time.perf_counter() - t0},

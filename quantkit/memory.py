@@ -24,6 +24,7 @@ The coefficients below were fitted to measured peaks (per phase, on synthetic LL
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -341,8 +342,15 @@ class DecoderSizes:
 def decoder_sizes(folder: str | os.PathLike[str]) -> DecoderSizes:
     """:class:`DecoderSizes` of the Hugging Face folder ``folder`` (headers checked as the builder checks them)."""
     from quantkit.frontends.checkpoint import checkpoint_tensors
+    from quantkit.frontends.families import is_multimodal, text_tensor_name
 
     tensors = checkpoint_tensors(Path(folder))
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        raw = None
+    if is_multimodal(raw):  # a vision-language checkpoint: its text decoder's tensors only
+        tensors = {g: t for k, t in tensors.items() if (g := text_tensor_name(k)) is not None}
     blocks: dict[int, dict[str, Any]] = {}
     outside: dict[str, tuple[int, ...]] = {}
     params = stored = 0

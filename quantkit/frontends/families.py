@@ -42,10 +42,13 @@ __all__ = [
     "Family",
     "Names",
     "ROTARY_CACHE_POSITIONS",
+    "TEXT_TOWERS",
     "family_of",
     "parse_config",
     "read_config",
+    "is_multimodal",
     "supported_model_types",
+    "text_tensor_name",
 ]
 
 ROTARY_CACHE_POSITIONS = 1 << 17
@@ -688,6 +691,84 @@ def unsupported_message(model_type: str, where: str, cfg: Mapping[str, Any] | No
             "checkpoint to one of the supported families")  # fmt: skip
 
 
+# --------------------------------------------------------------------------- multimodal checkpoints
+
+TEXT_TOWERS = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                ("model.text_model.", "model."), ("language_model.lm_head.", "lm_head."))  # fmt: skip
+"""Where a vision-language checkpoint stores its text decoder (stored prefix -> the decoder's own name):
+transformers >= 4.52 (``model.language_model.``), the original LLaVA / Gemma 3 / Mistral 3 layout and what
+transformers 5 writes again (``language_model.model.``, ``language_model.lm_head.``), Idefics3 / SmolVLM
+(``model.text_model.``).  Qwen2-VL / Qwen2.5-VL store it under the plain names (``model.layers``, ``lm_head``)."""
+_FLAT_TEXT = ("model.layers.", "model.embed_tokens.", "model.norm.", "lm_head.")
+_TEXT_ALIASES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+"""Text decoders of vision-language models that are a builder family on text alone: Qwen-VL's multimodal RoPE
+(``mrope_section``) rotates each section by its own position (time / height / width), which are all the token's
+position when there is no image - the plain RoPE of the family."""
+
+
+_WRAPPER_LOGITS = ("paligemma", "aya_vision", "hyperclovax_vision_v2", "granite4_vision", "granite_docling")
+"""Multimodal wrappers whose head applies the text decoder's logits post-processing (soft-capping, ``logit_scale``,
+``logits_scaling``), as their transformers classes do; every other wrapper's head is the ``lm_head`` alone
+(transformers 5.25: Gemma 3, LLaVA, LLaVA-Next / -OneVision, Mistral 3, Qwen-VL, SmolVLM / Idefics3, ...), so a
+Gemma 3 text_config's ``final_logit_softcapping`` is not applied by Gemma3ForConditionalGeneration, nor here."""
+
+
+def is_multimodal(raw: Any) -> bool:
+    """Whether a parsed ``config.json`` is a multimodal wrapper (a ``text_config`` or a ``vision_config`` /
+    ``audio_config`` beside the text decoder's values) whose ``model_type`` is not itself a builder family."""
+    return (isinstance(raw, Mapping) and str(raw.get("model_type", "")).lower() not in _BY_TYPE
+            and any(isinstance(raw.get(k), Mapping) for k in ("text_config", "vision_config", "audio_config")))
+
+
+def text_tensor_name(stored: str) -> str | None:
+    """The text decoder's name of tensor ``stored`` of a multimodal checkpoint (:data:`TEXT_TOWERS`), None for a
+    tensor of another tower (vision encoder, projector, audio)."""
+    for prefix, graph in TEXT_TOWERS:
+        if stored.startswith(prefix):
+            return graph + stored[len(prefix):]
+    return stored if stored.startswith(_FLAT_TEXT) else None
+
+
+def _text_config(raw: Mapping[str, Any], where: str) -> tuple[dict[str, Any], str]:
+    """``(text decoder config, its model_type)`` of multimodal ``raw``, as transformers reads it: a nested
+    ``text_config`` is written by transformers without the values equal to its config class's defaults (Gemma 3's
+    4B checkpoint states 5 of them), so the wrapper's config class fills them in - transformers is imported for
+    multimodal checkpoints only."""
+    wrapper = str(raw.get("model_type", "")).lower()
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError as e:
+        raise ModelError(f"{where}: model_type {wrapper!r} is a multimodal checkpoint; reading its text decoder's "
+                         f"configuration needs transformers (pip install 'quantkit[hf]'): {e}") from e
+    if wrapper not in CONFIG_MAPPING:
+        raise ModelError(f"{where}: model_type {wrapper!r} (a multimodal checkpoint) is not known to the installed "
+                         "transformers, so its text decoder's configuration cannot be read; supported decoder "
+                         f"families (as text_config.model_type): {', '.join(supported_model_types())}")  # fmt: skip
+    try:
+        conf = CONFIG_MAPPING[wrapper].from_dict(dict(raw))
+        text = conf.get_text_config(decoder=True).to_dict()
+    except Exception as e:  # noqa: BLE001 - transformers' own validation: any error is the checkpoint's
+        raise ModelError(f"{where}: transformers cannot read {wrapper!r}'s configuration: {e}") from e
+    text_type = str(text.get("model_type", "")).lower()
+    if text_type in ("", wrapper):
+        raise ModelError(f"{where}: model_type {wrapper!r} has no separate text decoder configuration "
+                         "(text_config); allowed: a multimodal checkpoint whose text_config is one of the supported "
+                         f"decoder families: {', '.join(supported_model_types())}")  # fmt: skip
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the wrapper's own first (Gemma 3 IT: eos [1, 106]
+        if raw.get(key) is not None:  # at the top level, the text config class's default 1 inside)
+            text[key] = raw[key]
+    if isinstance(raw.get("tie_word_embeddings"), bool):  # transformers 5 ties the wrapper's head by its own key
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    for key in ("rope_scaling", "rope_parameters"):  # Qwen-VL's multimodal RoPE: the plain RoPE on text alone
+        rope = text.get(key)
+        if isinstance(rope, dict) and ("mrope_section" in rope or rope.get("type") == "mrope"
+                                       or rope.get("rope_type") == "mrope"):
+            rope = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved", "type")}
+            rope["rope_type"] = "default" if rope.get("rope_type") in (None, "mrope") else rope["rope_type"]
+            text[key] = rope if (set(rope) - {"rope_type"} or key == "rope_parameters") else None
+    return text, text_type
+
+
 def family_of(model_type: str) -> Family:
     """The :class:`Family` of ``model_type``; :class:`ModelError` (with the supported list) when there is none."""
     fam = _BY_TYPE.get(str(model_type).lower())
@@ -769,6 +850,9 @@ class DecoderConfig:
     moe_layers: tuple[bool, ...] = ()
     """Per layer, whether it is a mixture-of-experts block (the others have a dense MLP); empty with
     :attr:`num_experts`: every layer is."""
+    multimodal: str = ""
+    """The ``model_type`` of the multimodal checkpoint this is the text decoder of (Gemma 3, LLaVA, Qwen2.5-VL ...;
+    its vision / audio towers are not read: :func:`text_tensor_name`); empty for a text-only checkpoint."""
 
     def is_moe(self, layer: int) -> bool:
         """Whether block ``layer`` is a mixture-of-experts block."""
@@ -913,6 +997,17 @@ def parse_config(raw: Any, where: str) -> DecoderConfig:
     if not isinstance(raw, dict):
         raise ModelError(f"{where}: config.json must hold a JSON object, got {type(raw).__name__}")
     model_type = str(raw.get("model_type", "")).lower()
+    if is_multimodal(raw):
+        text, text_type = _text_config(raw, where)
+        family_type = _TEXT_ALIASES.get(text_type, text_type)
+        if family_type not in _BY_TYPE:
+            raise ModelError(f"{where}: model_type {model_type!r} is a multimodal checkpoint whose text decoder is "
+                             f"{text_type!r}, not a decoder family the streaming builder supports; supported "
+                             f"(as text_config.model_type): {', '.join(supported_model_types())}")  # fmt: skip
+        out = parse_config({**text, "model_type": family_type}, f"{where} (text_config of {model_type})")
+        if model_type not in _WRAPPER_LOGITS:
+            out = dataclasses.replace(out, final_softcap=None, logit_scale=None, logits_scaling=None)
+        return dataclasses.replace(out, multimodal=model_type)
     if model_type not in _BY_TYPE:
         raise ModelError(unsupported_message(model_type, where, raw))
     fam = _variant(model_type, raw, where)

@@ -34,6 +34,7 @@ import onnx_ir as ir
 
 from quantkit.errors import ModelError
 from quantkit.frontends.checkpoint import check_config_values, checkpoint_tensors
+from quantkit.frontends.families import parse_config
 from quantkit.frontends.torch_module import DEFAULT_OPSET, from_torch
 
 if TYPE_CHECKING:
@@ -130,6 +131,16 @@ def text_model_problem(folder: Path, config: Any) -> str | None:
                 .is_file() else "a folder without tokenizer files")
     if what is None:
         return None
+    if what == "a multi-modal model":
+        try:
+            text = parse_config(config, str(folder / "config.json"))
+        except ModelError:
+            pass
+        else:  # its text decoder is a family of the streaming builder
+            return (f"{str(folder)!r} holds a multi-modal model ({', '.join(archs) or config.get('model_type')}); "
+                    f"quantkit builds its text decoder ({text.model_type}, token ids in, logits out; the vision "
+                    "tower is not part of it) layer-wise only: set calibration.layerwise: true (the default for "
+                    "decoders), not the whole-graph path")  # fmt: skip
     return (f"{str(folder)!r} holds {what} ({', '.join(archs) or config.get('model_type', 'unknown type')}); from a "
             "Hugging Face folder quantkit exports text encoders (with their classification / token / question-"
             "answering / masked-LM head) and decoder LLMs. For this model, export it to ONNX yourself (torch.onnx."

@@ -74,9 +74,11 @@ from quantkit.errors import ModelError
 from quantkit.frontends.checkpoint import TensorInfo, checkpoint_tensors, read_tensor
 from quantkit.frontends.families import (
     ROTARY_CACHE_POSITIONS,
+    TEXT_TOWERS,
     DecoderConfig,
     read_config,
     supported_model_types,
+    text_tensor_name,
 )
 
 __all__ = [
@@ -245,6 +247,13 @@ class _Checkpoint:
         self.tensors: dict[str, TensorInfo] = checkpoint_tensors(folder)
         if not self.tensors:
             raise ModelError(f"no *.safetensors in {str(folder)!r}")
+        if cfg is not None and cfg.multimodal:  # the text decoder of a vision-language checkpoint, under its own names
+            text = {g: t for k, t in self.tensors.items() if (g := text_tensor_name(k)) is not None}
+            if not text:
+                raise ModelError(f"{str(folder)!r}: none of the checkpoint's tensors is a text decoder's (stored "
+                                 f"under one of {', '.join(p for p, _ in TEXT_TOWERS)} or model.layers.*); first "
+                                 f"names: {sorted(self.tensors)[:4]}")  # fmt: skip
+            self.tensors = text
         self.where = {k: t.file for k, t in self.tensors.items()}
         self.cfg = cfg
         self.stored: dict[str, str] = {}  # graph name -> stored name, where they differ
