@@ -198,7 +198,21 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
                           "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
                           "patch_size": 14, "vision_use_head": False}}},
+    "gpt_oss": {"from": "openai/gpt-oss-20b (width; 1 and 2 of its 24 layers)", "layers": (1, 2), "config": {
+        "model_type": "gpt_oss", "attention_bias": True, "eos_token_id": 200002, "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 2880, "initial_context_length": 4096, "intermediate_size": 2880,
+        "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+        "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "pad_token_id": 199999,
+        "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                "truncate": False},
+        "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+        "vocab_size": 201088}},
 }  # fmt: skip
+
+E2E_GROUP = {"gpt_oss": 32}
+"""Group sizes other than 128 for the end-to-end recipe: gpt-oss's K = 2880 is a multiple of 32 (its MXFP4 block), not
+of 128, and ONNX Runtime's QMoE kernel needs K to be a multiple of the group."""
 
 # End-to-end cases (--e2e): a family's published config above, the depth, config changes (a variant's width) and,
 # when they change it, the checkpoint whose shape that is.
@@ -218,6 +232,7 @@ E2E: dict[str, tuple[str, int, dict[str, Any], str]] = {
     "qwen3_moe": ("qwen3_moe", 1, {}, "Qwen/Qwen3-30B-A3B (width; 1 of its 48 layers)"),
     "smolvlm": ("smolvlm", 30, {}, ""),
     "gemma3_vlm": ("gemma3_vlm", 1, {}, ""),
+    "gpt_oss": ("gpt_oss", 1, {}, "openai/gpt-oss-20b (width; 1 of its 24 layers)"),
 }
 
 # Child: the FP32 decoder built by quantkit against transformers' model (argv: folder, output .onnx).
@@ -259,7 +274,8 @@ def run_e2e(case: str, work: Path) -> dict[str, Any]:
     recipe = {"version": 1, "name": f"{case}-int4", "model": {"source": str(hf)},
               "calibration": {"data": {"kind": "text", "source": "austen:prideprejudice", "mode": "windows",
                                        "seq_len": 256, "count": 8, "seed": 0}},
-              "quantization": {"default": {"format": "int4", "group_size": 128, "algorithm": "gptq"}},
+              "quantization": {"default": {"format": "int4", "group_size": E2E_GROUP.get(fam, 128),
+                                           "algorithm": "gptq"}},
               "evaluation": {"data": {"kind": "text", "source": "austen:emma", "mode": "windows", "seq_len": 256,
                                       "count": 4, "seed": 0}}}  # fmt: skip
     (work / "r.yaml").write_text(yaml.safe_dump(recipe))

@@ -2,7 +2,8 @@
 
 A Hugging Face folder of random bf16 weights at the width of a published mixture of experts (``--case``: OLMoE-1B-7B,
 64 experts of 1024, 8 per token; Qwen3-30B-A3B, 128 experts of 768, 8 per token; Mixtral-8x7B, 8 experts of 14336,
-2 per token; ``eval/bench_families.py``'s configs, fewer layers) is quantized layer-wise with INT4 RTN (group 128,
+2 per token; gpt-oss-20b, 32 experts of 2880, 4 per token, clamped SwiGLU with biases; ``eval/bench_families.py``'s
+configs, fewer layers) is quantized layer-wise with INT4 RTN (group 128; gpt-oss 32,
 no calibration: the graphs differ, the weights do not), and the decoders are timed interleaved in one process
 (:func:`quantkit.evaluate.decode.measure_decode` / ``measure_prefill``, 2 threads):
 
@@ -39,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "eval"))
 sys.path.insert(0, str(ROOT))
 
-CASES = {"olmoe": 2, "qwen3_moe": 1, "mixtral": 1}
+CASES = {"olmoe": 2, "qwen3_moe": 1, "mixtral": 1, "gpt_oss": 1}
+GROUP = {"gpt_oss": 32}  # K = 2880: a multiple of 32 (its MXFP4 block), not of 128 (QMoE needs K % group == 0)
 MIXTRAL = {"from": "mistralai/Mixtral-8x7B-v0.1 (width; 1 of its 32 layers)", "config": {
     "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
     "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 32000, "max_position_embeddings": 32768,
@@ -48,7 +50,7 @@ MIXTRAL = {"from": "mistralai/Mixtral-8x7B-v0.1 (width; 1 of its 32 layers)", "c
     "eos_token_id": 2}}  # fmt: skip
 
 
-def _build(folder: Path, out: Path, level: int, fused: bool) -> Path:
+def _build(folder: Path, out: Path, level: int, fused: bool, group: int = 128) -> Path:
     from quantkit.frontends import llm_builder
     from quantkit.layerwise import quantize_llm_layerwise
     from quantkit.recipe import load_recipe
@@ -56,7 +58,7 @@ def _build(folder: Path, out: Path, level: int, fused: bool) -> Path:
 
     plan = PrecisionPlan.from_recipe(load_recipe({
         "version": 1, "model": {"source": str(folder)}, "calibration": {"layerwise": True},
-        "quantization": {"default": {"format": "int4", "group_size": 128, "algorithm": "rtn"}}}))  # fmt: skip
+        "quantization": {"default": {"format": "int4", "group_size": group, "algorithm": "rtn"}}}))  # fmt: skip
     keep = llm_builder._qmoe_weights
     if not fused:
         llm_builder._qmoe_weights = lambda *a, **k: None  # the standard-op dispatch, same packed weights
@@ -81,6 +83,7 @@ def run_case(case: str, work: Path) -> dict[str, Any]:
     hf.mkdir(parents=True)
     made = _child(_CHILD_GEN, str(hf), json.dumps(spec["config"]), str(layers))
     row: dict[str, Any] = {"case": case, "from": spec["from"], "layers": layers, "params": made.get("params"),
+                           "group_size": GROUP.get(case, 128),
                            "load_start": [round(x, 2) for x in os.getloadavg()]}
     models: dict[str, Path] = {}
     t0 = time.perf_counter()
@@ -90,7 +93,7 @@ def run_case(case: str, work: Path) -> dict[str, Any]:
         for fused in (True, False):
             name = f"int4 {'QMoE' if fused else 'dispatch'} level {level}"
             t0 = time.perf_counter()
-            models[name] = _build(hf, work / f"q{level}{int(fused)}", level, fused)
+            models[name] = _build(hf, work / f"q{level}{int(fused)}", level, fused, GROUP.get(case, 128))
             row[f"{name} build_s"] = round(time.perf_counter() - t0, 1)
             ops = [n.op_type for n in onnx.load(str(models[name]), load_external_data=False).graph.node]
             row[f"{name} ops"] = {k: ops.count(k) for k in ("QMoE", "MoE", "MatMulNBits", "NonZero", "ScatterND")}

@@ -675,8 +675,9 @@ def _moe(data: dict[str, Any]) -> list[str]:
     for r in data["cases"]:
         names = list(r["decode_ms"])
         base = r["decode_ms"].get("fp32")
-        out += ["", f"**{r['case']}**: {r['from']}, {r['layers']} layer(s), {r['params'] / 1e9:.2f}B parameters "
-                f"({r['date']}, load {r['load_start']} -> {r.get('load_end')})", "",
+        out += ["", f"**{r['case']}**: {r['from']}, {r['layers']} layer(s), {r['params'] / 1e9:.2f}B parameters, "
+                f"INT4 RTN group {r.get('group_size', 128)} ({r['date']}, load {r['load_start']} -> "
+                f"{r.get('load_end')})", "",
                 "| decoder | decode ms/token (past 128) | x FP32 | prefill 128 tokens ms | max logit diff / max logit "
                 "vs int4 dispatch level 0 | QMoE / MoE / MatMulNBits / NonZero nodes |", "|---|---|---|---|---|---|"]
         for k in names:

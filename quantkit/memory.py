@@ -357,6 +357,17 @@ def decoder_sizes(folder: str | os.PathLike[str]) -> DecoderSizes:
     for name, t in tensors.items():
         n = math.prod(t.shape)
         b = n * _DTYPE_BYTES.get(t.dtype, 4)
+        shape, linear = tuple(t.shape), True
+        if t.dtype == "U8":  # MXFP4 experts (gpt-oss): blocks [E, N, K / 32, 16] of two codes a byte, exponents
+            if name.endswith("_blocks") and len(shape) == 4:
+                shape = (shape[0], shape[2] * shape[3] * 2, shape[1])  # as the [E, K, N] tensor it decodes to
+                n = math.prod(shape)
+            else:  # an exponent per 32 values: bytes, not parameters
+                n, linear = 0, False
+        elif len(shape) == 3 and name.endswith(".weight"):  # [E, N, K] (Granite-MoE) -> [E, K, N]
+            shape = (shape[0], shape[2], shape[1])
+        elif name.endswith("_bias"):  # gpt-oss's expert biases [E, N]: not a linear
+            linear = False
         params += n
         stored += b
         m = _BLOCK.search(name)
@@ -370,15 +381,16 @@ def decoder_sizes(folder: str | os.PathLike[str]) -> DecoderSizes:
         if e is not None:
             blk["experts"].add(int(e.group(1)))
             blk["expert_linear"] += n if len(t.shape) == 2 else 0
-        if len(t.shape) == 3:  # experts stored together ([experts, N, K]: Granite-MoE): a linear per expert
-            ne, nn, kk = (int(v) for v in t.shape)
+        if linear and len(shape) == 3:  # experts stored together, as [experts, K, N] here (gpt-oss; Granite-MoE's
+            # transposed; transformers' own expert parameters, without ".weight", are stored that way)
+            ne, kk, nn = (int(v) for v in shape)
             blk["experts"].update(range(ne))
             blk["expert_linear"] += n
             blk["shapes"] += [(kk, nn)] * ne
             blk["linear"] += n
             blk["largest"] = max(blk["largest"], nn * kk)
             blk["n"], blk["k"] = max(blk["n"], nn), max(blk["k"], kk)
-        if len(t.shape) == 2:
+        if linear and len(t.shape) == 2:
             blk["shapes"].append((int(t.shape[1]), int(t.shape[0])))
             blk["linear"] += n
             blk["largest"] = max(blk["largest"], n)

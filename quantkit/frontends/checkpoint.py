@@ -191,10 +191,12 @@ def read_tensor(info: TensorInfo) -> Any:
 
         dt = np.dtype(ml_dtypes.bfloat16)
     else:
-        dt = {"F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8")}.get(info.dtype)
+        # U8: packed codes stored beside float scales (gpt-oss's MXFP4 experts: *_blocks / *_scales)
+        dt = {"F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
+              "U8": np.dtype(np.uint8)}.get(info.dtype)  # fmt: skip
     if dt is None or info.offset < 0:
         raise ModelError(f"{str(info.file)!r}: cannot read a {info.dtype} tensor; allowed dtypes: "
-                         f"{', '.join(FLOAT_DTYPES)}")  # fmt: skip
+                         f"{', '.join(FLOAT_DTYPES)} (and U8 for packed codes)")  # fmt: skip
     count = math.prod(info.shape)
     try:
         with open(info.file, "rb") as fh:

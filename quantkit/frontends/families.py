@@ -126,6 +126,13 @@ class Names:
     """Experts stored as two ``[experts, N, K]`` tensors (suffixes after the block): ``gate`` and ``up`` rows in the
     first (``[gate | up]`` per expert), ``down`` in the second (Granite-MoE's ``input_linear`` / ``output_linear``);
     each expert's linears are read as slices under their graph names.  None: one tensor per expert linear."""
+    expert_layout: str = "rows"
+    """How :attr:`expert_store` holds the experts: ``rows`` - ``[experts, N, K]``, ``[gate | up]`` rows (Granite-MoE);
+    ``oss`` - transformers' transposed experts ``[experts, K, N]`` with gate and up *columns* interleaved (gate 0,
+    up 0, gate 1, ...) and their biases beside them (``<store>_bias``), or the same experts in MXFP4
+    (``<store>_blocks`` ``[experts, N, K / 32, 16]`` bytes of two 4-bit e2m1 codes, the low nibble first, and
+    ``<store>_scales`` ``[experts, N, K / 32]`` power-of-two exponents biased by 127; N = rows, interleaved the same
+    way): gpt-oss."""
     shared_expert: str | None = None
     """An expert every token runs (Qwen2-MoE's ``mlp.shared_expert``: ``gate_proj`` / ``up_proj`` / ``down_proj``)."""
     shared_expert_gate: str | None = None
@@ -433,6 +440,12 @@ FAMILIES: tuple[Family, ...] = (
            names=Names(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", qk_norm_whole=True, router="mlp.gate",
                        experts="mlp.experts"),
            clip_qkv=True, moe=True, moe_inter_key="", defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
+    Family("gpt_oss", ("gpt_oss",), "gpt-oss",
+           names=Names(sinks="self_attn.sinks", router="mlp.router", experts="mlp.experts",
+                       expert_store=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"), expert_layout="oss"),
+           act_keys=(), act_default="swiglu_oss", windows="layer_types", window_rule="every-2", moe=True,
+           moe_norm_key="", moe_inter_key="", defaults=(("sliding_window", 128), ("rms_norm_eps", 1e-5)),
+           genai_type="decoder"),
     Family("olmo2", ("olmo2",), "OLMo-2",
            names=_OLMO_NAMES,
            defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
@@ -640,10 +653,12 @@ for _f in FAMILIES:
 _VARIANTS = {t: tuple(f for f in FAMILIES if t in f.model_types) for t in _BY_TYPE}
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu2": "relu2", "relu": "relu",
-                "xielu": "xielu"}  # fmt: skip
+                "xielu": "xielu", "swiglu_oss": "swiglu_oss"}  # fmt: skip
 """config.json activation names -> the kernel written (``gelu_tanh``: ONNX ``Gelu`` with ``approximate="tanh"``;
 ``relu2``: ``relu(x) ** 2``, as ``Relu`` x itself; ``relu``: ``Relu``; ``xielu``: Apertus' xIELU, with the
-parameters each MLP stores under its ``act_fn``)."""
+parameters each MLP stores under its ``act_fn``; ``swiglu_oss``: gpt-oss's gated unit
+``(clip(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, l)``, :attr:`DecoderConfig.swiglu_alpha` /
+:attr:`DecoderConfig.swiglu_limit`)."""
 _ROPE_TYPES = ("default", "linear", "llama3", "longrope", "dynamic", "yarn", "ntk_alpha")
 """RoPE variants the builder computes exactly.  ``dynamic`` (dynamic NTK) is plain RoPE until a sequence passes the
 original context, where transformers starts rescaling the frequencies by the sequence length: the built decoder's
@@ -850,6 +865,9 @@ class DecoderConfig:
     moe_layers: tuple[bool, ...] = ()
     """Per layer, whether it is a mixture-of-experts block (the others have a dense MLP); empty with
     :attr:`num_experts`: every layer is."""
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    """gpt-oss's gated unit (activation ``swiglu_oss``): the sigmoid's slope and the clamp of gate and up."""
     multimodal: str = ""
     """The ``model_type`` of the multimodal checkpoint this is the text decoder of (Gemma 3, LLaVA, Qwen2.5-VL ...;
     its vision / audio towers are not read: :func:`text_tensor_name`); empty for a text-only checkpoint."""
@@ -1143,9 +1161,16 @@ def _moe_fields(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: 
         if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
             raise ModelError(f"{where}: mlp_only_layers {dense!r}; allowed: a list of layer indices")
         layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(out.num_hidden_layers))
-    return {"num_experts": experts, "experts_per_token": top, "norm_topk_prob": bool(norm),
-            "moe_intermediate_size": int(inter), "shared_expert_intermediate_size": int(shared),
-            "moe_layers": layers}
+    out_fields: dict[str, Any] = {
+        "num_experts": experts, "experts_per_token": top, "norm_topk_prob": bool(norm),
+        "moe_intermediate_size": int(inter), "shared_expert_intermediate_size": int(shared), "moe_layers": layers}
+    if out.activation == "swiglu_oss":
+        for key, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+            v = cfg.get(key, default)
+            if not _num(v, positive=True):
+                raise ModelError(f"{where}: {key} {v!r}; allowed: a number > 0")
+            out_fields[key] = float(v)
+    return out_fields
 
 
 def read_config(folder: str | os.PathLike[str]) -> DecoderConfig:

@@ -56,6 +56,7 @@ one, or rows padded on the right.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -262,6 +263,9 @@ class _Checkpoint:
         self.virtual: dict[str, np.ndarray] = {}  # graph name -> a tensor the checkpoint does not store (ones)
         # graph name -> (stored [experts, N, K] tensor, expert, first row, end row, N): experts stored together
         self.sliced: dict[str, tuple[str, int, int, int, int]] = {}
+        # graph name -> (the stored tensors it is computed from, its shape, how): gpt-oss's experts
+        self.derived: dict[str, tuple[tuple[str, ...], tuple[int, ...], Callable[[dict[str, Any]], Any]]] = {}
+        self.expected: dict[str, tuple[int, ...]] = {}  # stored tensor -> the shape the config implies
         if cfg is not None:
             fam = cfg.spec
             for k in list(self.tensors) if fam.names.stored_renames else []:  # EXAONE 3's names for LLaMA's modules
@@ -299,7 +303,9 @@ class _Checkpoint:
             for graph, stored in fam.names.stored_aliases:
                 if graph not in self.tensors and stored in self.tensors:
                     self.stored[graph] = stored
-            if fam.names.expert_store is not None:  # Granite-MoE: [experts, 2 I, H] and [experts, H, I] per block
+            if fam.names.expert_store is not None and fam.names.expert_layout == "oss":
+                self._oss_experts(cfg)
+            elif fam.names.expert_store is not None:  # Granite-MoE: [experts, 2 I, H] and [experts, H, I] per block
                 up_down = fam.names.expert_store
                 inter = cfg.moe_intermediate_size
                 for i in range(cfg.num_hidden_layers):
@@ -327,10 +333,38 @@ class _Checkpoint:
                 self.reordered.update({f"{fam.names.layers}.{i}.{fam.names.qkv}.{t}": rows
                                        for i in range(cfg.num_hidden_layers) for t in ("weight", "bias")})  # fmt: skip
 
+    def _oss_experts(self, cfg: DecoderConfig) -> None:
+        """gpt-oss's experts (:attr:`~quantkit.frontends.families.Names.expert_layout` ``oss``) as one ``[N, K]``
+        weight and one bias per expert linear, computed from the stored tensors as they are read: bfloat16
+        ``[experts, K, N]`` with gate / up columns interleaved, or MXFP4 blocks and exponents (decoded exactly:
+        every e2m1 value times a power of two is a float32)."""
+        gu_store, down_store = cfg.spec.names.expert_store or ("", "")
+        H, inter, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        for i in range(cfg.num_hidden_layers):
+            p = block_prefix(cfg, i)
+            for store, rows, k in ((gu_store, 2 * inter, H), (down_store, H, inter)):  # N = rows, as stored
+                self.expected.update({f"{p}.{store}": (E, k, rows), f"{p}.{store}_bias": (E, rows),
+                                      f"{p}.{store}_blocks": (E, rows, k // 32, 16),
+                                      f"{p}.{store}_scales": (E, rows, k // 32)})  # fmt: skip
+            for e, (gate, up, down) in enumerate(expert_linears(cfg) if cfg.is_moe(i) else []):
+                for role, store, n, k, cols in ((gate, gu_store, inter, H, slice(0, None, 2)),
+                                                (up, gu_store, inter, H, slice(1, None, 2)),
+                                                (down, down_store, H, inter, slice(None))):  # fmt: skip
+                    full, blocks, scales = f"{p}.{store}", f"{p}.{store}_blocks", f"{p}.{store}_scales"
+                    if self._name(blocks) in self.where and self._name(scales) in self.where:
+                        self.derived[f"{p}.{role}.weight"] = ((blocks, scales), (n, k),
+                                                              functools.partial(_oss_mxfp4, blocks, scales, e, cols))
+                    else:
+                        self.derived[f"{p}.{role}.weight"] = ((full,), (n, k), functools.partial(_oss_kn, full, e, cols))
+                    self.derived[f"{p}.{role}.bias"] = ((f"{full}_bias",), (n,),
+                                                        functools.partial(_oss_bias, f"{full}_bias", e, cols))
+
     def _name(self, name: str) -> str:
         return self.stored.get(name, name)
 
     def __contains__(self, name: str) -> bool:
+        if name in self.derived:
+            return all(self._name(d) in self.where for d in self.derived[name][0])
         if name in self.sliced:
             return self._name(self.sliced[name][0]) in self.where
         return name in self.virtual or self._name(name) in self.where
@@ -340,6 +374,8 @@ class _Checkpoint:
         experts' tensor, which must hold that expert and those rows)."""
         if name in self.virtual:
             return tuple(self.virtual[name].shape)
+        if name in self.derived:
+            return self._derived_shape(name)
         if name in self.sliced:
             stored, _, a, b, rows = self.sliced[name]
             shape = self.tensors[self._name(stored)].shape
@@ -349,7 +385,19 @@ class _Checkpoint:
         shape = self.tensors[self._name(name)].shape
         return tuple(reversed(shape)) if name in self.transposed else shape
 
+    def _derived_shape(self, name: str) -> tuple[int, ...]:
+        """A derived tensor's shape when its stored tensors have the shapes the config implies, else the first
+        stored tensor's own that does not (reported as a mis-shaped tensor by check_checkpoint)."""
+        deps, shape, _ = self.derived[name]
+        for d in deps:
+            got = tuple(self.tensors[self._name(d)].shape)
+            if got != self.expected[d]:
+                return got
+        return shape
+
     def file(self, name: str) -> Path:
+        if name in self.derived:
+            return self.where[self._name(self.derived[name][0][0])]
         if name in self.sliced:
             return self.where[self._name(self.sliced[name][0])]
         return self.where[self._name(name)] if name not in self.virtual else Path("(none: ones)")
@@ -371,6 +419,13 @@ class _Checkpoint:
             if n in self.virtual:
                 yield n, self.virtual[n].copy()
                 continue
+            if n in self.derived:
+                deps, _, how = self.derived[n]
+                for d in deps:
+                    if d not in together:
+                        together[d] = read_tensor(self.tensors[self._name(d)])
+                yield n, how(together)
+                continue
             if n in self.sliced:
                 stored, e, a, b, _ = self.sliced[n]
                 if stored not in together:
@@ -382,6 +437,35 @@ class _Checkpoint:
             if order is not None and t.shape[:1] == order.shape:
                 t = t[order]
             yield n, (t.T if n in self.transposed else t)
+
+
+def _oss_kn(stored: str, e: int, cols: slice, t: dict[str, Any]) -> Any:
+    """Expert ``e``'s ``[N, K]`` weight: columns ``cols`` of its ``[K, N]`` slice of ``stored`` (a view)."""
+    return t[stored][e][:, cols].T
+
+
+def _oss_mxfp4(blocks: str, scales: str, e: int, rows: slice, t: dict[str, Any]) -> np.ndarray:
+    """Expert ``e``'s ``[N, K]`` weight: rows ``rows`` of its MXFP4 tensor, decoded."""
+    return _mxfp4_rows(t[blocks][e], t[scales][e])[rows]
+
+
+def _oss_bias(stored: str, e: int, cols: slice, t: dict[str, Any]) -> Any:
+    return t[stored][e][cols]
+
+
+_E2M1 = np.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+"""The 16 values of a 4-bit e2m1 code (MXFP4), by code."""
+
+
+def _mxfp4_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """One expert's MXFP4 weight ``[N, K]`` (float32, exact) from its blocks ``[N, K / 32, 16]`` (two codes per byte,
+    the low nibble first) and exponents ``[N, K / 32]`` (``2 ** (s - 127)``), as transformers decodes gpt-oss."""
+    b = np.asarray(blocks, np.uint8)
+    vals = np.empty((*b.shape[:-1], 32), np.float32)
+    vals[..., 0::2] = _E2M1[b & 0x0F]
+    vals[..., 1::2] = _E2M1[b >> 4]
+    vals = np.ldexp(vals, (np.asarray(scales, np.int32) - 127)[..., None])
+    return vals.reshape(b.shape[0], -1)
 
 
 def sinusoidal_table(rows: int, width: int) -> np.ndarray:
@@ -819,6 +903,7 @@ def block_tensor_names(cfg: DecoderConfig, index: int, has: Any) -> list[str]:
     names += [f"{p}.{s}.weight" for s in linear_shapes(cfg, index)]
     names += [f"{p}.{s}.bias" for s in linear_shapes(cfg, index) if has(f"{p}.{s}.bias")]
     names += [f"{p}.{s}.weight" for s in float_linears(cfg, index)]
+    names += [f"{p}.{s}.bias" for s in float_linears(cfg, index) if has(f"{p}.{s}.bias")]  # gpt-oss's router
     if cfg.activation == "xielu":  # Apertus: the activation's own parameters
         names += [f"{p}.{n.act}.{k}" for k in XIELU_PARAMS if has(f"{p}.{n.act}.{k}")]
     return names
@@ -1266,11 +1351,26 @@ def _gated_mlp(g: _GraphBuilder, x: str, p: str, roles: tuple[str, str, str], w:
         taps[f"{p}.{s}"] = x
     x = _shared_scale(g, x, f"{p}.{gate_s.rsplit('.', 1)[0]}/input_scale", q, (gate_s, up_s))
     up_bias = w.pop(f"{p}.{up_s}.bias", None)
-    q[up_s], q[down_s], up_bias = _fold_into_up(q[up_s], q[down_s], up_bias)
+    oss = g.cfg.activation == "swiglu_oss"
+    if not oss:  # (gpt-oss's up is clamped and shifted: a scale of its columns does not pass through)
+        q[up_s], q[down_s], up_bias = _fold_into_up(q[up_s], q[down_s], up_bias)
     gate = _linear(g, x, f"{p}.{gate_s}", w.pop(f"{p}.{gate_s}.weight"), w.pop(f"{p}.{gate_s}.bias", None), q[gate_s])
     up = _linear(g, x, f"{p}.{up_s}", w.pop(f"{p}.{up_s}.weight"), up_bias, q[up_s])
     name = f"{p}.{gate_s.rsplit('.', 1)[0]}"
-    prod = g.node("Mul", [_activation(g, gate, f"{name}.act_fn"), up], [f"{name}/Mul/output_0"], f"{name}/Mul")[0]
+    if oss:  # (clip(up, -l, l) + 1) * g * sigmoid(alpha g), g = min(gate, l)
+        lim = g.const(g.cfg.swiglu_limit, np.float32)
+        gate = g.node("Min", [gate, lim], [f"{name}/gate_clamp/output_0"], f"{name}/gate_clamp")[0]
+        neg = g.const(-g.cfg.swiglu_limit, np.float32)
+        up = g.node("Clip", [up, neg, lim], [f"{name}/up_clamp/output_0"], f"{name}/up_clamp")[0]
+        up = g.node("Add", [up, g.const(1.0, np.float32)], [f"{name}/up_shift/output_0"], f"{name}/up_shift")[0]
+        ag = g.node("Mul", [gate, g.const(g.cfg.swiglu_alpha, np.float32)], [f"{name}/gate_alpha/output_0"],
+                    f"{name}/gate_alpha")[0]  # fmt: skip
+        sig = g.node("Sigmoid", [ag], [f"{name}/Sigmoid/output_0"], f"{name}/Sigmoid")[0]
+        glu = g.node("Mul", [gate, sig], [f"{name}/glu/output_0"], f"{name}/glu")[0]
+        prod = g.node("Mul", [glu, up], [f"{name}/Mul/output_0"], f"{name}/Mul")[0]
+    else:
+        prod = g.node("Mul", [_activation(g, gate, f"{name}.act_fn"), up], [f"{name}/Mul/output_0"],
+                      f"{name}/Mul")[0]  # fmt: skip
     taps[f"{p}.{down_s}"] = prod
     return _linear(g, prod, f"{p}.{down_s}", w.pop(f"{p}.{down_s}.weight"), w.pop(f"{p}.{down_s}.bias", None),
                    q[down_s])  # fmt: skip
@@ -1291,7 +1391,7 @@ def _qmoe_weights(cfg: DecoderConfig, experts: list[tuple[PackedLinear | None, .
     one accuracy level (at 8 bits it quantizes the activations whatever the level), no AWQ input scale (its experts
     share one input) and ``K`` a multiple of the block; otherwise the standard-op dispatch is written."""
     flat = [t for trio in experts for t in trio]
-    if cfg.activation != "silu" or not flat or any(t is None for t in flat):
+    if cfg.activation not in ("silu", "swiglu_oss") or not flat or any(t is None for t in flat):
         return None
     ps = [t for t in flat if t is not None]
     if len({(t.bits, t.block_size, t.accuracy_level) for t in ps}) != 1 or ps[0].bits != 4:
@@ -1346,7 +1446,8 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
     H = cfg.hidden_size
     m = f"{p}.{n.router.rsplit('.', 1)[0]}"
     x = g.node("Reshape", [h, g.const([-1, H])], [f"{m}/tokens/output_0"], f"{m}/tokens")[0]
-    logits = _linear(g, x, f"{p}.{n.router}", w.pop(f"{p}.{n.router}.weight"), None, None)
+    logits = _linear(g, x, f"{p}.{n.router}", w.pop(f"{p}.{n.router}.weight"), w.pop(f"{p}.{n.router}.bias", None),
+                     None)  # fmt: skip
 
     def probs() -> str:  # the softmax over all experts (ONNX Runtime runs every node: written only where read)
         return g.node("Softmax", [logits], [f"{m}/router_softmax/output_0"], f"{m}/router_softmax", axis=-1)[0]
@@ -1362,23 +1463,47 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
     else:
         shared = None
     fused = None if g.tapped else _qmoe_weights(cfg, [tuple(q[s] for s in roles) for roles in experts])
+    # gpt-oss's gated unit in the kernels' terms: (clip(up) + beta) * g * sigmoid(alpha g), g = min(gate, limit)
+    act = ({"activation_alpha": cfg.swiglu_alpha, "activation_beta": 1.0, "swiglu_limit": cfg.swiglu_limit}
+           if cfg.activation == "swiglu_oss" else {})  # fmt: skip
+
+    def biases() -> tuple[str, str]:  # fc1 (gate / up interleaved) and fc2 biases of the experts, "" when none
+        have = [f"{p}.{s}.bias" in w for roles in experts for s in roles]
+        if not any(have):
+            return "", ""
+        shapes = linear_shapes(cfg, i)
+
+        def one(s: str) -> np.ndarray:
+            b = w.pop(f"{p}.{s}.bias", None)
+            return np.zeros(shapes[s][0], np.float32) if b is None else _float32_rows(b, 0, shapes[s][0])
+
+        gate = np.stack([one(r[0]) for r in experts])
+        up = np.stack([one(r[1]) for r in experts])
+        fc1 = np.empty((gate.shape[0], 2 * gate.shape[1]), np.float32)
+        fc1[:, 0::2], fc1[:, 1::2] = gate, up
+        fc2 = np.stack([one(r[2]) for r in experts])
+        return (g.external(f"{p}.{n.experts}.fc1.bias", fc1), g.external(f"{p}.{n.experts}.fc2.bias", fc2))
+
     if fused is not None:  # one QMoE node: the routed experts' 4-bit weights stacked, ONNX Runtime's CPU kernel
         for roles in experts:
             for s in roles:
                 w.pop(f"{p}.{s}.weight")
         (b1, s1, z1), (b2, s2, z2), bits, bs, level = fused
+        bias1, bias2 = biases()
         ins = [x, logits, g.external(f"{p}.{n.experts}.fc1.weight_Q{bits}", b1),
-               g.external(f"{p}.{n.experts}.fc1.weight_scales", s1), "",
+               g.external(f"{p}.{n.experts}.fc1.weight_scales", s1), bias1,
                g.external(f"{p}.{n.experts}.fc2.weight_Q{bits}", b2),
-               g.external(f"{p}.{n.experts}.fc2.weight_scales", s2), "", "", "", "",
+               g.external(f"{p}.{n.experts}.fc2.weight_scales", s2), bias2, "", "", "",
                g.external(f"{p}.{n.experts}.fc1.weight_zero_points", z1) if z1 is not None else "",
                g.external(f"{p}.{n.experts}.fc2.weight_zero_points", z2) if z2 is not None else "", ""]  # fmt: skip
         if not cfg.norm_topk_prob:  # the kernel renormalizes the top-k of its own softmax unless given the weights
             ins.append(probs())
         out = g.node("QMoE", ins, [f"{p}.{n.experts}/output_0"], f"{p}.{n.experts}", _MS, k=cfg.experts_per_token,
                      activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=int(cfg.norm_topk_prob),
-                     expert_weight_bits=bits, block_size=bs, weights_prepacked=0, accuracy_level=level)[0]  # fmt: skip
-    elif not g.tapped and cfg.activation == "silu" and all(q[s] is None for roles in experts for s in roles):
+                     expert_weight_bits=bits, block_size=bs, weights_prepacked=0, accuracy_level=level,
+                     **act)[0]  # fmt: skip
+    elif (not g.tapped and cfg.activation in ("silu", "swiglu_oss")
+          and all(q[s] is None for roles in experts for s in roles)):  # fmt: skip
         # float experts: ONNX Runtime's CPU MoE kernel, the same layout in float32 (fc1 gate / up rows interleaved)
         def stack(j: int) -> np.ndarray:
             return np.stack([_float32_rows(w.pop(f"{p}.{roles[j]}.weight"), 0, shapes[roles[j]][0])
@@ -1389,11 +1514,12 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
         fc1 = np.empty((gate.shape[0], 2 * gate.shape[1], gate.shape[2]), np.float32)
         fc1[:, 0::2], fc1[:, 1::2] = gate, up
         del gate, up
-        out = g.node("MoE", [x, logits, g.external(f"{p}.{n.experts}.fc1.weight", fc1), "",
-                             g.external(f"{p}.{n.experts}.fc2.weight", stack(2))],
+        bias1, bias2 = biases()
+        out = g.node("MoE", [x, logits, g.external(f"{p}.{n.experts}.fc1.weight", fc1), bias1,
+                             g.external(f"{p}.{n.experts}.fc2.weight", stack(2)), bias2],
                      [f"{p}.{n.experts}/output_0"], f"{p}.{n.experts}", _MS, k=cfg.experts_per_token,
                      activation_type="swiglu", swiglu_fusion=1,
-                     normalize_routing_weights=int(cfg.norm_topk_prob))[0]  # fmt: skip
+                     normalize_routing_weights=int(cfg.norm_topk_prob), **act)[0]  # fmt: skip
         del fc1
     else:  # the standard-op dispatch: each expert on the rows routed to it
         top_w, top_i = g.node("TopK", [probs(), g.const([cfg.experts_per_token])],

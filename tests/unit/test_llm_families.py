@@ -269,10 +269,19 @@ def _spec(kind: str) -> tuple[Any, Any]:
                                                            num_experts_per_tok=2, embedding_multiplier=3.0,
                                                            residual_multiplier=0.4, attention_multiplier=0.2,
                                                            logits_scaling=4.0)  # fmt: skip
+    if kind == "gpt_oss":  # attention sinks, biases everywhere, a sliding and a full layer, YaRN (truncate false),
+        # the router's top-2 logits softmaxed, clamped SwiGLU experts stored as [experts, K, N] with gate / up columns
+        # interleaved (width 64: MXFP4 blocks of 32 along K)
+        return t.GptOssForCausalLM, t.GptOssConfig(**{**c, "intermediate_size": 64}, head_dim=16, num_local_experts=4,
+                                                   num_experts_per_tok=2, sliding_window=_WINDOW,
+                                                   rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                    "beta_fast": 32.0, "beta_slow": 1.0,
+                                                                    "original_max_position_embeddings": 16,
+                                                                    "rope_theta": 150000.0, "truncate": False})
     raise AssertionError(kind)
 
 
-MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"]
+MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss"]
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm", "glm4",
@@ -291,6 +300,8 @@ def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
         for name, p in model.named_parameters():
             if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n", "self_attn.sinks")):  # Apertus' xIELU, Granite
                 p.uniform_(-1.0, 1.0)  # SWA's sinks: away from their initial values
+            elif name.endswith(("_proj_bias", "router.bias")):  # gpt-oss's expert and router biases (zeros at init)
+                p.normal_(0.0, 0.3)
             elif "norm" in name or ".ln_" in name:
                 if name.endswith(".bias"):
                     p.normal_(0.0, 0.1)
@@ -449,6 +460,9 @@ def _expert_weight(model: Any, layer: str) -> Any:
     except AttributeError:
         experts = model.get_submodule(f"{m.group(1)}.{m.group(2)}.experts")
     e, role = int(m.group(3)), m.group(4)
+    if model.config.model_type == "gpt_oss":  # [experts, K, N], gate / up columns interleaved: [N, K] views
+        return {"gate_proj": experts.gate_up_proj.data[e, :, 0::2].T, "up_proj": experts.gate_up_proj.data[e, :, 1::2].T,
+                "down_proj": experts.down_proj.data[e].T}[role]
     half = experts.gate_up_proj.shape[1] // 2
     if role in ("gate_proj", "w1"):
         return experts.gate_up_proj.data[e, :half]
@@ -479,7 +493,7 @@ def test_int4_rtn_equals_the_same_weights_in_pytorch(built: Any, kind: str, tmp_
     routers = {f"{block_prefix(cfg, i)}.{s}" for i in range(cfg.num_hidden_layers) for s in llm_builder.float_linears(cfg, i)}
     # every linear is 4-bit but a mixture's router (and shared-expert gate): float32, as they choose the experts
     assert {nd.name for nd in nodes if nd.op_type == "MatMul"} == routers
-    assert ops.count("MatMulNBits") >= 4 * 2 + 1
+    assert ops.count("MatMulNBits") + 3 * cfg.num_experts * ops.count("QMoE") >= 4 * 2 + 1  # (QMoE: 3 per expert)
     model = copy.deepcopy(b.model)
     rtn = get_weight_algorithm("rtn")
     conv1d = read_decoder_config(b.folder).spec.conv1d
@@ -1119,3 +1133,93 @@ def test_experts_stored_together_must_match_the_config(built: Any, tmp_path: Pat
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 32}))
     with pytest.raises(ModelError, match=r"block_sparse_moe\.experts\.0\.w?\w*.*has shape \[4, 96, 64\]"):
         build_llm(tmp_path / "hf", tmp_path / "o" / "model.onnx")
+
+
+def _to_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``w`` ``[..., N, K]`` (K a multiple of 32) as MXFP4: blocks ``[..., N, K / 32, 16]`` (two e2m1 codes per byte,
+    the low nibble first) and exponents ``[..., N, K / 32]`` biased by 127, nearest code per value (a writer of
+    the format, to make a checkpoint as the Hub's gpt-oss stores its experts)."""
+    grid = np.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    blocks = w.reshape(*w.shape[:-1], -1, 32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    exp = np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)).astype(np.int32)
+    codes = np.abs(blocks[..., None] / np.exp2(exp)[..., None] - grid).argmin(-1).astype(np.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), (exp[..., 0] + 127).astype(np.uint8)
+
+
+def test_gpt_oss_mxfp4_experts_are_read_as_transformers_decodes_them(built: Any, tmp_path: Path) -> None:
+    """The Hub's gpt-oss checkpoints store the experts in MXFP4 (``gate_up_proj_blocks`` / ``_scales``, ``[experts, N,
+    K / 32, 16]``): the decoder built from such a folder equals transformers' model with the experts decoded by
+    transformers' own MXFP4 reader (``convert_moe_packed_tensors``): nibble order, exponent bias, layout."""
+    import copy
+
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    b = built("gpt_oss")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    cfg = json.loads((b.folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                      "model.layers.*.mlp.router"]}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(b.folder / "model.safetensors"))
+    model = copy.deepcopy(b.model)
+    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        kn = tensors.pop(name).astype(np.float32)  # [experts, K, N]
+        blocks, scales = _to_mxfp4(np.ascontiguousarray(kn.transpose(0, 2, 1)))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        decoded = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+        assert float((decoded - torch.from_numpy(kn)).abs().max()) > 1e-3  # MXFP4 did round the weights
+        with torch.no_grad():
+            model.get_parameter(name).copy_(decoded)
+    save_file(tensors, str(folder / "model.safetensors"))
+    path = build_llm(folder, tmp_path / "o" / "model.onnx")
+    ids = _ids(PROMPT + NEW, 4)
+    _assert_exact(LLMSession(path)(ids), _reference(model, ids), "gpt-oss MXFP4")
+    from quantkit.memory import decoder_sizes
+
+    plain, packed = decoder_sizes(b.folder), decoder_sizes(folder)
+    assert (packed.params, packed.experts, packed.max_k, packed.widest_n) == (
+        plain.params, plain.experts, plain.max_k, plain.widest_n)
+    assert packed.stored_bytes < plain.stored_bytes
+
+
+def test_gpt_oss_experts_must_match_the_config(built: Any, tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copytree(built("gpt_oss").folder, tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 32}))
+    with pytest.raises(ModelError, match=r"mlp\.experts\.0\.gate_proj.*has shape \(?\[?4, 64, 128"):
+        build_llm(tmp_path / "hf", tmp_path / "o" / "model.onnx")
+
+
+def test_gpt_oss_published_config_is_read_as_transformers_reads_it() -> None:
+    """gpt-oss-20b's config.json (transformers 4.55's): 32 experts, 4 per token, the experts' width from
+    intermediate_size, alternating windowed / full layers, YaRN x32 without truncation, the clamp at 7 and the
+    sigmoid slope transformers assumes when the file does not state it (1.702)."""
+    from quantkit.frontends.families import parse_config
+
+    raw = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "eos_token_id": 200002, "head_dim": 64,
+           "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096, "intermediate_size": 2880,
+           "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+           "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+           "num_key_value_heads": 8, "num_local_experts": 32, "pad_token_id": 199999,
+           "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                              "model.embed_tokens", "lm_head"],
+                                   "quant_method": "mxfp4"},
+           "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                   "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                   "truncate": False},
+           "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+           "vocab_size": 201088}  # fmt: skip
+    c = parse_config(raw, "config.json")
+    assert (c.family, c.num_experts, c.experts_per_token, c.moe_intermediate_size, c.norm_topk_prob) == (
+        "gpt_oss", 32, 4, 2880, True)
+    assert (c.activation, c.swiglu_alpha, c.swiglu_limit, c.sliding_window, c.rope_theta) == (
+        "swiglu_oss", 1.702, 7.0, 128, 150000.0)
+    assert c.layer_types[:2] == ("sliding_attention", "full_attention") and len(c.layer_types) == 24
+    assert c.rope_scaling is not None and c.rope_scaling["factor"] == 32.0 and c.rope_scaling["truncate"] is False
+    with pytest.raises(ModelError, match=r"swiglu_limit -1.*allowed: a number > 0"):
+        parse_config({**raw, "swiglu_limit": -1}, "config.json")
