@@ -135,6 +135,9 @@ class Names:
     way): gpt-oss."""
     shared_expert: str | None = None
     """An expert every token runs (Qwen2-MoE's ``mlp.shared_expert``: ``gate_proj`` / ``up_proj`` / ``down_proj``)."""
+    router_choice_bias: str | None = None
+    """A bias added to the router's sigmoid scores for choosing the experts only (DeepSeek-V3 / GLM-4.5's
+    ``mlp.gate.e_score_correction_bias``; the weights are the scores without it)."""
     shared_expert_gate: str | None = None
     """A linear ``[1, H]`` whose sigmoid scales the shared expert's output per token (kept in float32)."""
 
@@ -280,6 +283,15 @@ class Family:
     moe_sparse_layers: bool = False
     """Only some layers are mixture-of-experts (Qwen-MoE's ``decoder_sparse_step`` / ``mlp_only_layers``); the others
     have a dense MLP of ``intermediate_size``."""
+    moe_routing: str = "softmax"
+    """``softmax``: the top-k of the router's softmax; ``sigmoid_grouped`` (DeepSeek-V3, GLM-4.5): each expert's
+    sigmoid score plus :attr:`Names.router_choice_bias` chooses, within the ``topk_group`` of ``n_group`` expert groups
+    whose two best choices sum highest, the top-k experts; their scores (without the bias), renormalized when
+    ``norm_topk_prob``, times ``routed_scaling_factor``, weight them."""
+    moe_dense_first_key: str = ""
+    """The config key of how many first layers have a dense MLP (GLM-4.5's ``first_k_dense_replace``)."""
+    moe_shared_key: str = "shared_expert_intermediate_size"
+    """The config key of the shared expert's width; ``n_shared_experts``: that many experts' width."""
     genai_type: str = ""
 
     @property
@@ -339,6 +351,12 @@ _GPT_ALIASES = (("hidden_size", "n_embd"), ("num_attention_heads", "n_head"), ("
 _GPTJ_NAMES = Names(embed="transformer.wte", layers="transformer.h", final_norm="transformer.ln_f", attn_norm="ln_1",
                     mlp_norm=None, q="attn.q_proj", k="attn.k_proj", v="attn.v_proj", o="attn.out_proj", gate=None,
                     up="mlp.fc_in", down="mlp.fc_out", act="mlp.act")  # fmt: skip
+_GLM4_MOE_NAMES: dict[str, Any] = dict(router="mlp.gate", experts="mlp.experts", shared_expert="mlp.shared_experts",
+                                        router_choice_bias="mlp.gate.e_score_correction_bias")
+_GLM4_MOE: dict[str, Any] = dict(default_rope_partial=True, moe=True, moe_routing="sigmoid_grouped",
+                                 moe_dense_first_key="first_k_dense_replace", moe_shared_key="n_shared_experts",
+                                 defaults=(("rms_norm_eps", 1e-5), ("partial_rotary_factor", 0.5)),
+                                 genai_type="decoder")  # fmt: skip
 _GPTJ: dict[str, Any] = dict(norm="layer", mlp="plain", act_keys=("activation_function",), act_default="gelu_new",
                              rotary_interleaved=True, rotary_dim_key="rotary_dim", default_rope_partial=True,
                              parallel="always", config_aliases=_GPT_ALIASES,
@@ -440,6 +458,11 @@ FAMILIES: tuple[Family, ...] = (
            names=Names(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", qk_norm_whole=True, router="mlp.gate",
                        experts="mlp.experts"),
            clip_qkv=True, moe=True, moe_inter_key="", defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
+    Family("glm4_moe_qk", ("glm4_moe",), "GLM-4.5 (mixture of experts; q / k norms)",
+           names=Names(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", **_GLM4_MOE_NAMES),
+           when=(("use_qk_norm", (True,)),), **_GLM4_MOE),
+    Family("glm4_moe", ("glm4_moe",), "GLM-4.5-Air (mixture of experts)", names=Names(**_GLM4_MOE_NAMES),
+           when=(("use_qk_norm", (False, None)),), **_GLM4_MOE),
     Family("gpt_oss", ("gpt_oss",), "gpt-oss",
            names=Names(sinks="self_attn.sinks", router="mlp.router", experts="mlp.experts",
                        expert_store=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"), expert_layout="oss"),
@@ -868,6 +891,12 @@ class DecoderConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     """gpt-oss's gated unit (activation ``swiglu_oss``): the sigmoid's slope and the clamp of gate and up."""
+    moe_routing: str = "softmax"
+    """:attr:`Family.moe_routing`."""
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    """``sigmoid_grouped`` routing: the expert groups, how many of them a token may choose from, the weights' scale."""
     multimodal: str = ""
     """The ``model_type`` of the multimodal checkpoint this is the text decoder of (Gemma 3, LLaVA, Qwen2.5-VL ...;
     its vision / audio towers are not read: :func:`text_tensor_name`); empty for a text-only checkpoint."""
@@ -1140,7 +1169,8 @@ def _count(cfg: Mapping[str, Any], key: str, where: str, *, minimum: int = 1) ->
 
 def _moe_fields(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: str) -> dict[str, Any]:
     """The mixture-of-experts values of ``config.json`` (:attr:`Family.moe`), checked."""
-    key = next((k for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None), "num_experts")
+    key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(k) is not None),
+               "num_experts")  # fmt: skip
     experts = _count(cfg, key, where, minimum=2)
     top = _count(cfg, "num_experts_per_tok", where)
     if top > experts:
@@ -1153,8 +1183,14 @@ def _moe_fields(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: 
     inter = _count(cfg, fam.moe_inter_key, where) if fam.moe_inter_key else out.intermediate_size
     shared = 0
     if fam.names.shared_expert is not None:
-        shared = _count(cfg, "shared_expert_intermediate_size", where)
+        shared = _count(cfg, fam.moe_shared_key, where)
+        if fam.moe_shared_key == "n_shared_experts":
+            shared *= int(inter)
     layers: tuple[bool, ...] = ()
+    if fam.moe_dense_first_key:
+        dense_first = _count(cfg, fam.moe_dense_first_key, where, minimum=0) if cfg.get(
+            fam.moe_dense_first_key) is not None else 0  # fmt: skip
+        layers = tuple(i >= dense_first for i in range(out.num_hidden_layers))
     if fam.moe_sparse_layers:
         step = _count(cfg, "decoder_sparse_step", where) if cfg.get("decoder_sparse_step") is not None else 1
         dense = cfg.get("mlp_only_layers") or []
@@ -1164,6 +1200,21 @@ def _moe_fields(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: 
     out_fields: dict[str, Any] = {
         "num_experts": experts, "experts_per_token": top, "norm_topk_prob": bool(norm),
         "moe_intermediate_size": int(inter), "shared_expert_intermediate_size": int(shared), "moe_layers": layers}
+    if fam.moe_routing == "sigmoid_grouped":
+        groups = _count(cfg, "n_group", where) if cfg.get("n_group") is not None else 1
+        chosen = _count(cfg, "topk_group", where) if cfg.get("topk_group") is not None else 1
+        if experts % groups or (groups > 1 and experts // groups < 2):
+            raise ModelError(f"{where}: n_group {groups} does not split {key} {experts} into groups of 2 or more "
+                             f"experts; allowed: a divisor of {experts} (1: no groups)")  # fmt: skip
+        if chosen > groups or top > chosen * (experts // groups):
+            raise ModelError(f"{where}: topk_group {chosen} with n_group {groups} leaves fewer than "
+                             f"num_experts_per_tok {top} experts to choose from; allowed: topk_group in 1 .. {groups} "
+                             f"with topk_group x {experts // groups} >= {top}")  # fmt: skip
+        scale = cfg.get("routed_scaling_factor", 1.0)
+        if not _num(scale, positive=True):
+            raise ModelError(f"{where}: routed_scaling_factor {scale!r}; allowed: a number > 0")
+        out_fields.update({"moe_routing": fam.moe_routing, "n_group": groups, "topk_group": chosen,
+                           "routed_scaling_factor": float(scale)})  # fmt: skip
     if out.activation == "swiglu_oss":
         for key, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
             v = cfg.get(key, default)

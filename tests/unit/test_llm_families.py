@@ -278,10 +278,19 @@ def _spec(kind: str) -> tuple[Any, Any]:
                                                                     "beta_fast": 32.0, "beta_slow": 1.0,
                                                                     "original_max_position_embeddings": 16,
                                                                     "rope_theta": 150000.0, "truncate": False})
+    if kind in ("glm4_moe", "glm4_moe_air"):  # DeepSeek-style routing: sigmoid scores, a choice bias, expert groups
+        # (4 of 2 experts, the best 2 kept), x 2.5; a shared expert; layer 0 dense; q/k/v biases, half-rotary heads;
+        # GLM-4.5: per-head q / k norms, renormalized weights; -Air: neither, one group
+        full = kind == "glm4_moe"
+        return t.Glm4MoeForCausalLM, t.Glm4MoeConfig(**c, head_dim=32, moe_intermediate_size=48, n_routed_experts=8,
+                                                     num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                                                     n_group=4 if full else 1, topk_group=2 if full else 1,
+                                                     routed_scaling_factor=2.5, norm_topk_prob=full, use_qk_norm=full,
+                                                     attention_bias=True)  # fmt: skip
     raise AssertionError(kind)
 
 
-MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss"]
+MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "glm4_moe", "glm4_moe_air"]
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm", "glm4",
@@ -300,8 +309,8 @@ def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
         for name, p in model.named_parameters():
             if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n", "self_attn.sinks")):  # Apertus' xIELU, Granite
                 p.uniform_(-1.0, 1.0)  # SWA's sinks: away from their initial values
-            elif name.endswith(("_proj_bias", "router.bias")):  # gpt-oss's expert and router biases (zeros at init)
-                p.normal_(0.0, 0.3)
+            elif name.endswith(("_proj_bias", "router.bias")) or (kind.startswith("glm4_moe") and name.endswith(".bias")):
+                p.normal_(0.0, 0.3)  # gpt-oss's expert and router biases, GLM-4.5's q/k/v biases (zeros at init)
             elif "norm" in name or ".ln_" in name:
                 if name.endswith(".bias"):
                     p.normal_(0.0, 0.1)
@@ -309,6 +318,9 @@ def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
                     p.uniform_(-0.5, 0.5)
                 else:
                     p.uniform_(0.5, 1.5)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's choice bias: zeros at init
+                buf.normal_(0.0, 0.3)
     model.save_pretrained(folder)
     return cls.from_pretrained(folder, dtype=torch.float32).eval()
 
@@ -956,6 +968,34 @@ def test_mixture_of_experts_config_values_are_checked(tmp_path: Path, changes: d
         read_decoder_config(tmp_path)
 
 
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"n_group": 3}, r"n_group 3 does not split n_routed_experts 8 into groups of 2 or more experts; allowed: a divisor"),
+    ({"n_group": 8}, r"n_group 8 does not split"),
+    ({"topk_group": 5}, r"topk_group 5 with n_group 4 leaves fewer than num_experts_per_tok 2"),
+    ({"topk_group": 1, "num_experts_per_tok": 3}, r"topk_group 1 with n_group 4 leaves fewer than num_experts_per_tok 3"),
+    ({"routed_scaling_factor": 0}, r"routed_scaling_factor 0; allowed: a number > 0"),
+    ({"first_k_dense_replace": -1}, r"first_k_dense_replace -1; allowed: an integer >= 0"),
+    ({"n_shared_experts": 0}, r"n_shared_experts 0; allowed: an integer >= 1"),
+])  # fmt: skip
+def test_deepseek_style_routing_values_are_checked(tmp_path: Path, changes: dict[str, Any], match: str) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm4_moe", "n_routed_experts": 8,
+                                                      "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                                      "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+                                                      "hidden_size": 64, "intermediate_size": 128, "head_dim": 32,
+                                                      "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "num_key_value_heads": 2, "vocab_size": 256, **changes}))  # fmt: skip
+    with pytest.raises(ModelError, match=match):
+        read_decoder_config(tmp_path)
+
+
+def test_family_names_are_unique() -> None:
+    """A family's name finds its description (DecoderConfig.spec): two variants of one model_type need two names."""
+    from quantkit.frontends.families import FAMILIES
+
+    names = [f.name for f in FAMILIES]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
 def test_moe_experts_see_only_their_routed_tokens_and_an_idle_expert_is_rounded_without_statistics(
         built: Any, tmp_path: Path) -> None:
     """GPTQ layer-wise on a mixture of experts: each expert's gate / up / down statistics count exactly the tokens
@@ -1063,7 +1103,8 @@ def test_moe_qmoe_kernel_equals_the_standard_op_dispatch(built: Any, kind: str, 
             packed[f"{p}.{s}"] = PackedLinear(B, sc, zp, 4, bs, *res.shape, None, level)
         fused = block_model(cfg, i, w, packed, positions=20)
         assert [nd.op_type for nd in fused.graph.node].count("QMoE") == 1
-        assert not {"NonZero", "TopK", "ConstantOfShape"} & {nd.op_type for nd in fused.graph.node}  # no dead dispatch
+        dead = {"NonZero", "ConstantOfShape"} | ({"TopK"} if cfg.moe_routing == "softmax" else set())  # (DeepSeek-
+        assert not dead & {nd.op_type for nd in fused.graph.node}  # style routing's own TopKs choose): no dead dispatch
         tap = f"{p}.{llm_builder.expert_linears(cfg)[-1][0]}"
         plain = block_model(cfg, i, w, packed, [tap], positions=20)
         assert "QMoE" not in [nd.op_type for nd in plain.graph.node]
