@@ -287,10 +287,17 @@ def _spec(kind: str) -> tuple[Any, Any]:
                                                      n_group=4 if full else 1, topk_group=2 if full else 1,
                                                      routed_scaling_factor=2.5, norm_topk_prob=full, use_qk_norm=full,
                                                      attention_bias=True)  # fmt: skip
+    if kind == "dots1":  # GLM-4.5's routing (8 experts in 2 groups, 1 kept, not renormalized, x 1.5) with Qwen3's
+        # attention, layers 0 dense
+        return t.Dots1ForCausalLM, t.Dots1Config(**c, head_dim=16, moe_intermediate_size=48, n_routed_experts=8,
+                                                 num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
+                                                 n_group=2, topk_group=1, routed_scaling_factor=1.5,
+                                                 norm_topk_prob=False)  # fmt: skip
     raise AssertionError(kind)
 
 
-MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "glm4_moe", "glm4_moe_air"]
+MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "glm4_moe", "glm4_moe_air",
+             "dots1"]
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm", "glm4",
