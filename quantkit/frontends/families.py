@@ -284,14 +284,19 @@ class Family:
     """Only some layers are mixture-of-experts (Qwen-MoE's ``decoder_sparse_step`` / ``mlp_only_layers``); the others
     have a dense MLP of ``intermediate_size``."""
     moe_routing: str = "softmax"
-    """``softmax``: the top-k of the router's softmax; ``sigmoid_grouped`` (DeepSeek-V3, GLM-4.5): each expert's
-    sigmoid score plus :attr:`Names.router_choice_bias` chooses, within the ``topk_group`` of ``n_group`` expert groups
+    """``softmax``: the top-k of the router's softmax; ``softmax_biased`` (ERNIE 4.5): the softmax plus
+    :attr:`Names.router_choice_bias` chooses the top-k, their softmax probabilities renormalized weight them;
+    ``sigmoid_grouped`` (DeepSeek-V3, GLM-4.5): each expert's sigmoid score plus :attr:`Names.router_choice_bias` chooses, within the ``topk_group`` of ``n_group`` expert groups
     whose two best choices sum highest, the top-k experts; their scores (without the bias), renormalized when
     ``norm_topk_prob``, times ``routed_scaling_factor``, weight them."""
     moe_dense_first_key: str = ""
     """The config key of how many first layers have a dense MLP (GLM-4.5's ``first_k_dense_replace``)."""
     moe_shared_key: str = "shared_expert_intermediate_size"
-    """The config key of the shared expert's width; ``n_shared_experts``: that many experts' width."""
+    """The config key of the shared expert's width; a key ending in ``shared_experts`` (``n_shared_experts``,
+    ``moe_num_shared_experts``): that many experts' width (0: none)."""
+    moe_ernie_layers: bool = False
+    """Mixture-of-experts layers by ERNIE 4.5's keys: ``(i + 1) % moe_layer_interval == 0`` and
+    ``moe_layer_start_index <= i <= moe_layer_end_index``; the others dense."""
     genai_type: str = ""
 
     @property
@@ -490,6 +495,13 @@ FAMILIES: tuple[Family, ...] = (
     Family("seed_oss", ("seed_oss",), "Seed-OSS", genai_type="decoder"),
     Family("ernie4_5", ("ernie4_5",), "ERNIE 4.5 (dense)", rotary_interleaved=True, tie_default=True,
            defaults=(("head_dim", 128),), genai_type="decoder"),
+    Family("ernie4_5_moe", ("ernie4_5_moe",), "ERNIE 4.5 (mixture of experts)",
+           names=Names(router="mlp.gate", experts="mlp.experts", shared_expert="mlp.shared_experts",
+                       router_choice_bias="mlp.moe_statics.e_score_correction_bias"),
+           rotary_interleaved=True, tie_default=True, moe=True, moe_routing="softmax_biased", moe_norm_key="",
+           moe_shared_key="moe_num_shared_experts", moe_ernie_layers=True,
+           config_aliases=(("num_experts", "moe_num_experts"), ("num_experts_per_tok", "moe_k")),
+           defaults=(("head_dim", 128), ("rms_norm_eps", 1e-5)), genai_type="decoder"),
     Family("glm", ("glm",), "GLM-4 (glm)", names=Names(gate=None, up=None, gate_up="mlp.gate_up_proj"),
            rotary_interleaved=True, default_rope_partial=True,
            defaults=(("partial_rotary_factor", 0.5), ("head_dim", 128), ("rms_norm_eps", 1.5625e-07)),
@@ -1187,8 +1199,9 @@ def _moe_fields(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: 
     inter = _count(cfg, fam.moe_inter_key, where) if fam.moe_inter_key else out.intermediate_size
     shared = 0
     if fam.names.shared_expert is not None:
-        shared = _count(cfg, fam.moe_shared_key, where)
-        if fam.moe_shared_key == "n_shared_experts":
+        per_expert = fam.moe_shared_key.endswith("shared_experts")  # a count of experts (0: none), else a width
+        shared = _count(cfg, fam.moe_shared_key, where, minimum=0 if per_expert and fam.moe_ernie_layers else 1)
+        if per_expert:
             shared *= int(inter)
     layers: tuple[bool, ...] = ()
     if fam.moe_dense_first_key:
@@ -1204,6 +1217,14 @@ def _moe_fields(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: 
     out_fields: dict[str, Any] = {
         "num_experts": experts, "experts_per_token": top, "norm_topk_prob": bool(norm),
         "moe_intermediate_size": int(inter), "shared_expert_intermediate_size": int(shared), "moe_layers": layers}
+    if fam.moe_ernie_layers:
+        start, end = (_count(cfg, k, where, minimum=0) if cfg.get(k) is not None else d for k, d in (
+            ("moe_layer_start_index", 0), ("moe_layer_end_index", out.num_hidden_layers - 1)))  # fmt: skip
+        every = _count(cfg, "moe_layer_interval", where) if cfg.get("moe_layer_interval") is not None else 1
+        out_fields["moe_layers"] = tuple((i + 1) % every == 0 and start <= i <= end
+                                         for i in range(out.num_hidden_layers))  # fmt: skip
+    if fam.moe_routing == "softmax_biased":
+        out_fields["moe_routing"] = fam.moe_routing
     if fam.moe_routing == "sigmoid_grouped":
         groups = _count(cfg, "n_group", where) if cfg.get("n_group") is not None else 1
         chosen = _count(cfg, "topk_group", where) if cfg.get("topk_group") is not None else 1

@@ -785,12 +785,17 @@ def _moe_needs_index(cfg: DecoderConfig, index: int | None) -> None:
         raise ValueError("a mixture-of-experts decoder's blocks differ: pass the block index")
 
 
+def has_shared_expert(cfg: DecoderConfig) -> bool:
+    """Whether a mixture-of-experts block has a shared expert (ERNIE 4.5's ``moe_num_shared_experts`` may be 0)."""
+    return cfg.spec.names.shared_expert is not None and cfg.shared_expert_intermediate_size > 0
+
+
 def expert_linears(cfg: DecoderConfig) -> list[tuple[str, str, str]]:
     """A mixture-of-experts block's gated MLPs as ``(gate, up, down)`` suffixes after :func:`block_prefix`: the
     shared expert first when there is one, then expert 0, 1, ..."""
     n = cfg.spec.names
     out: list[tuple[str, str, str]] = []
-    if n.shared_expert is not None:
+    if has_shared_expert(cfg):
         out.append((f"{n.shared_expert}.gate_proj", f"{n.shared_expert}.up_proj", f"{n.shared_expert}.down_proj"))
     g, u, d = n.expert_roles
     out += [(f"{n.experts}.{e}.{g}", f"{n.experts}.{e}.{u}", f"{n.experts}.{e}.{d}") for e in range(cfg.num_experts)]
@@ -815,7 +820,7 @@ def linear_shapes(cfg: DecoderConfig, index: int | None = None) -> dict[str, tup
     out[n.o] = (H, nh * hd)
     if index is not None and cfg.is_moe(index):
         for j, (g, u, d) in enumerate(expert_linears(cfg)):
-            width = (cfg.shared_expert_intermediate_size if j == 0 and n.shared_expert is not None
+            width = (cfg.shared_expert_intermediate_size if j == 0 and has_shared_expert(cfg)
                      else cfg.moe_intermediate_size)  # fmt: skip
             out[g], out[u], out[d] = (width, H), (width, H), (H, width)
         return out
@@ -1455,7 +1460,7 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
         return g.node("Softmax", [logits], [f"{m}/router_softmax/output_0"], f"{m}/router_softmax", axis=-1)[0]
 
     experts = expert_linears(cfg)
-    if n.shared_expert is not None:  # every row (Qwen2-MoE: scaled by sigmoid(shared_expert_gate(x)))
+    if has_shared_expert(cfg):  # every row (Qwen2-MoE: scaled by sigmoid(shared_expert_gate(x)))
         shared = _gated_mlp(g, x, p, experts.pop(0), w, q, taps)
         if n.shared_expert_gate is not None:
             sg = _linear(g, x, f"{p}.{n.shared_expert_gate}", w.pop(f"{p}.{n.shared_expert_gate}.weight"), None,
@@ -1466,7 +1471,7 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
                             f"{p}.{n.shared_expert}/gated")[0]  # fmt: skip
     else:
         shared = None
-    sigmoid_routing = cfg.moe_routing == "sigmoid_grouped"
+    sigmoid_routing = cfg.moe_routing in ("sigmoid_grouped", "softmax_biased")
     choice = weights = None
     if sigmoid_routing:  # DeepSeek-V3 / GLM-4.5: sigmoid scores; the choice adds a bias and keeps the best groups
         choice, weights = _sigmoid_routing(g, logits, m, w.pop(f"{p}.{n.router_choice_bias}"))
@@ -1575,7 +1580,8 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
 
 
 def _sigmoid_routing(g: _GraphBuilder, logits: str, m: str, bias: Any) -> tuple[str, str]:
-    """DeepSeek-V3 / GLM-4.5's routing of the router ``logits`` ``[T, E]``: ``(choice, weights)``, both ``[T, E]``.
+    """DeepSeek-V3 / GLM-4.5's routing of the router ``logits`` ``[T, E]``: ``(choice, weights)``, both ``[T, E]``
+    (ERNIE 4.5's the same with the softmax instead of the sigmoid, one group, renormalized, unscaled).
 
     ``choice`` = sigmoid scores + ``bias``, -inf outside the ``topk_group`` groups (of ``n_group``) whose two best
     choices sum highest: its top-k are the experts a token runs.  ``weights``: the scores (without the bias) of every
@@ -1584,8 +1590,13 @@ def _sigmoid_routing(g: _GraphBuilder, logits: str, m: str, bias: Any) -> tuple[
     the dispatch)."""
     cfg = g.cfg
     E, k = cfg.num_experts, cfg.experts_per_token
-    scores = g.node("Sigmoid", [logits], [f"{m}/router_sigmoid/output_0"], f"{m}/router_sigmoid")[0]
-    choice = g.node("Add", [scores, g.external(f"{m}.gate.e_score_correction_bias", _float32_rows(bias, 0, E))],
+    if cfg.moe_routing == "softmax_biased":  # ERNIE 4.5: the softmax, the bias for the choice, renormalized
+        scores = g.node("Softmax", [logits], [f"{m}/router_softmax/output_0"], f"{m}/router_softmax", axis=-1)[0]
+    else:
+        scores = g.node("Sigmoid", [logits], [f"{m}/router_sigmoid/output_0"], f"{m}/router_sigmoid")[0]
+    choice_bias = np.asarray(bias, np.float32).reshape(-1)  # ([E], ERNIE's [1, E])
+    _check_shape("e_score_correction_bias", choice_bias, (E,))
+    choice = g.node("Add", [scores, g.external(f"{m}.gate.e_score_correction_bias", choice_bias)],
                     [f"{m}/router_choice/output_0"], f"{m}/router_choice")[0]  # fmt: skip
     if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
         per = E // cfg.n_group

@@ -293,11 +293,16 @@ def _spec(kind: str) -> tuple[Any, Any]:
                                                  num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
                                                  n_group=2, topk_group=1, routed_scaling_factor=1.5,
                                                  norm_topk_prob=False)  # fmt: skip
+    if kind == "ernie4_5_moe":  # the softmax + a choice bias picks 2 of 4 experts, renormalized; a shared expert;
+        # layer 0 dense (moe_layer_start_index), RoPE on adjacent pairs
+        return t.Ernie4_5_MoeForCausalLM, t.Ernie4_5_MoeConfig(**c, head_dim=16, moe_intermediate_size=48,
+                                                               moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
+                                                               moe_layer_start_index=1)  # fmt: skip
     raise AssertionError(kind)
 
 
 MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "glm4_moe", "glm4_moe_air",
-             "dots1"]
+             "dots1", "ernie4_5_moe"]
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm", "glm4",
@@ -325,9 +330,9 @@ def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
                     p.uniform_(-0.5, 0.5)
                 else:
                     p.uniform_(0.5, 1.5)
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # GLM-4.5's choice bias: zeros at init
-                buf.normal_(0.0, 0.3)
+        for name, buf in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's / ERNIE's choice bias: zeros at init
+                buf.normal_(0.0, 0.3 if kind != "ernie4_5_moe" else 0.1)
     model.save_pretrained(folder)
     return cls.from_pretrained(folder, dtype=torch.float32).eval()
 
