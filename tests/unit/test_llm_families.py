@@ -298,11 +298,15 @@ def _spec(kind: str) -> tuple[Any, Any]:
         return t.Ernie4_5_MoeForCausalLM, t.Ernie4_5_MoeConfig(**c, head_dim=16, moe_intermediate_size=48,
                                                                moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
                                                                moe_layer_start_index=1)  # fmt: skip
+    if kind == "flex_olmo":  # OLMo-2's block (norms after attention and MLP, q / k norms over the projection) with
+        # a mixture of experts: top-2 of 4, renormalized
+        return t.FlexOlmoForCausalLM, t.FlexOlmoConfig(**{**c, "intermediate_size": 48}, num_experts=4,
+                                                       num_experts_per_tok=2, norm_topk_prob=True)  # fmt: skip
     raise AssertionError(kind)
 
 
 MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "glm4_moe", "glm4_moe_air",
-             "dots1", "ernie4_5_moe"]
+             "dots1", "ernie4_5_moe", "flex_olmo"]
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm", "glm4",
