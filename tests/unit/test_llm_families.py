@@ -577,6 +577,11 @@ def test_quantkit_calibrate_layerwise_awq(built: Any, kind: str, tmp_path: Path)
     assert float(np.corrcoef(got.ravel(), ref.ravel())[0, 1]) > 0.85
     genai = json.loads((tmp_path / "o" / "genai_config.json").read_text())
     assert genai["model"]["type"] == read_decoder_config(b.folder).spec.genai_type
+    moe = [w for w in report["warnings"] if "mixture-of-experts block(s) run their experts through the standard-op" in w]
+    if read_decoder_config(b.folder).num_experts:  # AWQ's per-expert input scales: no QMoE, and the report says why
+        assert len(moe) == 1 and "AWQ" in moe[0], report["warnings"]
+    else:
+        assert not moe
 
 
 def _awq_graph(b: Any, kind: str, tmp_path: Path, overrides: list[dict[str, Any]] | None = None) -> Any:
@@ -1280,3 +1285,23 @@ def test_gpt_oss_published_config_is_read_as_transformers_reads_it() -> None:
     assert c.rope_scaling is not None and c.rope_scaling["factor"] == 32.0 and c.rope_scaling["truncate"] is False
     with pytest.raises(ModelError, match=r"swiglu_limit -1.*allowed: a number > 0"):
         parse_config({**raw, "swiglu_limit": -1}, "config.json")
+
+
+@pytest.mark.parametrize(("group", "warned"), [(16, None), (32, "K = 48 is not a multiple of the group size (32); "
+                                                             "group_size: 16 divides it")])
+def test_moe_dispatch_in_the_shipped_graph_is_reported_with_why(built: Any, tmp_path: Path, group: int,
+                                                               warned: str | None) -> None:
+    """The experts' down_proj (K = 48 here; 2880 in gpt-oss-20b, not a multiple of 128) fit one QMoE node at group 16;
+    at group 32 K is not a multiple of the group, the shipped graph dispatches per expert, and the report says so
+    with a group that fits."""
+    from quantkit.layerwise import moe_dispatch_warnings, quantize_llm_layerwise
+
+    b = built("mixtral")
+    plan = _plan(b.folder, algorithm="rtn", group_size=group)
+    res = quantize_llm_layerwise(b.folder, tmp_path / "q" / "model.onnx", plan, None, work_dir=tmp_path / "w",
+                                 progress=False)  # fmt: skip
+    got = moe_dispatch_warnings(res.path, res.rows)
+    if warned is None:
+        assert got == []
+    else:
+        assert len(got) == 1 and "2 mixture-of-experts block(s)" in got[0] and warned in got[0], got
