@@ -286,9 +286,14 @@ class Family:
     moe_routing: str = "softmax"
     """``softmax``: the top-k of the router's softmax; ``softmax_biased`` (ERNIE 4.5): the softmax plus
     :attr:`Names.router_choice_bias` chooses the top-k, their softmax probabilities renormalized weight them;
+    ``sparsemixer`` (Phi-3.5-MoE, top-2): the best and then the second-best logit, each weighted by the softmax
+    over the logits within ``2 * router_jitter_noise`` (relative) of it;
     ``sigmoid_grouped`` (DeepSeek-V3, GLM-4.5): each expert's sigmoid score plus :attr:`Names.router_choice_bias` chooses, within the ``topk_group`` of ``n_group`` expert groups
     whose two best choices sum highest, the top-k experts; their scores (without the bias), renormalized when
     ``norm_topk_prob``, times ``routed_scaling_factor``, weight them."""
+    rope_mscale_keys: bool = False
+    """LongRoPE's cos / sin scale from the config's ``short_mscale`` / ``long_mscale`` (Phi-3.5-MoE) instead of the
+    ``sqrt(1 + log(factor) / log(original))`` transformers computes for Phi-3."""
     moe_dense_first_key: str = ""
     """The config key of how many first layers have a dense MLP (GLM-4.5's ``first_k_dense_replace``)."""
     moe_shared_key: str = "shared_expert_intermediate_size"
@@ -472,6 +477,11 @@ FAMILIES: tuple[Family, ...] = (
            names=Names(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", **_GLM4_MOE_NAMES),
            windows="layer_types", window_rule="qwen", moe=True, moe_routing="sigmoid_grouped",
            moe_dense_first_key="first_k_dense_replace", moe_shared_key="n_shared_experts", genai_type="decoder"),
+    Family("phimoe", ("phimoe",), "Phi-3.5-MoE",
+           names=Names(router="block_sparse_moe.gate", experts="block_sparse_moe.experts",
+                       expert_roles=("w1", "w3", "w2")),
+           norm="layer", windows="all", moe=True, moe_routing="sparsemixer", moe_norm_key="", moe_inter_key="",
+           rope_mscale_keys=True, defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
     Family("gpt_oss", ("gpt_oss",), "gpt-oss",
            names=Names(sinks="self_attn.sinks", router="mlp.router", experts="mlp.experts",
                        expert_store=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"), expert_layout="oss"),
@@ -915,6 +925,8 @@ class DecoderConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    router_jitter_noise: float = 0.0
+    """``sparsemixer`` routing's relative threshold (half of it)."""
     """``sigmoid_grouped`` routing: the expert groups, how many of them a token may choose from, the weights' scale."""
     multimodal: str = ""
     """The ``model_type`` of the multimodal checkpoint this is the text decoder of (Gemma 3, LLaVA, Qwen2.5-VL ...;
@@ -1228,6 +1240,13 @@ def _moe_fields(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: 
                                          for i in range(out.num_hidden_layers))  # fmt: skip
     if fam.moe_routing == "softmax_biased":
         out_fields["moe_routing"] = fam.moe_routing
+    if fam.moe_routing == "sparsemixer":
+        if top != 2:
+            raise ModelError(f"{where}: num_experts_per_tok {top} with the sparse mixer's routing; allowed: 2")
+        eps = cfg.get("router_jitter_noise", 0.01)
+        if not _num(eps, positive=False):
+            raise ModelError(f"{where}: router_jitter_noise {eps!r}; allowed: a number >= 0")
+        out_fields.update({"moe_routing": fam.moe_routing, "router_jitter_noise": float(eps)})
     if fam.moe_routing == "sigmoid_grouped":
         groups = _count(cfg, "n_group", where) if cfg.get("n_group") is not None else 1
         chosen = _count(cfg, "topk_group", where) if cfg.get("topk_group") is not None else 1

@@ -142,6 +142,8 @@ def _inv_freq(cfg: DecoderConfig, theta: float, sc: dict[str, Any] | None, long:
         inv = (np.float32(1.0) / (ext * (np.float32(theta) ** shape))).astype(np.float32)
         factor = sc.get("factor") or cfg.max_position_embeddings / orig
         attention = sc.get("attention_factor")
+        if cfg.spec.rope_mscale_keys and sc.get("long_mscale" if long else "short_mscale") is not None:
+            attention = sc["long_mscale" if long else "short_mscale"]  # Phi-3.5-MoE: the config's own scale
         if attention is None:
             attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
         return inv, float(attention)
@@ -1471,9 +1473,11 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
                             f"{p}.{n.shared_expert}/gated")[0]  # fmt: skip
     else:
         shared = None
-    sigmoid_routing = cfg.moe_routing in ("sigmoid_grouped", "softmax_biased")
+    sigmoid_routing = cfg.moe_routing in ("sigmoid_grouped", "softmax_biased", "sparsemixer")
     choice = weights = None
-    if sigmoid_routing:  # DeepSeek-V3 / GLM-4.5: sigmoid scores; the choice adds a bias and keeps the best groups
+    if cfg.moe_routing == "sparsemixer":  # Phi-3.5-MoE: the logits choose, the sparse mixer weighs
+        choice, weights = logits, _sparsemixer_weights(g, logits, m)
+    elif sigmoid_routing:  # DeepSeek-V3 / GLM-4.5: sigmoid scores; the choice adds a bias and keeps the best groups
         choice, weights = _sigmoid_routing(g, logits, m, w.pop(f"{p}.{n.router_choice_bias}"))
     fused = None if g.tapped else _qmoe_weights(cfg, [tuple(q[s] for s in roles) for roles in experts])
     if sigmoid_routing and fused is None:  # the float MoE kernel takes no routing weights of its own: the dispatch
@@ -1577,6 +1581,36 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
         out = g.node("Add", [out, shared], [f"{m}/shared_add/output_0"], f"{m}/shared_add")[0]
     hshape = g.node("Shape", [h], [f"{m}/stream/shape"], f"{m}/stream/shape")[0]
     return g.node("Reshape", [out, hshape], [f"{m}/output_0"], f"{m}/output")[0]
+
+
+def _sparsemixer_weights(g: _GraphBuilder, logits: str, m: str) -> str:
+    """Phi-3.5-MoE's routing weights ``[T, E]`` (inference: no sampling) from the router ``logits``: the best expert's
+    weight is the softmax, at it, of the logits within ``2 eps`` of the best (relative to ``max(|logit|, best)``;
+    the rest -inf); the second's the same over the logits without the best one, relative to the second-best;
+    every other expert 0.  The logits' top-2 are the experts chosen."""
+    cfg = g.cfg
+    eps2 = g.const(2.0 * cfg.router_jitter_noise, np.float32)
+    ninf = g.const(-np.inf, np.float32)
+    zero = g.const(0.0, np.float32)
+    absl = g.node("Abs", [logits], [f"{m}/mixer/abs"], f"{m}/mixer/abs")[0]
+    idx = g.node("Range", [g.const(0), g.const(cfg.num_experts), g.const(1)], [f"{m}/mixer/experts"],
+                 f"{m}/mixer/experts")[0]  # fmt: skip
+    scores, picked = logits, []
+    for j in (1, 2):
+        t = f"{m}/mixer/top{j}"
+        best = g.node("ReduceMax", [scores, g.const([-1])], [f"{t}/max"], f"{t}/max", keepdims=1)[0]
+        arg = g.node("ArgMax", [scores], [f"{t}/argmax"], f"{t}/argmax", axis=-1, keepdims=1)[0]
+        factor = g.node("Max", [absl, best], [f"{t}/factor"], f"{t}/factor")[0]
+        gap = g.node("Sub", [best, logits], [f"{t}/gap"], f"{t}/gap")[0]
+        rel = g.node("Div", [gap, factor], [f"{t}/rel"], f"{t}/rel")[0]
+        far = g.node("Greater", [rel, eps2], [f"{t}/far"], f"{t}/far")[0]
+        masked = g.node("Where", [far, ninf, scores], [f"{t}/masked"], f"{t}/masked")[0]
+        soft = g.node("Softmax", [masked], [f"{t}/softmax"], f"{t}/softmax", axis=-1)[0]
+        hit = g.node("Equal", [idx, arg], [f"{t}/hit"], f"{t}/hit")[0]  # [T, E]: the chosen expert
+        picked.append(g.node("Where", [hit, soft, zero], [f"{t}/weight"], f"{t}/weight")[0])
+        if j == 1:  # the best one out of the second choice
+            scores = g.node("Where", [hit, ninf, logits], [f"{t}/without"], f"{t}/without")[0]
+    return g.node("Add", picked, [f"{m}/mixer/output_0"], f"{m}/mixer")[0]
 
 
 def _sigmoid_routing(g: _GraphBuilder, logits: str, m: str, bias: Any) -> tuple[str, str]:

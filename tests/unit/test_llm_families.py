@@ -302,11 +302,15 @@ def _spec(kind: str) -> tuple[Any, Any]:
         # a mixture of experts: top-2 of 4, renormalized
         return t.FlexOlmoForCausalLM, t.FlexOlmoConfig(**{**c, "intermediate_size": 48}, num_experts=4,
                                                        num_experts_per_tok=2, norm_topk_prob=True)  # fmt: skip
+    if kind == "phimoe":  # the sparse mixer's top-2 weights (threshold 2 x 0.3), LayerNorms, biases (the lm_head's too)
+        return t.PhimoeForCausalLM, t.PhimoeConfig(**{**c, "intermediate_size": 48}, num_local_experts=4,
+                                                   num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
+                                                   router_jitter_noise=0.3)  # fmt: skip
     raise AssertionError(kind)
 
 
 MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "glm4_moe", "glm4_moe_air",
-             "dots1", "ernie4_5_moe", "flex_olmo"]
+             "dots1", "ernie4_5_moe", "flex_olmo", "phimoe"]
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm", "glm4",
@@ -1305,3 +1309,25 @@ def test_moe_dispatch_in_the_shipped_graph_is_reported_with_why(built: Any, tmp_
         assert got == []
     else:
         assert len(got) == 1 and "2 mixture-of-experts block(s)" in got[0] and warned in got[0], got
+
+
+def test_phimoe_longrope_scales_are_the_checkpoints_own(tmp_path: Path) -> None:
+    """Phi-3.5-MoE's LongRoPE scales cos / sin by the config's ``short_mscale`` / ``long_mscale``.  Within the original
+    context the decoder equals transformers; past it the checkpoint's own code (and transformers 4.x) switch to the
+    long factors, while transformers 5.25's Phimoe keeps the short ones (it builds the frequencies without the sequence
+    length): the reference there is transformers with the long factors put in the short ones' place."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.3 * i for i in range(8)], "short_mscale": 1.1, "long_mscale": 1.3,
+            "original_max_position_embeddings": 16}  # fmt: skip
+    cfg = transformers.PhimoeConfig(**{**_COMMON, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
+                                    rope_parameters=rope)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.PhimoeForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "hf")
+    model = transformers.PhimoeForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    path = build_llm(tmp_path / "hf", tmp_path / "o" / "model.onnx")
+    short = _ids(12, 1)
+    _assert_exact(LLMSession(path)(short), _reference(model, short), "phimoe longrope (short)")
+    long = _ids(24, 2)
+    model.config.rope_parameters["short_factor"] = rope["long_factor"]
+    _assert_exact(LLMSession(path)(long), _reference(model, long), "phimoe longrope (long)")
