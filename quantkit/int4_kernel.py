@@ -114,9 +114,18 @@ def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
 
 
 def set_accuracy_level(proto: onnx.ModelProto, level: int) -> int:
-    """Set ``accuracy_level`` of every ``MatMulNBits`` node of ``proto`` (in place); returns how many."""
+    """Set ``accuracy_level`` of every ``MatMulNBits`` node of ``proto`` (in place); returns how many.  A mixture of
+    experts' ``QMoE`` nodes (4-bit experts: the attribute has MatMulNBits' meaning there) get the same level, so the
+    experts run as the rest of the model."""
     build_level(level)
     nodes = nbits_nodes(proto)
+    for node in _graph_nodes(proto.graph):
+        if node.op_type == "QMoE" and node.domain == _MS:
+            attr = next((a for a in node.attribute if a.name == "accuracy_level"), None)
+            if attr is None:
+                node.attribute.append(onnx.helper.make_attribute("accuracy_level", int(level)))
+            else:
+                attr.i = int(level)
     for node in nodes:
         attr = next((a for a in node.attribute if a.name == "accuracy_level"), None)
         if attr is None:
@@ -131,9 +140,9 @@ def set_model_accuracy_level(model: ir.Model, level: int) -> int:
     build_level(level)
     count = 0
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if node.op_type == _NBITS and node.domain == _MS:
+        if node.op_type in (_NBITS, "QMoE") and node.domain == _MS:
             node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", int(level))
-            count += 1
+            count += node.op_type == _NBITS
     return count
 
 

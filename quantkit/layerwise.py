@@ -91,7 +91,7 @@ from quantkit.weight_only import STATS_ALGORITHMS
 
 log = logging.getLogger("quantkit")
 
-__all__ = ["LAYERWISE_FORMATS", "LayerwiseResult", "quantize_llm_layerwise"]
+__all__ = ["LAYERWISE_FORMATS", "LayerwiseResult", "moe_dispatch_warnings", "quantize_llm_layerwise"]
 
 LAYERWISE_FORMATS = {"int4": 4, "int8_weight": 8, "fp32": None}
 """Formats the layer-wise builder writes (bits; ``None`` = kept in float)."""
@@ -175,6 +175,40 @@ def _layer_row(name: str, lp: LayerPlan, algo: str, w: np.ndarray, res: WOQResul
     if stats is not None:  # the calibration rows behind the statistics (an expert: the tokens routed to it)
         row["calibration_rows"] = int(stats.count)
     return row
+
+
+def moe_dispatch_warnings(path: str | os.PathLike[str], rows: list[dict[str, Any]]) -> list[str]:
+    """A warning when blocks of a mixture of experts in the shipped graph ``path`` run their experts through the
+    standard-op dispatch (per expert ``NonZero`` / ``Gather`` / ``MatMulNBits`` / ``ScatterND``) instead of ONNX
+    Runtime's fused ``QMoE`` kernel (1.37-1.41x faster decoding in eval/bench_moe.py), with why, from the experts'
+    rows (``rows``: the layer-wise result's) and what would let one kernel hold them."""
+    import onnx
+
+    blocks = sorted({nd.name.split(".experts.")[0] for nd in onnx.load(str(path), load_external_data=False).graph.node
+                     if nd.op_type == "NonZero" and ".experts." in nd.name})  # fmt: skip
+    if not blocks:
+        return []
+    experts = [r for r in rows if ".experts." in str(r.get("layer")) and str(r["layer"]).split(".experts.")[0] in blocks]
+    why: list[str] = []
+    uneven = sorted({int(r["K"]) for r in experts if isinstance(r.get("group_size"), int) and r["K"] % r["group_size"]})
+    if uneven:
+        groups = sorted({int(r["group_size"]) for r in experts if isinstance(r.get("group_size"), int)})
+        fit = next((g for g in (128, 64, 32, 16) if g < max(groups) and all(k % g == 0 for k in uneven)), None)
+        why.append(f"the experts' input width K = {'/'.join(map(str, uneven))} is not a multiple of the group size "
+                   f"({'/'.join(map(str, groups))})" + (f"; group_size: {fit} divides it" if fit else ""))  # fmt: skip
+    if any(r.get("awq_scaled") for r in experts):
+        why.append("AWQ gave the experts their own input scales (the kernel's experts share one input): GPTQ or "
+                   "SignRound keeps them fusable")
+    if any(r.get("bits") not in (None, 4) for r in experts) or any(r.get("format") != "int4" for r in experts):
+        why.append("not every expert is 4-bit (the kernel holds 4-bit experts; at 8 bits its CPU kernel quantizes "
+                   "the activations too)")
+    if len({r.get("accuracy_level") for r in experts if "accuracy_level" in r}) > 1:
+        why.append("the W4A8 check kept some experts at accuracy_level 0 and others at 4 (one kernel runs one level)")
+    if len({r.get("group_size") for r in experts}) > 1:
+        why.append("the experts have different group sizes")
+    return [f"{len(blocks)} mixture-of-experts block(s) run their experts through the standard-op dispatch, not ONNX "
+            "Runtime's fused QMoE kernel (about 1.4x faster decoding where measured): "
+            + ("; ".join(why) if why else "the experts are not packed alike (bits, group size, accuracy level)")]
 
 
 class _Hook(BuildHook):

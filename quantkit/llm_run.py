@@ -33,7 +33,7 @@ from quantkit.errors import DataError, ModelError, QuantkitError, RecipeError
 from quantkit.evaluate.streamed import extra_datasets, merge_extra, streamed_perplexity, truncated_latency
 from quantkit.frontends.cache import cache_dir
 from quantkit.int4_kernel import build_level, choose_for_file
-from quantkit.layerwise import LAYERWISE_FORMATS, quantize_llm_layerwise
+from quantkit.layerwise import LAYERWISE_FORMATS, moe_dispatch_warnings, quantize_llm_layerwise
 from quantkit.lowering.w4a8 import check_bytes
 from quantkit.memory import (
     Available,
@@ -333,6 +333,7 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
     if res.resumed_blocks:
         log.info("resumed: %d finished blocks reused from %s", res.resumed_blocks, work)
     q_path = res.path
+    warnings += moe_dispatch_warnings(q_path, res.rows)
     kv_cache: dict[str, Any] = {"type": rec.export.kv_cache}
     if rec.export.kv_cache == "int8" and windows is not None:  # (refused above without windows) the shipped
         # graph's cache, in place before anything is measured on it

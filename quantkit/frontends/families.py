@@ -135,6 +135,9 @@ class Names:
     way): gpt-oss."""
     shared_expert: str | None = None
     """An expert every token runs (Qwen2-MoE's ``mlp.shared_expert``: ``gate_proj`` / ``up_proj`` / ``down_proj``)."""
+    router_choice_bias: str | None = None
+    """A bias added to the router's sigmoid scores for choosing the experts only (DeepSeek-V3 / GLM-4.5's
+    ``mlp.gate.e_score_correction_bias``; the weights are the scores without it)."""
     shared_expert_gate: str | None = None
     """A linear ``[1, H]`` whose sigmoid scales the shared expert's output per token (kept in float32)."""
 
@@ -280,6 +283,25 @@ class Family:
     moe_sparse_layers: bool = False
     """Only some layers are mixture-of-experts (Qwen-MoE's ``decoder_sparse_step`` / ``mlp_only_layers``); the others
     have a dense MLP of ``intermediate_size``."""
+    moe_routing: str = "softmax"
+    """``softmax``: the top-k of the router's softmax; ``softmax_biased`` (ERNIE 4.5): the softmax plus
+    :attr:`Names.router_choice_bias` chooses the top-k, their softmax probabilities renormalized weight them;
+    ``sparsemixer`` (Phi-3.5-MoE, top-2): the best and then the second-best logit, each weighted by the softmax
+    over the logits within ``2 * router_jitter_noise`` (relative) of it;
+    ``sigmoid_grouped`` (DeepSeek-V3, GLM-4.5): each expert's sigmoid score plus :attr:`Names.router_choice_bias` chooses, within the ``topk_group`` of ``n_group`` expert groups
+    whose two best choices sum highest, the top-k experts; their scores (without the bias), renormalized when
+    ``norm_topk_prob``, times ``routed_scaling_factor``, weight them."""
+    rope_mscale_keys: bool = False
+    """LongRoPE's cos / sin scale from the config's ``short_mscale`` / ``long_mscale`` (Phi-3.5-MoE) instead of the
+    ``sqrt(1 + log(factor) / log(original))`` transformers computes for Phi-3."""
+    moe_dense_first_key: str = ""
+    """The config key of how many first layers have a dense MLP (GLM-4.5's ``first_k_dense_replace``)."""
+    moe_shared_key: str = "shared_expert_intermediate_size"
+    """The config key of the shared expert's width; a key ending in ``shared_experts`` (``n_shared_experts``,
+    ``moe_num_shared_experts``): that many experts' width (0: none)."""
+    moe_ernie_layers: bool = False
+    """Mixture-of-experts layers by ERNIE 4.5's keys: ``(i + 1) % moe_layer_interval == 0`` and
+    ``moe_layer_start_index <= i <= moe_layer_end_index``; the others dense."""
     genai_type: str = ""
 
     @property
@@ -339,6 +361,12 @@ _GPT_ALIASES = (("hidden_size", "n_embd"), ("num_attention_heads", "n_head"), ("
 _GPTJ_NAMES = Names(embed="transformer.wte", layers="transformer.h", final_norm="transformer.ln_f", attn_norm="ln_1",
                     mlp_norm=None, q="attn.q_proj", k="attn.k_proj", v="attn.v_proj", o="attn.out_proj", gate=None,
                     up="mlp.fc_in", down="mlp.fc_out", act="mlp.act")  # fmt: skip
+_GLM4_MOE_NAMES: dict[str, Any] = dict(router="mlp.gate", experts="mlp.experts", shared_expert="mlp.shared_experts",
+                                        router_choice_bias="mlp.gate.e_score_correction_bias")
+_GLM4_MOE: dict[str, Any] = dict(default_rope_partial=True, moe=True, moe_routing="sigmoid_grouped",
+                                 moe_dense_first_key="first_k_dense_replace", moe_shared_key="n_shared_experts",
+                                 defaults=(("rms_norm_eps", 1e-5), ("partial_rotary_factor", 0.5)),
+                                 genai_type="decoder")  # fmt: skip
 _GPTJ: dict[str, Any] = dict(norm="layer", mlp="plain", act_keys=("activation_function",), act_default="gelu_new",
                              rotary_interleaved=True, rotary_dim_key="rotary_dim", default_rope_partial=True,
                              parallel="always", config_aliases=_GPT_ALIASES,
@@ -440,6 +468,20 @@ FAMILIES: tuple[Family, ...] = (
            names=Names(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", qk_norm_whole=True, router="mlp.gate",
                        experts="mlp.experts"),
            clip_qkv=True, moe=True, moe_inter_key="", defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
+    Family("glm4_moe_qk", ("glm4_moe",), "GLM-4.5 (mixture of experts; q / k norms)",
+           names=Names(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", **_GLM4_MOE_NAMES),
+           when=(("use_qk_norm", (True,)),), **_GLM4_MOE),
+    Family("glm4_moe", ("glm4_moe",), "GLM-4.5-Air (mixture of experts)", names=Names(**_GLM4_MOE_NAMES),
+           when=(("use_qk_norm", (False, None)),), **_GLM4_MOE),
+    Family("dots1", ("dots1",), "dots.llm1 (mixture of experts)",
+           names=Names(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", **_GLM4_MOE_NAMES),
+           windows="layer_types", window_rule="qwen", moe=True, moe_routing="sigmoid_grouped",
+           moe_dense_first_key="first_k_dense_replace", moe_shared_key="n_shared_experts", genai_type="decoder"),
+    Family("phimoe", ("phimoe",), "Phi-3.5-MoE",
+           names=Names(router="block_sparse_moe.gate", experts="block_sparse_moe.experts",
+                       expert_roles=("w1", "w3", "w2")),
+           norm="layer", windows="all", moe=True, moe_routing="sparsemixer", moe_norm_key="", moe_inter_key="",
+           rope_mscale_keys=True, defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
     Family("gpt_oss", ("gpt_oss",), "gpt-oss",
            names=Names(sinks="self_attn.sinks", router="mlp.router", experts="mlp.experts",
                        expert_store=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"), expert_layout="oss"),
@@ -449,6 +491,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("olmo2", ("olmo2",), "OLMo-2",
            names=_OLMO_NAMES,
            defaults=(("rms_norm_eps", 1e-5),), genai_type="decoder"),
+    Family("flex_olmo", ("flex_olmo",), "FlexOlmo (mixture of experts)",
+           names=dataclasses.replace(_OLMO_NAMES, router="mlp.gate", experts="mlp.experts"),
+           moe=True, moe_inter_key="", defaults=(("rms_norm_eps", 1e-6),), genai_type="decoder"),
     Family("olmo3", ("olmo3",), "OLMo-3",
            names=_OLMO_NAMES,
            windows="layer_types", window_rule="every-4", per_type_rope=True, local_rope_key=False,
@@ -463,6 +508,13 @@ FAMILIES: tuple[Family, ...] = (
     Family("seed_oss", ("seed_oss",), "Seed-OSS", genai_type="decoder"),
     Family("ernie4_5", ("ernie4_5",), "ERNIE 4.5 (dense)", rotary_interleaved=True, tie_default=True,
            defaults=(("head_dim", 128),), genai_type="decoder"),
+    Family("ernie4_5_moe", ("ernie4_5_moe",), "ERNIE 4.5 (mixture of experts)",
+           names=Names(router="mlp.gate", experts="mlp.experts", shared_expert="mlp.shared_experts",
+                       router_choice_bias="mlp.moe_statics.e_score_correction_bias"),
+           rotary_interleaved=True, tie_default=True, moe=True, moe_routing="softmax_biased", moe_norm_key="",
+           moe_shared_key="moe_num_shared_experts", moe_ernie_layers=True,
+           config_aliases=(("num_experts", "moe_num_experts"), ("num_experts_per_tok", "moe_k")),
+           defaults=(("head_dim", 128), ("rms_norm_eps", 1e-5)), genai_type="decoder"),
     Family("glm", ("glm",), "GLM-4 (glm)", names=Names(gate=None, up=None, gate_up="mlp.gate_up_proj"),
            rotary_interleaved=True, default_rope_partial=True,
            defaults=(("partial_rotary_factor", 0.5), ("head_dim", 128), ("rms_norm_eps", 1.5625e-07)),
@@ -868,6 +920,14 @@ class DecoderConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     """gpt-oss's gated unit (activation ``swiglu_oss``): the sigmoid's slope and the clamp of gate and up."""
+    moe_routing: str = "softmax"
+    """:attr:`Family.moe_routing`."""
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_jitter_noise: float = 0.0
+    """``sparsemixer`` routing's relative threshold (half of it)."""
+    """``sigmoid_grouped`` routing: the expert groups, how many of them a token may choose from, the weights' scale."""
     multimodal: str = ""
     """The ``model_type`` of the multimodal checkpoint this is the text decoder of (Gemma 3, LLaVA, Qwen2.5-VL ...;
     its vision / audio towers are not read: :func:`text_tensor_name`); empty for a text-only checkpoint."""
@@ -1140,7 +1200,8 @@ def _count(cfg: Mapping[str, Any], key: str, where: str, *, minimum: int = 1) ->
 
 def _moe_fields(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: str) -> dict[str, Any]:
     """The mixture-of-experts values of ``config.json`` (:attr:`Family.moe`), checked."""
-    key = next((k for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None), "num_experts")
+    key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(k) is not None),
+               "num_experts")  # fmt: skip
     experts = _count(cfg, key, where, minimum=2)
     top = _count(cfg, "num_experts_per_tok", where)
     if top > experts:
@@ -1153,8 +1214,15 @@ def _moe_fields(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: 
     inter = _count(cfg, fam.moe_inter_key, where) if fam.moe_inter_key else out.intermediate_size
     shared = 0
     if fam.names.shared_expert is not None:
-        shared = _count(cfg, "shared_expert_intermediate_size", where)
+        per_expert = fam.moe_shared_key.endswith("shared_experts")  # a count of experts (0: none), else a width
+        shared = _count(cfg, fam.moe_shared_key, where, minimum=0 if per_expert and fam.moe_ernie_layers else 1)
+        if per_expert:
+            shared *= int(inter)
     layers: tuple[bool, ...] = ()
+    if fam.moe_dense_first_key:
+        dense_first = _count(cfg, fam.moe_dense_first_key, where, minimum=0) if cfg.get(
+            fam.moe_dense_first_key) is not None else 0  # fmt: skip
+        layers = tuple(i >= dense_first for i in range(out.num_hidden_layers))
     if fam.moe_sparse_layers:
         step = _count(cfg, "decoder_sparse_step", where) if cfg.get("decoder_sparse_step") is not None else 1
         dense = cfg.get("mlp_only_layers") or []
@@ -1164,6 +1232,36 @@ def _moe_fields(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: 
     out_fields: dict[str, Any] = {
         "num_experts": experts, "experts_per_token": top, "norm_topk_prob": bool(norm),
         "moe_intermediate_size": int(inter), "shared_expert_intermediate_size": int(shared), "moe_layers": layers}
+    if fam.moe_ernie_layers:
+        start, end = (_count(cfg, k, where, minimum=0) if cfg.get(k) is not None else d for k, d in (
+            ("moe_layer_start_index", 0), ("moe_layer_end_index", out.num_hidden_layers - 1)))  # fmt: skip
+        every = _count(cfg, "moe_layer_interval", where) if cfg.get("moe_layer_interval") is not None else 1
+        out_fields["moe_layers"] = tuple((i + 1) % every == 0 and start <= i <= end
+                                         for i in range(out.num_hidden_layers))  # fmt: skip
+    if fam.moe_routing == "softmax_biased":
+        out_fields["moe_routing"] = fam.moe_routing
+    if fam.moe_routing == "sparsemixer":
+        if top != 2:
+            raise ModelError(f"{where}: num_experts_per_tok {top} with the sparse mixer's routing; allowed: 2")
+        eps = cfg.get("router_jitter_noise", 0.01)
+        if not _num(eps, positive=False):
+            raise ModelError(f"{where}: router_jitter_noise {eps!r}; allowed: a number >= 0")
+        out_fields.update({"moe_routing": fam.moe_routing, "router_jitter_noise": float(eps)})
+    if fam.moe_routing == "sigmoid_grouped":
+        groups = _count(cfg, "n_group", where) if cfg.get("n_group") is not None else 1
+        chosen = _count(cfg, "topk_group", where) if cfg.get("topk_group") is not None else 1
+        if experts % groups or (groups > 1 and experts // groups < 2):
+            raise ModelError(f"{where}: n_group {groups} does not split {key} {experts} into groups of 2 or more "
+                             f"experts; allowed: a divisor of {experts} (1: no groups)")  # fmt: skip
+        if chosen > groups or top > chosen * (experts // groups):
+            raise ModelError(f"{where}: topk_group {chosen} with n_group {groups} leaves fewer than "
+                             f"num_experts_per_tok {top} experts to choose from; allowed: topk_group in 1 .. {groups} "
+                             f"with topk_group x {experts // groups} >= {top}")  # fmt: skip
+        scale = cfg.get("routed_scaling_factor", 1.0)
+        if not _num(scale, positive=True):
+            raise ModelError(f"{where}: routed_scaling_factor {scale!r}; allowed: a number > 0")
+        out_fields.update({"moe_routing": fam.moe_routing, "n_group": groups, "topk_group": chosen,
+                           "routed_scaling_factor": float(scale)})  # fmt: skip
     if out.activation == "swiglu_oss":
         for key, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
             v = cfg.get(key, default)

@@ -142,6 +142,8 @@ def _inv_freq(cfg: DecoderConfig, theta: float, sc: dict[str, Any] | None, long:
         inv = (np.float32(1.0) / (ext * (np.float32(theta) ** shape))).astype(np.float32)
         factor = sc.get("factor") or cfg.max_position_embeddings / orig
         attention = sc.get("attention_factor")
+        if cfg.spec.rope_mscale_keys and sc.get("long_mscale" if long else "short_mscale") is not None:
+            attention = sc["long_mscale" if long else "short_mscale"]  # Phi-3.5-MoE: the config's own scale
         if attention is None:
             attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
         return inv, float(attention)
@@ -785,12 +787,17 @@ def _moe_needs_index(cfg: DecoderConfig, index: int | None) -> None:
         raise ValueError("a mixture-of-experts decoder's blocks differ: pass the block index")
 
 
+def has_shared_expert(cfg: DecoderConfig) -> bool:
+    """Whether a mixture-of-experts block has a shared expert (ERNIE 4.5's ``moe_num_shared_experts`` may be 0)."""
+    return cfg.spec.names.shared_expert is not None and cfg.shared_expert_intermediate_size > 0
+
+
 def expert_linears(cfg: DecoderConfig) -> list[tuple[str, str, str]]:
     """A mixture-of-experts block's gated MLPs as ``(gate, up, down)`` suffixes after :func:`block_prefix`: the
     shared expert first when there is one, then expert 0, 1, ..."""
     n = cfg.spec.names
     out: list[tuple[str, str, str]] = []
-    if n.shared_expert is not None:
+    if has_shared_expert(cfg):
         out.append((f"{n.shared_expert}.gate_proj", f"{n.shared_expert}.up_proj", f"{n.shared_expert}.down_proj"))
     g, u, d = n.expert_roles
     out += [(f"{n.experts}.{e}.{g}", f"{n.experts}.{e}.{u}", f"{n.experts}.{e}.{d}") for e in range(cfg.num_experts)]
@@ -815,7 +822,7 @@ def linear_shapes(cfg: DecoderConfig, index: int | None = None) -> dict[str, tup
     out[n.o] = (H, nh * hd)
     if index is not None and cfg.is_moe(index):
         for j, (g, u, d) in enumerate(expert_linears(cfg)):
-            width = (cfg.shared_expert_intermediate_size if j == 0 and n.shared_expert is not None
+            width = (cfg.shared_expert_intermediate_size if j == 0 and has_shared_expert(cfg)
                      else cfg.moe_intermediate_size)  # fmt: skip
             out[g], out[u], out[d] = (width, H), (width, H), (H, width)
         return out
@@ -904,6 +911,8 @@ def block_tensor_names(cfg: DecoderConfig, index: int, has: Any) -> list[str]:
     names += [f"{p}.{s}.bias" for s in linear_shapes(cfg, index) if has(f"{p}.{s}.bias")]
     names += [f"{p}.{s}.weight" for s in float_linears(cfg, index)]
     names += [f"{p}.{s}.bias" for s in float_linears(cfg, index) if has(f"{p}.{s}.bias")]  # gpt-oss's router
+    if cfg.is_moe(index) and n.router_choice_bias is not None:  # GLM-4.5's e_score_correction_bias
+        names.append(f"{p}.{n.router_choice_bias}")
     if cfg.activation == "xielu":  # Apertus: the activation's own parameters
         names += [f"{p}.{n.act}.{k}" for k in XIELU_PARAMS if has(f"{p}.{n.act}.{k}")]
     return names
@@ -1453,16 +1462,28 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
         return g.node("Softmax", [logits], [f"{m}/router_softmax/output_0"], f"{m}/router_softmax", axis=-1)[0]
 
     experts = expert_linears(cfg)
-    if n.shared_expert is not None:  # every row, scaled by sigmoid(shared_expert_gate(x))
+    if has_shared_expert(cfg):  # every row (Qwen2-MoE: scaled by sigmoid(shared_expert_gate(x)))
         shared = _gated_mlp(g, x, p, experts.pop(0), w, q, taps)
-        sg = _linear(g, x, f"{p}.{n.shared_expert_gate}", w.pop(f"{p}.{n.shared_expert_gate}.weight"), None, None)
-        sig = g.node("Sigmoid", [sg], [f"{p}.{n.shared_expert_gate}/Sigmoid/output_0"],
-                     f"{p}.{n.shared_expert_gate}/Sigmoid")[0]  # fmt: skip
-        shared = g.node("Mul", [shared, sig], [f"{p}.{n.shared_expert}/gated/output_0"],
-                        f"{p}.{n.shared_expert}/gated")[0]  # fmt: skip
+        if n.shared_expert_gate is not None:
+            sg = _linear(g, x, f"{p}.{n.shared_expert_gate}", w.pop(f"{p}.{n.shared_expert_gate}.weight"), None,
+                         None)  # fmt: skip
+            sig = g.node("Sigmoid", [sg], [f"{p}.{n.shared_expert_gate}/Sigmoid/output_0"],
+                         f"{p}.{n.shared_expert_gate}/Sigmoid")[0]  # fmt: skip
+            shared = g.node("Mul", [shared, sig], [f"{p}.{n.shared_expert}/gated/output_0"],
+                            f"{p}.{n.shared_expert}/gated")[0]  # fmt: skip
     else:
         shared = None
+    sigmoid_routing = cfg.moe_routing in ("sigmoid_grouped", "softmax_biased", "sparsemixer")
+    choice = weights = None
+    if cfg.moe_routing == "sparsemixer":  # Phi-3.5-MoE: the logits choose, the sparse mixer weighs
+        choice, weights = logits, _sparsemixer_weights(g, logits, m)
+    elif sigmoid_routing:  # DeepSeek-V3 / GLM-4.5: sigmoid scores; the choice adds a bias and keeps the best groups
+        choice, weights = _sigmoid_routing(g, logits, m, w.pop(f"{p}.{n.router_choice_bias}"))
     fused = None if g.tapped else _qmoe_weights(cfg, [tuple(q[s] for s in roles) for roles in experts])
+    if sigmoid_routing and fused is None:  # the float MoE kernel takes no routing weights of its own: the dispatch
+        float_kernel = False
+    else:
+        float_kernel = not g.tapped
     # gpt-oss's gated unit in the kernels' terms: (clip(up) + beta) * g * sigmoid(alpha g), g = min(gate, limit)
     act = ({"activation_alpha": cfg.swiglu_alpha, "activation_beta": 1.0, "swiglu_limit": cfg.swiglu_limit}
            if cfg.activation == "swiglu_oss" else {})  # fmt: skip
@@ -1496,13 +1517,18 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
                g.external(f"{p}.{n.experts}.fc2.weight_scales", s2), bias2, "", "", "",
                g.external(f"{p}.{n.experts}.fc1.weight_zero_points", z1) if z1 is not None else "",
                g.external(f"{p}.{n.experts}.fc2.weight_zero_points", z2) if z2 is not None else "", ""]  # fmt: skip
-        if not cfg.norm_topk_prob:  # the kernel renormalizes the top-k of its own softmax unless given the weights
+        if choice is not None and weights is not None:  # the choice picks the experts, the weights weight them
+            ins[1] = choice
+            ins.append(weights)
+        elif not cfg.norm_topk_prob:  # the kernel renormalizes the top-k of its own softmax unless given the weights
             ins.append(probs())
+        # (routing weights given as they are - DeepSeek-style routing: no renormalization inside)
         out = g.node("QMoE", ins, [f"{p}.{n.experts}/output_0"], f"{p}.{n.experts}", _MS, k=cfg.experts_per_token,
-                     activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=int(cfg.norm_topk_prob),
+                     activation_type="swiglu", swiglu_fusion=1,
+                     normalize_routing_weights=0 if choice is not None else int(cfg.norm_topk_prob),
                      expert_weight_bits=bits, block_size=bs, weights_prepacked=0, accuracy_level=level,
                      **act)[0]  # fmt: skip
-    elif (not g.tapped and cfg.activation in ("silu", "swiglu_oss")
+    elif (float_kernel and cfg.activation in ("silu", "swiglu_oss")
           and all(q[s] is None for roles in experts for s in roles)):  # fmt: skip
         # float experts: ONNX Runtime's CPU MoE kernel, the same layout in float32 (fc1 gate / up rows interleaved)
         def stack(j: int) -> np.ndarray:
@@ -1522,9 +1548,15 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
                      normalize_routing_weights=int(cfg.norm_topk_prob), **act)[0]  # fmt: skip
         del fc1
     else:  # the standard-op dispatch: each expert on the rows routed to it
-        top_w, top_i = g.node("TopK", [probs(), g.const([cfg.experts_per_token])],
-                              [f"{m}/router_topk/values", f"{m}/router_topk/indices"], f"{m}/router_topk", axis=-1)
-        if cfg.norm_topk_prob:
+        if choice is not None and weights is not None:
+            top_i = g.node("TopK", [choice, g.const([cfg.experts_per_token])],
+                           [f"{m}/router_topk/values", f"{m}/router_topk/indices"], f"{m}/router_topk", axis=-1)[1]
+            top_w = g.node("GatherElements", [weights, top_i], [f"{m}/router_weights/output_0"], f"{m}/router_weights",
+                           axis=-1)[0]  # fmt: skip
+        else:
+            top_w, top_i = g.node("TopK", [probs(), g.const([cfg.experts_per_token])],
+                                  [f"{m}/router_topk/values", f"{m}/router_topk/indices"], f"{m}/router_topk", axis=-1)
+        if cfg.norm_topk_prob and choice is None:
             total = g.node("ReduceSum", [top_w, g.const([-1])], [f"{m}/router_norm/sum"], f"{m}/router_norm/sum",
                            keepdims=1)[0]  # fmt: skip
             top_w = g.node("Div", [top_w, total], [f"{m}/router_norm/output_0"], f"{m}/router_norm")[0]
@@ -1549,6 +1581,90 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
         out = g.node("Add", [out, shared], [f"{m}/shared_add/output_0"], f"{m}/shared_add")[0]
     hshape = g.node("Shape", [h], [f"{m}/stream/shape"], f"{m}/stream/shape")[0]
     return g.node("Reshape", [out, hshape], [f"{m}/output_0"], f"{m}/output")[0]
+
+
+def _sparsemixer_weights(g: _GraphBuilder, logits: str, m: str) -> str:
+    """Phi-3.5-MoE's routing weights ``[T, E]`` (inference: no sampling) from the router ``logits``: the best expert's
+    weight is the softmax, at it, of the logits within ``2 eps`` of the best (relative to ``max(|logit|, best)``;
+    the rest -inf); the second's the same over the logits without the best one, relative to the second-best;
+    every other expert 0.  The logits' top-2 are the experts chosen."""
+    cfg = g.cfg
+    eps2 = g.const(2.0 * cfg.router_jitter_noise, np.float32)
+    ninf = g.const(-np.inf, np.float32)
+    zero = g.const(0.0, np.float32)
+    absl = g.node("Abs", [logits], [f"{m}/mixer/abs"], f"{m}/mixer/abs")[0]
+    idx = g.node("Range", [g.const(0), g.const(cfg.num_experts), g.const(1)], [f"{m}/mixer/experts"],
+                 f"{m}/mixer/experts")[0]  # fmt: skip
+    scores, picked = logits, []
+    for j in (1, 2):
+        t = f"{m}/mixer/top{j}"
+        best = g.node("ReduceMax", [scores, g.const([-1])], [f"{t}/max"], f"{t}/max", keepdims=1)[0]
+        arg = g.node("ArgMax", [scores], [f"{t}/argmax"], f"{t}/argmax", axis=-1, keepdims=1)[0]
+        factor = g.node("Max", [absl, best], [f"{t}/factor"], f"{t}/factor")[0]
+        gap = g.node("Sub", [best, logits], [f"{t}/gap"], f"{t}/gap")[0]
+        rel = g.node("Div", [gap, factor], [f"{t}/rel"], f"{t}/rel")[0]
+        far = g.node("Greater", [rel, eps2], [f"{t}/far"], f"{t}/far")[0]
+        masked = g.node("Where", [far, ninf, scores], [f"{t}/masked"], f"{t}/masked")[0]
+        soft = g.node("Softmax", [masked], [f"{t}/softmax"], f"{t}/softmax", axis=-1)[0]
+        hit = g.node("Equal", [idx, arg], [f"{t}/hit"], f"{t}/hit")[0]  # [T, E]: the chosen expert
+        picked.append(g.node("Where", [hit, soft, zero], [f"{t}/weight"], f"{t}/weight")[0])
+        if j == 1:  # the best one out of the second choice
+            scores = g.node("Where", [hit, ninf, logits], [f"{t}/without"], f"{t}/without")[0]
+    return g.node("Add", picked, [f"{m}/mixer/output_0"], f"{m}/mixer")[0]
+
+
+def _sigmoid_routing(g: _GraphBuilder, logits: str, m: str, bias: Any) -> tuple[str, str]:
+    """DeepSeek-V3 / GLM-4.5's routing of the router ``logits`` ``[T, E]``: ``(choice, weights)``, both ``[T, E]``
+    (ERNIE 4.5's the same with the softmax instead of the sigmoid, one group, renormalized, unscaled).
+
+    ``choice`` = sigmoid scores + ``bias``, -inf outside the ``topk_group`` groups (of ``n_group``) whose two best
+    choices sum highest: its top-k are the experts a token runs.  ``weights``: the scores (without the bias) of every
+    expert, divided by the sum of the chosen experts' scores (+ 1e-20) when ``norm_topk_prob``, times
+    ``routed_scaling_factor`` - read at the chosen experts only (``QMoE``'s ``router_weights``; ``GatherElements`` in
+    the dispatch)."""
+    cfg = g.cfg
+    E, k = cfg.num_experts, cfg.experts_per_token
+    if cfg.moe_routing == "softmax_biased":  # ERNIE 4.5: the softmax, the bias for the choice, renormalized
+        scores = g.node("Softmax", [logits], [f"{m}/router_softmax/output_0"], f"{m}/router_softmax", axis=-1)[0]
+    else:
+        scores = g.node("Sigmoid", [logits], [f"{m}/router_sigmoid/output_0"], f"{m}/router_sigmoid")[0]
+    choice_bias = np.asarray(bias, np.float32).reshape(-1)  # ([E], ERNIE's [1, E])
+    _check_shape("e_score_correction_bias", choice_bias, (E,))
+    choice = g.node("Add", [scores, g.external(f"{m}.gate.e_score_correction_bias", choice_bias)],
+                    [f"{m}/router_choice/output_0"], f"{m}/router_choice")[0]  # fmt: skip
+    if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+        per = E // cfg.n_group
+        grouped = g.node("Reshape", [choice, g.const([-1, cfg.n_group, per])], [f"{m}/router_groups/output_0"],
+                         f"{m}/router_groups")[0]  # fmt: skip
+        best2 = g.node("TopK", [grouped, g.const([2])], [f"{m}/router_groups/top2", f"{m}/router_groups/top2_i"],
+                       f"{m}/router_groups/top2", axis=-1)[0]  # fmt: skip
+        gscore = g.node("ReduceSum", [best2, g.const([-1])], [f"{m}/router_groups/score"], f"{m}/router_groups/score",
+                        keepdims=0)[0]  # fmt: skip
+        kth = g.node("TopK", [gscore, g.const([cfg.topk_group])], [f"{m}/router_groups/kept", f"{m}/router_groups/kept_i"],
+                     f"{m}/router_groups/kept", axis=-1)[0]  # fmt: skip
+        low = g.node("ReduceMin", [kth, g.const([-1])], [f"{m}/router_groups/floor"], f"{m}/router_groups/floor",
+                     keepdims=1)[0]  # fmt: skip
+        keep = g.node("GreaterOrEqual", [gscore, low], [f"{m}/router_groups/keep"], f"{m}/router_groups/keep")[0]
+        keep = g.node("Unsqueeze", [keep, g.const([-1])], [f"{m}/router_groups/keep3"], f"{m}/router_groups/keep3")[0]
+        ninf = g.const(-np.inf, np.float32)
+        masked = g.node("Where", [keep, grouped, ninf], [f"{m}/router_groups/masked"], f"{m}/router_groups/masked")[0]
+        choice = g.node("Reshape", [masked, g.const([-1, E])], [f"{m}/router_choice_masked/output_0"],
+                        f"{m}/router_choice_masked")[0]  # fmt: skip
+    weights = scores
+    if cfg.norm_topk_prob:
+        top_i = g.node("TopK", [choice, g.const([k])], [f"{m}/router_norm/top", f"{m}/router_norm/top_i"],
+                       f"{m}/router_norm/top", axis=-1)[1]  # fmt: skip
+        chosen = g.node("GatherElements", [scores, top_i], [f"{m}/router_norm/chosen"], f"{m}/router_norm/chosen",
+                        axis=-1)[0]  # fmt: skip
+        total = g.node("ReduceSum", [chosen, g.const([-1])], [f"{m}/router_norm/sum"], f"{m}/router_norm/sum",
+                       keepdims=1)[0]  # fmt: skip
+        total = g.node("Add", [total, g.const(1e-20, np.float32)], [f"{m}/router_norm/sum_eps"],
+                       f"{m}/router_norm/sum_eps")[0]  # fmt: skip
+        weights = g.node("Div", [weights, total], [f"{m}/router_norm/output_0"], f"{m}/router_norm")[0]
+    if cfg.routed_scaling_factor != 1.0:
+        weights = g.node("Mul", [weights, g.const(cfg.routed_scaling_factor, np.float32)],
+                         [f"{m}/router_scale/output_0"], f"{m}/router_scale")[0]  # fmt: skip
+    return choice, weights
 
 
 def alibi_slopes(heads: int) -> np.ndarray:

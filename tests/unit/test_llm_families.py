@@ -278,10 +278,39 @@ def _spec(kind: str) -> tuple[Any, Any]:
                                                                     "beta_fast": 32.0, "beta_slow": 1.0,
                                                                     "original_max_position_embeddings": 16,
                                                                     "rope_theta": 150000.0, "truncate": False})
+    if kind in ("glm4_moe", "glm4_moe_air"):  # DeepSeek-style routing: sigmoid scores, a choice bias, expert groups
+        # (4 of 2 experts, the best 2 kept), x 2.5; a shared expert; layer 0 dense; q/k/v biases, half-rotary heads;
+        # GLM-4.5: per-head q / k norms, renormalized weights; -Air: neither, one group
+        full = kind == "glm4_moe"
+        return t.Glm4MoeForCausalLM, t.Glm4MoeConfig(**c, head_dim=32, moe_intermediate_size=48, n_routed_experts=8,
+                                                     num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                                                     n_group=4 if full else 1, topk_group=2 if full else 1,
+                                                     routed_scaling_factor=2.5, norm_topk_prob=full, use_qk_norm=full,
+                                                     attention_bias=True)  # fmt: skip
+    if kind == "dots1":  # GLM-4.5's routing (8 experts in 2 groups, 1 kept, not renormalized, x 1.5) with Qwen3's
+        # attention, layers 0 dense
+        return t.Dots1ForCausalLM, t.Dots1Config(**c, head_dim=16, moe_intermediate_size=48, n_routed_experts=8,
+                                                 num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
+                                                 n_group=2, topk_group=1, routed_scaling_factor=1.5,
+                                                 norm_topk_prob=False)  # fmt: skip
+    if kind == "ernie4_5_moe":  # the softmax + a choice bias picks 2 of 4 experts, renormalized; a shared expert;
+        # layer 0 dense (moe_layer_start_index), RoPE on adjacent pairs
+        return t.Ernie4_5_MoeForCausalLM, t.Ernie4_5_MoeConfig(**c, head_dim=16, moe_intermediate_size=48,
+                                                               moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
+                                                               moe_layer_start_index=1)  # fmt: skip
+    if kind == "flex_olmo":  # OLMo-2's block (norms after attention and MLP, q / k norms over the projection) with
+        # a mixture of experts: top-2 of 4, renormalized
+        return t.FlexOlmoForCausalLM, t.FlexOlmoConfig(**{**c, "intermediate_size": 48}, num_experts=4,
+                                                       num_experts_per_tok=2, norm_topk_prob=True)  # fmt: skip
+    if kind == "phimoe":  # the sparse mixer's top-2 weights (threshold 2 x 0.3), LayerNorms, biases (the lm_head's too)
+        return t.PhimoeForCausalLM, t.PhimoeConfig(**{**c, "intermediate_size": 48}, num_local_experts=4,
+                                                   num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
+                                                   router_jitter_noise=0.3)  # fmt: skip
     raise AssertionError(kind)
 
 
-MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss"]
+MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "glm4_moe", "glm4_moe_air",
+             "dots1", "ernie4_5_moe", "flex_olmo", "phimoe"]
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm", "glm4",
@@ -300,8 +329,8 @@ def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
         for name, p in model.named_parameters():
             if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n", "self_attn.sinks")):  # Apertus' xIELU, Granite
                 p.uniform_(-1.0, 1.0)  # SWA's sinks: away from their initial values
-            elif name.endswith(("_proj_bias", "router.bias")):  # gpt-oss's expert and router biases (zeros at init)
-                p.normal_(0.0, 0.3)
+            elif name.endswith(("_proj_bias", "router.bias")) or (kind.startswith("glm4_moe") and name.endswith(".bias")):
+                p.normal_(0.0, 0.3)  # gpt-oss's expert and router biases, GLM-4.5's q/k/v biases (zeros at init)
             elif "norm" in name or ".ln_" in name:
                 if name.endswith(".bias"):
                     p.normal_(0.0, 0.1)
@@ -309,6 +338,9 @@ def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
                     p.uniform_(-0.5, 0.5)
                 else:
                     p.uniform_(0.5, 1.5)
+        for name, buf in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's / ERNIE's choice bias: zeros at init
+                buf.normal_(0.0, 0.3 if kind != "ernie4_5_moe" else 0.1)
     model.save_pretrained(folder)
     return cls.from_pretrained(folder, dtype=torch.float32).eval()
 
@@ -549,6 +581,11 @@ def test_quantkit_calibrate_layerwise_awq(built: Any, kind: str, tmp_path: Path)
     assert float(np.corrcoef(got.ravel(), ref.ravel())[0, 1]) > 0.85
     genai = json.loads((tmp_path / "o" / "genai_config.json").read_text())
     assert genai["model"]["type"] == read_decoder_config(b.folder).spec.genai_type
+    moe = [w for w in report["warnings"] if "mixture-of-experts block(s) run their experts through the standard-op" in w]
+    if read_decoder_config(b.folder).num_experts:  # AWQ's per-expert input scales: no QMoE, and the report says why
+        assert len(moe) == 1 and "AWQ" in moe[0], report["warnings"]
+    else:
+        assert not moe
 
 
 def _awq_graph(b: Any, kind: str, tmp_path: Path, overrides: list[dict[str, Any]] | None = None) -> Any:
@@ -956,6 +993,34 @@ def test_mixture_of_experts_config_values_are_checked(tmp_path: Path, changes: d
         read_decoder_config(tmp_path)
 
 
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"n_group": 3}, r"n_group 3 does not split n_routed_experts 8 into groups of 2 or more experts; allowed: a divisor"),
+    ({"n_group": 8}, r"n_group 8 does not split"),
+    ({"topk_group": 5}, r"topk_group 5 with n_group 4 leaves fewer than num_experts_per_tok 2"),
+    ({"topk_group": 1, "num_experts_per_tok": 3}, r"topk_group 1 with n_group 4 leaves fewer than num_experts_per_tok 3"),
+    ({"routed_scaling_factor": 0}, r"routed_scaling_factor 0; allowed: a number > 0"),
+    ({"first_k_dense_replace": -1}, r"first_k_dense_replace -1; allowed: an integer >= 0"),
+    ({"n_shared_experts": 0}, r"n_shared_experts 0; allowed: an integer >= 1"),
+])  # fmt: skip
+def test_deepseek_style_routing_values_are_checked(tmp_path: Path, changes: dict[str, Any], match: str) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm4_moe", "n_routed_experts": 8,
+                                                      "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                                      "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+                                                      "hidden_size": 64, "intermediate_size": 128, "head_dim": 32,
+                                                      "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "num_key_value_heads": 2, "vocab_size": 256, **changes}))  # fmt: skip
+    with pytest.raises(ModelError, match=match):
+        read_decoder_config(tmp_path)
+
+
+def test_family_names_are_unique() -> None:
+    """A family's name finds its description (DecoderConfig.spec): two variants of one model_type need two names."""
+    from quantkit.frontends.families import FAMILIES
+
+    names = [f.name for f in FAMILIES]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
 def test_moe_experts_see_only_their_routed_tokens_and_an_idle_expert_is_rounded_without_statistics(
         built: Any, tmp_path: Path) -> None:
     """GPTQ layer-wise on a mixture of experts: each expert's gate / up / down statistics count exactly the tokens
@@ -1063,7 +1128,8 @@ def test_moe_qmoe_kernel_equals_the_standard_op_dispatch(built: Any, kind: str, 
             packed[f"{p}.{s}"] = PackedLinear(B, sc, zp, 4, bs, *res.shape, None, level)
         fused = block_model(cfg, i, w, packed, positions=20)
         assert [nd.op_type for nd in fused.graph.node].count("QMoE") == 1
-        assert not {"NonZero", "TopK", "ConstantOfShape"} & {nd.op_type for nd in fused.graph.node}  # no dead dispatch
+        dead = {"NonZero", "ConstantOfShape"} | ({"TopK"} if cfg.moe_routing == "softmax" else set())  # (DeepSeek-
+        assert not dead & {nd.op_type for nd in fused.graph.node}  # style routing's own TopKs choose): no dead dispatch
         tap = f"{p}.{llm_builder.expert_linears(cfg)[-1][0]}"
         plain = block_model(cfg, i, w, packed, [tap], positions=20)
         assert "QMoE" not in [nd.op_type for nd in plain.graph.node]
@@ -1223,3 +1289,45 @@ def test_gpt_oss_published_config_is_read_as_transformers_reads_it() -> None:
     assert c.rope_scaling is not None and c.rope_scaling["factor"] == 32.0 and c.rope_scaling["truncate"] is False
     with pytest.raises(ModelError, match=r"swiglu_limit -1.*allowed: a number > 0"):
         parse_config({**raw, "swiglu_limit": -1}, "config.json")
+
+
+@pytest.mark.parametrize(("group", "warned"), [(16, None), (32, "K = 48 is not a multiple of the group size (32); "
+                                                             "group_size: 16 divides it")])
+def test_moe_dispatch_in_the_shipped_graph_is_reported_with_why(built: Any, tmp_path: Path, group: int,
+                                                               warned: str | None) -> None:
+    """The experts' down_proj (K = 48 here; 2880 in gpt-oss-20b, not a multiple of 128) fit one QMoE node at group 16;
+    at group 32 K is not a multiple of the group, the shipped graph dispatches per expert, and the report says so
+    with a group that fits."""
+    from quantkit.layerwise import moe_dispatch_warnings, quantize_llm_layerwise
+
+    b = built("mixtral")
+    plan = _plan(b.folder, algorithm="rtn", group_size=group)
+    res = quantize_llm_layerwise(b.folder, tmp_path / "q" / "model.onnx", plan, None, work_dir=tmp_path / "w",
+                                 progress=False)  # fmt: skip
+    got = moe_dispatch_warnings(res.path, res.rows)
+    if warned is None:
+        assert got == []
+    else:
+        assert len(got) == 1 and "2 mixture-of-experts block(s)" in got[0] and warned in got[0], got
+
+
+def test_phimoe_longrope_scales_are_the_checkpoints_own(tmp_path: Path) -> None:
+    """Phi-3.5-MoE's LongRoPE scales cos / sin by the config's ``short_mscale`` / ``long_mscale``.  Within the original
+    context the decoder equals transformers; past it the checkpoint's own code (and transformers 4.x) switch to the
+    long factors, while transformers 5.25's Phimoe keeps the short ones (it builds the frequencies without the sequence
+    length): the reference there is transformers with the long factors put in the short ones' place."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.3 * i for i in range(8)], "short_mscale": 1.1, "long_mscale": 1.3,
+            "original_max_position_embeddings": 16}  # fmt: skip
+    cfg = transformers.PhimoeConfig(**{**_COMMON, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
+                                    rope_parameters=rope)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.PhimoeForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "hf")
+    model = transformers.PhimoeForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    path = build_llm(tmp_path / "hf", tmp_path / "o" / "model.onnx")
+    short = _ids(12, 1)
+    _assert_exact(LLMSession(path)(short), _reference(model, short), "phimoe longrope (short)")
+    long = _ids(24, 2)
+    model.config.rope_parameters["short_factor"] = rope["long_factor"]
+    _assert_exact(LLMSession(path)(long), _reference(model, long), "phimoe longrope (long)")
