@@ -133,7 +133,13 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
         data["cases"] = rows
-        data["environment"] = {**environment(), **run_record()}
+        rec = run_record()
+        commands: list[str] = data.get("commands") or [str((data.get("environment") or {}).get("command", ""))]
+        commands = [c for c in commands if c]
+        if rec["command"] not in commands:
+            commands.append(rec["command"])
+        data["commands"] = commands  # every run the file holds rows of (each row has its own date and load)
+        data["environment"] = {**environment(), **rec, "command": "; ".join(commands)}
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps(data, indent=1) + "\n")
 
