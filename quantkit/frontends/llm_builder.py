@@ -307,16 +307,34 @@ class _Checkpoint:
                     self.stored[graph] = stored
             if fam.names.expert_store is not None and fam.names.expert_layout == "oss":
                 self._oss_experts(cfg)
-            elif fam.names.expert_store is not None:  # Granite-MoE: [experts, 2 I, H] and [experts, H, I] per block
+            elif fam.names.expert_store is not None:  # [experts, 2 I, H] and [experts, H, I] per block (Granite-MoE,
+                # transformers 5's fused experts), or their transposes [experts, H, 2 I] / [experts, I, H] (Qwen3-VL-MoE
+                # as published): told apart by the stored shape where it differs
                 up_down = fam.names.expert_store
-                inter = cfg.moe_intermediate_size
+                inter, H, E = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
                 for i in range(cfg.num_hidden_layers):
                     p = block_prefix(cfg, i)
+                    gu, dn = f"{p}.{up_down[0]}", f"{p}.{up_down[1]}"
+                    gu_t = self._stored_shape(gu) == (E, H, 2 * inter) != (E, 2 * inter, H)
+                    dn_t = self._stored_shape(dn) == (E, inter, H) != (E, H, inter)
+                    if gu_t:
+                        self.expected[gu] = (E, H, 2 * inter)
+                    if dn_t:
+                        self.expected[dn] = (E, inter, H)
                     for e, (gate, up, down) in enumerate(expert_linears(cfg) if cfg.is_moe(i) else []):
-                        self.sliced[f"{p}.{gate}.weight"] = (f"{p}.{up_down[0]}", e, 0, inter, 2 * inter)
-                        self.sliced[f"{p}.{up}.weight"] = (f"{p}.{up_down[0]}", e, inter, 2 * inter, 2 * inter)
-                        self.sliced[f"{p}.{down}.weight"] = (f"{p}.{up_down[1]}", e, 0, cfg.hidden_size,
-                                                             cfg.hidden_size)  # fmt: skip
+                        if gu_t:
+                            self.derived[f"{p}.{gate}.weight"] = ((gu,), (inter, H),
+                                                                  functools.partial(_oss_kn, gu, e, slice(0, inter)))
+                            self.derived[f"{p}.{up}.weight"] = (
+                                (gu,), (inter, H), functools.partial(_oss_kn, gu, e, slice(inter, 2 * inter)))
+                        else:
+                            self.sliced[f"{p}.{gate}.weight"] = (gu, e, 0, inter, 2 * inter)
+                            self.sliced[f"{p}.{up}.weight"] = (gu, e, inter, 2 * inter, 2 * inter)
+                        if dn_t:
+                            self.derived[f"{p}.{down}.weight"] = ((dn,), (H, inter),
+                                                                  functools.partial(_oss_kn, dn, e, slice(None)))
+                        else:
+                            self.sliced[f"{p}.{down}.weight"] = (dn, e, 0, H, H)
             if fam.conv1d:
                 self.transposed = {f"{fam.names.layers}.{i}.{s}.weight" for i in range(cfg.num_hidden_layers)
                                    for s in linear_shapes(cfg, i)}  # fmt: skip
@@ -363,6 +381,10 @@ class _Checkpoint:
 
     def _name(self, name: str) -> str:
         return self.stored.get(name, name)
+
+    def _stored_shape(self, name: str) -> tuple[int, ...] | None:
+        info = self.tensors.get(self._name(name))
+        return None if info is None else tuple(info.shape)
 
     def __contains__(self, name: str) -> bool:
         if name in self.derived:
@@ -442,7 +464,8 @@ class _Checkpoint:
 
 
 def _oss_kn(stored: str, e: int, cols: slice, t: dict[str, Any]) -> Any:
-    """Expert ``e``'s ``[N, K]`` weight: columns ``cols`` of its ``[K, N]`` slice of ``stored`` (a view)."""
+    """Expert ``e``'s ``[N, K]`` weight: columns ``cols`` of its ``[K, N]`` slice of ``stored`` (a view; experts
+    stored ``[experts, K, N]``: gpt-oss, Qwen3-VL-MoE as published)."""
     return t[stored][e][:, cols].T
 
 

@@ -68,6 +68,14 @@ def _model(kind: str) -> Any:
             vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                deepstack_visual_indexes=[0]),
             image_token_id=VOCAB - 1, video_token_id=VOCAB - 2))  # fmt: skip
+    if kind == "qwen3_vl_moe":  # Qwen3-MoE's text decoder (4 experts, top 2) with its experts stored together
+        return t.Qwen3VLMoeForConditionalGeneration(t.Qwen3VLMoeConfig(
+            text_config=dict(**_TEXT, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                             rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                           "mrope_interleaved": True}),
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                               deepstack_visual_indexes=[0]),
+            image_token_id=VOCAB - 1, video_token_id=VOCAB - 2))  # fmt: skip
     if kind == "smolvlm":  # model.text_model.*
         return t.SmolVLMForConditionalGeneration(t.SmolVLMConfig(
             text_config=dict(model_type="llama", **_TEXT), vision_config=_VISION, scale_factor=2,
@@ -80,7 +88,7 @@ def _model(kind: str) -> Any:
     raise AssertionError(kind)
 
 
-KINDS = ["gemma3", "mistral3", "llava", "qwen2_5_vl", "qwen3_vl", "smolvlm", "paligemma"]
+KINDS = ["gemma3", "mistral3", "llava", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "smolvlm", "paligemma"]
 
 
 class _Built:
@@ -180,6 +188,27 @@ def test_newer_transformers_layout_builds_the_same_decoder(built: Any, tmp_path:
     np.testing.assert_array_equal(LLMSession(path)(ids), LLMSession(b.path)(ids))
 
 
+def test_qwen3_vl_moe_published_expert_layout_builds_the_same_decoder(built: Any, tmp_path: Path) -> None:
+    """transformers 5 writes Qwen3-VL-MoE's experts as ``[experts, 2 I, H]`` / ``[experts, H, I]``; the published
+    checkpoints store them transposed (``[experts, H, 2 I]``, gate | up columns, and ``[experts, I, H]``): told apart
+    by shape, both build the same decoder (float and INT4 QMoE)."""
+    from safetensors.numpy import load_file, save_file
+
+    b = built("qwen3_vl_moe")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text((b.folder / "config.json").read_text())
+    tensors = load_file(str(b.folder / "model.safetensors"))
+    moved = [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert moved
+    for k in moved:
+        tensors[k] = np.ascontiguousarray(tensors[k].transpose(0, 2, 1))
+    save_file(tensors, str(folder / "model.safetensors"))
+    ids = _ids(20, 2)
+    np.testing.assert_array_equal(LLMSession(build_llm(folder, tmp_path / "o" / "model.onnx"))(ids),
+                                  LLMSession(b.path)(ids))
+
+
 def test_memory_estimate_counts_the_text_decoder_only(built: Any) -> None:
     from quantkit.memory import decoder_sizes
 
@@ -254,7 +283,7 @@ def test_whole_graph_path_points_to_the_layerwise_one(built: Any) -> None:
     assert msg is not None and "calibration.layerwise: true" in msg and "gemma3_text" in msg
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2_5_vl", "qwen3_vl_moe"])
 def test_quantkit_calibrate_layerwise_gptq(built: Any, kind: str, tmp_path: Path) -> None:
     """The command line as users run it on a multimodal folder: INT4 GPTQ block by block, perplexity, the report
     says what was built; the quantized logits track the multimodal model's."""
