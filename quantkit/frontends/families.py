@@ -135,6 +135,10 @@ class Names:
     way): gpt-oss."""
     shared_expert: str | None = None
     """An expert every token runs (Qwen2-MoE's ``mlp.shared_expert``: ``gate_proj`` / ``up_proj`` / ``down_proj``)."""
+    shared_expert_fused: tuple[str, str] | None = None
+    """The shared expert stored as two linears (suffixes after the block): ``[gate | up]`` rows ``[2 S, H]`` and down
+    ``[H, S]`` (Granite-MoE-Shared's ``shared_mlp.input_linear`` / ``output_linear``), read as
+    :attr:`shared_expert`'s ``gate_proj`` / ``up_proj`` / ``down_proj``."""
     router_choice_bias: str | None = None
     """A bias added to the router's sigmoid scores for choosing the experts only (DeepSeek-V3 / GLM-4.5's
     ``mlp.gate.e_score_correction_bias``; the weights are the scores without it)."""
@@ -457,6 +461,13 @@ FAMILIES: tuple[Family, ...] = (
            names=Names(router="block_sparse_moe.router.layer", experts="block_sparse_moe.experts",
                        expert_store=("block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight")),
            multipliers=True, moe=True, moe_norm_key="", moe_inter_key="", genai_type="decoder"),
+    Family("granitemoeshared", ("granitemoeshared",), "Granite-MoE with a shared MLP",
+           names=Names(router="block_sparse_moe.router.layer", experts="block_sparse_moe.experts",
+                       expert_store=("block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight"),
+                       shared_expert="shared_mlp",
+                       shared_expert_fused=("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight")),
+           multipliers=True, moe=True, moe_norm_key="", moe_inter_key="", moe_shared_key="shared_intermediate_size",
+           genai_type="decoder"),
     Family("qwen2_moe", ("qwen2_moe",), "Qwen1.5-MoE / Qwen2-MoE",
            names=Names(router="mlp.gate", experts="mlp.experts", shared_expert="mlp.shared_expert",
                        shared_expert_gate="mlp.shared_expert_gate"),
@@ -1220,7 +1231,8 @@ def _moe_fields(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: 
     shared = 0
     if fam.names.shared_expert is not None:
         per_expert = fam.moe_shared_key.endswith("shared_experts")  # a count of experts (0: none), else a width
-        shared = _count(cfg, fam.moe_shared_key, where, minimum=0 if per_expert and fam.moe_ernie_layers else 1)
+        none_ok = fam.moe_shared_key in ("moe_num_shared_experts", "shared_intermediate_size")  # 0: no shared expert
+        shared = _count(cfg, fam.moe_shared_key, where, minimum=0 if none_ok else 1)
         if per_expert:
             shared *= int(inter)
     layers: tuple[bool, ...] = ()

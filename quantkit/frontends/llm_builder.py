@@ -321,7 +321,7 @@ class _Checkpoint:
                         self.expected[gu] = (E, H, 2 * inter)
                     if dn_t:
                         self.expected[dn] = (E, inter, H)
-                    for e, (gate, up, down) in enumerate(expert_linears(cfg) if cfg.is_moe(i) else []):
+                    for e, (gate, up, down) in enumerate(routed_experts(cfg) if cfg.is_moe(i) else []):
                         if gu_t:
                             self.derived[f"{p}.{gate}.weight"] = ((gu,), (inter, H),
                                                                   functools.partial(_oss_kn, gu, e, slice(0, inter)))
@@ -335,6 +335,19 @@ class _Checkpoint:
                                                                   functools.partial(_oss_kn, dn, e, slice(None)))
                         else:
                             self.sliced[f"{p}.{down}.weight"] = (dn, e, 0, H, H)
+            if fam.names.shared_expert_fused is not None and cfg.shared_expert_intermediate_size:
+                gu_s, dn_s = fam.names.shared_expert_fused
+                S, H, se = cfg.shared_expert_intermediate_size, cfg.hidden_size, fam.names.shared_expert
+                for i in range(cfg.num_hidden_layers):
+                    p = block_prefix(cfg, i)
+                    if not cfg.is_moe(i):
+                        continue
+                    self.expected.update({f"{p}.{gu_s}": (2 * S, H), f"{p}.{dn_s}": (H, S)})
+                    for role, src, rows, shape in (("gate_proj", gu_s, slice(0, S), (S, H)),
+                                                   ("up_proj", gu_s, slice(S, 2 * S), (S, H)),
+                                                   ("down_proj", dn_s, slice(None), (H, S))):  # fmt: skip
+                        self.derived[f"{p}.{se}.{role}.weight"] = ((f"{p}.{src}",), shape,
+                                                                   functools.partial(_rows_of, f"{p}.{src}", rows))
             if fam.conv1d:
                 self.transposed = {f"{fam.names.layers}.{i}.{s}.weight" for i in range(cfg.num_hidden_layers)
                                    for s in linear_shapes(cfg, i)}  # fmt: skip
@@ -366,7 +379,7 @@ class _Checkpoint:
                 self.expected.update({f"{p}.{store}": (E, k, rows), f"{p}.{store}_bias": (E, rows),
                                       f"{p}.{store}_blocks": (E, rows, k // 32, 16),
                                       f"{p}.{store}_scales": (E, rows, k // 32)})  # fmt: skip
-            for e, (gate, up, down) in enumerate(expert_linears(cfg) if cfg.is_moe(i) else []):
+            for e, (gate, up, down) in enumerate(routed_experts(cfg) if cfg.is_moe(i) else []):
                 for role, store, n, k, cols in ((gate, gu_store, inter, H, slice(0, None, 2)),
                                                 (up, gu_store, inter, H, slice(1, None, 2)),
                                                 (down, down_store, H, inter, slice(None))):  # fmt: skip
@@ -467,6 +480,11 @@ def _oss_kn(stored: str, e: int, cols: slice, t: dict[str, Any]) -> Any:
     """Expert ``e``'s ``[N, K]`` weight: columns ``cols`` of its ``[K, N]`` slice of ``stored`` (a view; experts
     stored ``[experts, K, N]``: gpt-oss, Qwen3-VL-MoE as published)."""
     return t[stored][e][:, cols].T
+
+
+def _rows_of(stored: str, rows: slice, t: dict[str, Any]) -> Any:
+    """Rows ``rows`` of ``stored`` (a view)."""
+    return t[stored][rows]
 
 
 def _oss_mxfp4(blocks: str, scales: str, e: int, rows: slice, t: dict[str, Any]) -> np.ndarray:
@@ -813,6 +831,11 @@ def _moe_needs_index(cfg: DecoderConfig, index: int | None) -> None:
 def has_shared_expert(cfg: DecoderConfig) -> bool:
     """Whether a mixture-of-experts block has a shared expert (ERNIE 4.5's ``moe_num_shared_experts`` may be 0)."""
     return cfg.spec.names.shared_expert is not None and cfg.shared_expert_intermediate_size > 0
+
+
+def routed_experts(cfg: DecoderConfig) -> list[tuple[str, str, str]]:
+    """:func:`expert_linears` without the shared expert: expert ``e``'s ``(gate, up, down)`` at index ``e``."""
+    return expert_linears(cfg)[1:] if has_shared_expert(cfg) else expert_linears(cfg)
 
 
 def expert_linears(cfg: DecoderConfig) -> list[tuple[str, str, str]]:
