@@ -343,11 +343,11 @@ class _Checkpoint:
                     if not cfg.is_moe(i):
                         continue
                     self.expected.update({f"{p}.{gu_s}": (2 * S, H), f"{p}.{dn_s}": (H, S)})
-                    for role, src, rows, shape in (("gate_proj", gu_s, slice(0, S), (S, H)),
+                    for role, src, part, shape in (("gate_proj", gu_s, slice(0, S), (S, H)),
                                                    ("up_proj", gu_s, slice(S, 2 * S), (S, H)),
                                                    ("down_proj", dn_s, slice(None), (H, S))):  # fmt: skip
                         self.derived[f"{p}.{se}.{role}.weight"] = ((f"{p}.{src}",), shape,
-                                                                   functools.partial(_rows_of, f"{p}.{src}", rows))
+                                                                   functools.partial(_rows_of, f"{p}.{src}", part))
             if fam.conv1d:
                 self.transposed = {f"{fam.names.layers}.{i}.{s}.weight" for i in range(cfg.num_hidden_layers)
                                    for s in linear_shapes(cfg, i)}  # fmt: skip
