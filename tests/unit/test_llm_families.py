@@ -310,11 +310,15 @@ def _spec(kind: str) -> tuple[Any, Any]:
         return t.GraniteMoeSharedForCausalLM, t.GraniteMoeSharedConfig(
             **{**c, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=80,
             embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=4.0)  # fmt: skip
+    if kind == "hunyuan_moe":  # Hunyuan's attention (q / k norms of the rotated q, k) with 4 experts, top 2
+        # renormalized, and a shared MLP
+        return t.HunYuanMoEV1ForCausalLM, t.HunYuanMoEV1Config(**{**c, "intermediate_size": 48}, head_dim=16,
+                                                               num_experts=4, moe_topk=2)  # fmt: skip
     raise AssertionError(kind)
 
 
 MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "glm4_moe", "glm4_moe_air",
-             "dots1", "ernie4_5_moe", "flex_olmo", "phimoe", "granitemoeshared"]
+             "dots1", "ernie4_5_moe", "flex_olmo", "phimoe", "granitemoeshared", "hunyuan_moe"]
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm", "glm4",
@@ -489,8 +493,8 @@ def _expert_weight(model: Any, layer: str) -> Any:
     import re
 
     shared = re.fullmatch(r"(.*)\.shared_mlp\.(gate|up|down)_proj", layer)
-    if shared is not None:  # Granite-MoE-Shared: one [gate | up] linear and one down
-        mlp = model.get_submodule(f"{shared.group(1)}.shared_mlp")
+    mlp = model.get_submodule(f"{shared.group(1)}.shared_mlp") if shared is not None else None
+    if shared is not None and hasattr(mlp, "input_linear"):  # Granite-MoE-Shared: one [gate | up] linear, one down
         half = mlp.input_linear.weight.shape[0] // 2
         return {"gate": mlp.input_linear.weight.data[:half], "up": mlp.input_linear.weight.data[half:],
                 "down": mlp.output_linear.weight.data}[shared.group(2)]
