@@ -979,14 +979,14 @@ def test_mixture_of_experts_whole_graph_path_points_to_the_layerwise_one(tmp_pat
 def test_unsupported_mixture_of_experts_is_refused_naming_the_supported_ones(tmp_path: Path) -> None:
     from quantkit.frontends.hf_folder import check_hf_folder
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phimoe", "num_local_experts": 16,
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "n_routed_experts": 16,
                                                       "num_experts_per_tok": 2, "hidden_size": 64,
                                                       "num_hidden_layers": 2, "num_attention_heads": 4,
                                                       "vocab_size": 256}))  # fmt: skip
     for call in (read_decoder_config, check_hf_folder):
-        with pytest.raises(ModelError, match=r"'phimoe' is a mixture-of-experts decoder \(num_local_experts: 16\); "
-                                             r"quantkit supports the mixture-of-experts families mixtral, granitemoe, qwen2_moe, "
-                                             r"qwen3_moe, olmoe \(layer-wise\)"):
+        with pytest.raises(ModelError, match=r"'deepseek_v3' is a mixture-of-experts decoder \(n_routed_experts: 16\); "
+                                             r"quantkit supports the mixture-of-experts families mixtral, granitemoe, "
+                                             r".*qwen3_moe, .*glm4_moe, .*phimoe, gpt_oss.* \(layer-wise\)"):
             call(tmp_path)
 
 
