@@ -360,16 +360,21 @@ class _Built:
         self.path = build_llm(self.folder, base / "onnx" / "model.onnx")
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    cache: dict[str, _Built] = {}
+def _cached_builds(tmp_path_factory: pytest.TempPathFactory, make: Any) -> Any:
+    """``get(kind)``: ``make(folder, kind)`` once per kind and module (a fresh temporary folder each)."""
+    cache: dict[str, Any] = {}
 
-    def get(kind: str) -> _Built:
+    def get(kind: str) -> Any:
         if kind not in cache:
-            cache[kind] = _Built(tmp_path_factory.mktemp(kind), kind)
+            cache[kind] = make(tmp_path_factory.mktemp(kind), kind)
         return cache[kind]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return _cached_builds(tmp_path_factory, _Built)
 
 
 @pytest.fixture(autouse=True)
@@ -566,24 +571,30 @@ def test_int4_rtn_equals_the_same_weights_in_pytorch(built: Any, kind: str, tmp_
     assert float(np.abs(ref - _reference(b.model, ids)).max()) > 1e-2  # the RTN weights did change the logits
 
 
+def calibrate_cli(folder: Path, name: str, algorithm: str, tmp_path: Path, ids: Any) -> dict[str, Any]:
+    """``quantkit calibrate`` (layer-wise INT4 g32 by ``algorithm``) on ``folder`` with 3 x 16 calibration and evaluation
+    ids (``ids(n, seed, rows)``) as ``.npz`` files, output in ``tmp_path / "o"``: its report."""
+    from quantkit.cli import main
+
+    for part, seed in (("cal", 5), ("ev", 6)):
+        rows = ids(16, seed, rows=3)
+        np.savez(tmp_path / f"{part}.npz", input_ids=rows, attention_mask=np.ones_like(rows))
+    rec = {"version": 1, "name": name, "model": {"source": str(folder)},
+           "calibration": {"layerwise": True, "data": {"kind": "npz", "path": str(tmp_path / "cal.npz")}},
+           "evaluation": {"data": {"kind": "npz", "path": str(tmp_path / "ev.npz")}},
+           "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": algorithm}},
+           "report": {"formats": ["json"], "latency": {"enabled": False}}}  # fmt: skip
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(rec))
+    assert main(["calibrate", "-q", "--recipe", str(tmp_path / "r.yaml"), "--output", str(tmp_path / "o")]) == 0
+    return json.loads((tmp_path / "o" / "report.json").read_text())
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_quantkit_calibrate_layerwise_awq(built: Any, kind: str, tmp_path: Path) -> None:
     """The command line, as users run it: calibration.layerwise with AWQ block by block (the block graphs run, the
     input scales fold into the norms / up columns), perplexity FP32 vs quantized on held-out ids."""
-    from quantkit.cli import main
-
     b = built(kind)
-    for name, seed in (("cal", 5), ("ev", 6)):
-        ids = _ids(16, seed, rows=3)
-        np.savez(tmp_path / f"{name}.npz", input_ids=ids, attention_mask=np.ones_like(ids))
-    rec = {"version": 1, "name": kind, "model": {"source": str(b.folder)},
-           "calibration": {"layerwise": True, "data": {"kind": "npz", "path": str(tmp_path / "cal.npz")}},
-           "evaluation": {"data": {"kind": "npz", "path": str(tmp_path / "ev.npz")}},
-           "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": "awq"}},
-           "report": {"formats": ["json"], "latency": {"enabled": False}}}  # fmt: skip
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(rec))
-    assert main(["calibrate", "-q", "--recipe", str(tmp_path / "r.yaml"), "--output", str(tmp_path / "o")]) == 0
-    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    report = calibrate_cli(b.folder, kind, "awq", tmp_path, _ids)
     q = report["quality"]
     assert np.isfinite(q["perplexity_fp32"]["ppl"]) and np.isfinite(q["perplexity_quantized"]["ppl"])
     assert report["census"]["quantized_kernels"]["MatMulNBits"] >= 4 * 2

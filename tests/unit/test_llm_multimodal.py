@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import yaml
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -27,6 +26,12 @@ transformers = pytest.importorskip("transformers")
 from quantkit.errors import ModelError  # noqa: E402
 from quantkit.frontends.families import parse_config  # noqa: E402
 from quantkit.frontends.llm_builder import LLMSession, build_llm, read_decoder_config  # noqa: E402
+from tests.unit.test_llm_families import (  # noqa: E402, F401 - _cache: autouse
+    _assert_exact,
+    _cache,
+    _cached_builds,
+    calibrate_cli,
+)
 
 VOCAB = 300
 _TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -107,19 +112,7 @@ class _Built:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    cache: dict[str, _Built] = {}
-
-    def get(kind: str) -> _Built:
-        if kind not in cache:
-            cache[kind] = _Built(tmp_path_factory.mktemp(kind), kind)
-        return cache[kind]
-
-    return get
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path_factory.getbasetemp() / "quantkit-cache"))
+    return _cached_builds(tmp_path_factory, _Built)
 
 
 def _ids(n: int, seed: int, rows: int = 1) -> np.ndarray:
@@ -129,14 +122,6 @@ def _ids(n: int, seed: int, rows: int = 1) -> np.ndarray:
 def _reference(model: Any, ids: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return model(input_ids=torch.from_numpy(ids)).logits.numpy()
-
-
-def _assert_exact(got: np.ndarray, ref: np.ndarray, what: str) -> None:
-    assert got.shape == ref.shape
-    assert np.abs(ref).max() > 1.0  # the check is not vacuous
-    diff = float(np.abs(got - ref).max())
-    assert diff <= 1e-3, f"{what}: max |logit diff| {diff}"
-    np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1), err_msg=f"{what}: greedy tokens differ")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -289,20 +274,8 @@ def test_quantkit_calibrate_layerwise_gptq(built: Any, kind: str, tmp_path: Path
     says what was built; the quantized logits track the multimodal model's."""
     import onnx
 
-    from quantkit.cli import main
-
     b = built(kind)
-    for name, seed in (("cal", 5), ("ev", 6)):
-        ids = _ids(16, seed, rows=3)
-        np.savez(tmp_path / f"{name}.npz", input_ids=ids, attention_mask=np.ones_like(ids))
-    rec = {"version": 1, "name": kind, "model": {"source": str(b.folder)},
-           "calibration": {"layerwise": True, "data": {"kind": "npz", "path": str(tmp_path / "cal.npz")}},
-           "evaluation": {"data": {"kind": "npz", "path": str(tmp_path / "ev.npz")}},
-           "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": "gptq"}},
-           "report": {"formats": ["json"], "latency": {"enabled": False}}}  # fmt: skip
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(rec))
-    assert main(["calibrate", "-q", "--recipe", str(tmp_path / "r.yaml"), "--output", str(tmp_path / "o")]) == 0
-    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    report = calibrate_cli(b.folder, kind, "gptq", tmp_path, _ids)
     assert np.isfinite(report["quality"]["perplexity_quantized"]["ppl"])
     assert report["census"]["quantized_kernels"]["MatMulNBits"] >= 4 * 2 + 1  # (q / k / v may run as one)
     assert f"multimodal checkpoint ({kind})" in report["notes"]["model"]
