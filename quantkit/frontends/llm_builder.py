@@ -1519,14 +1519,14 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
                             f"{p}.{n.shared_expert}/gated")[0]  # fmt: skip
     else:
         shared = None
-    sigmoid_routing = cfg.moe_routing in ("sigmoid_grouped", "softmax_biased", "sparsemixer")
+    weights_apart = cfg.moe_routing in ("sigmoid_grouped", "softmax_biased", "sparsemixer")
     choice = weights = None
     if cfg.moe_routing == "sparsemixer":  # Phi-3.5-MoE: the logits choose, the sparse mixer weighs
         choice, weights = logits, _sparsemixer_weights(g, logits, m)
-    elif sigmoid_routing:  # DeepSeek-V3 / GLM-4.5: sigmoid scores; the choice adds a bias and keeps the best groups
+    elif weights_apart:  # DeepSeek-V3 / GLM-4.5: sigmoid scores; the choice adds a bias and keeps the best groups
         choice, weights = _sigmoid_routing(g, logits, m, w.pop(f"{p}.{n.router_choice_bias}"))
     fused = None if g.tapped else _qmoe_weights(cfg, [tuple(q[s] for s in roles) for roles in experts])
-    if sigmoid_routing and fused is None:  # the float MoE kernel takes no routing weights of its own: the dispatch
+    if weights_apart and fused is None:  # the float MoE kernel takes no routing weights of its own: the dispatch
         float_kernel = False
     else:
         float_kernel = not g.tapped
