@@ -248,16 +248,38 @@ def build_torch(name: str, size: int) -> Any:
     return warm_batchnorm(ctor(weights=None, **{**TORCHVISION_MODELS, **PROBES}[name]), size)
 
 
+def _export(model: Any, args: tuple[Any, ...], path: Path, inputs: list[str], outputs: list[str],
+            dynamic: dict[str, dict[int, Any]]) -> None:
+    """``torch.onnx.export`` as a user would: torch's dynamo exporter first; where it fails - or writes a graph that
+    ONNX Runtime cannot run on the example (MPNet's relative-position buckets: an index of -2^63 reaches a
+    ``Gather``) - the TorchScript exporter (``dynamo=False``), with the same dynamic axes (``dynamic``: the
+    forward's arguments in the order of ``inputs``).  Written to a temporary file, renamed when done."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        torch.onnx.export(model, args, str(tmp), input_names=inputs, output_names=outputs, dynamo=True,
+                          external_data=False, dynamic_shapes=dynamic)
+        sess = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
+        sess.run(None, {n: np.asarray(a.numpy()) for n, a in zip(inputs, args, strict=True)})
+    except Exception as e:  # noqa: BLE001 - the exporter's or ONNX Runtime's: the other exporter is tried
+        print(f"  dynamo export of {path.name} failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+              "retrying with dynamo=False", flush=True)
+        tmp.unlink(missing_ok=True)
+        torch.onnx.export(model, args, str(tmp), input_names=inputs, output_names=outputs, dynamo=False,
+                          opset_version=17, dynamic_axes={n: {ax: f"{n}_{ax}" for ax in axes}  # by position:
+                                                          for n, axes in zip(inputs, dynamic.values(), strict=True)})
+    os.replace(tmp, path)
+
+
 def export(model: Any, path: Path, size: int) -> None:
     import torch
 
     x = torch.randn(2, 3, size, size)
     batch = torch.export.Dim("batch", min=1, max=1024)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.onnx.export(model, (x,), str(tmp), input_names=["input"], output_names=["logits"],
-                      dynamic_shapes={next(iter(_forward_args(model))): {0: batch}}, dynamo=True,
-                      external_data=False)
-    os.replace(tmp, path)
+    _export(model, (x,), path, ["input"], ["logits"], {next(iter(_forward_args(model))): {0: batch}})
 
 
 def _forward_args(model: Any) -> list[str]:
@@ -286,11 +308,8 @@ def build_encoder(name: str, path: Path, seq: int) -> None:
     ids = torch.randint(1000, 20000, (2, seq))
     mask = torch.ones(2, seq, dtype=torch.int64)
     batch, s = torch.export.Dim("batch", min=1, max=1024), torch.export.Dim("seq", min=2, max=512)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.onnx.export(model, (ids, mask), str(tmp), input_names=["input_ids", "attention_mask"],
-                      output_names=["last_hidden_state"], dynamo=True, external_data=False,
-                      dynamic_shapes={"input_ids": {0: batch, 1: s}, "attention_mask": {0: batch, 1: s}})
-    os.replace(tmp, path)
+    _export(model, (ids, mask), path, ["input_ids", "attention_mask"], ["last_hidden_state"],
+            {"input_ids": {0: batch, 1: s}, "attention_mask": {0: batch, 1: s}})
 
 
 def image_npz(path: Path, split: str, count: int, size: int, preprocess: str = "imagenet") -> None:
