@@ -235,12 +235,18 @@ def run_model(name: str, work: Path, *, repeat: int, isa: str | None = None) -> 
     feeds = _feeds(paths["evaluation"])
     classify = name not in ENCODERS and name not in SEGMENTATION
     fp32 = make_session(str(paths["model"]))
-    for key, path in models.items():
+    for key, path in list(models.items()):
         if key == "fp32":
             continue
         m = row["methods"][key]
         m["census"] = _census(path)
-        m.update(_fidelity(fp32, make_session(str(path)), make_session(str(path), level="disabled"), feeds, classify))
+        try:
+            m.update(_fidelity(fp32, make_session(str(path)), make_session(str(path), level="disabled"), feeds,
+                               classify))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a quantized model ONNX Runtime cannot run is that tool's result
+            m["run_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            models.pop(key)
+            continue
         if isa is not None:
             m["target_check"] = _target_check(path, isa, feeds)
     _time_row(row, models, feeds[0], repeat)
@@ -408,12 +414,15 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         o = row["methods"].get(row.get("ort_best", "ort"), {})
         c = q.get("census", {})
         co = o.get("census", {})
+        ort_cell = f"{co.get('fused', '-')}/{co.get('float_gemm', '-')}/{co.get('stray', '-')} ({row.get('ort_best', '-')})"
+        if "ort_best" not in row and o.get("run_error"):  # neither of ORT's models runs
+            ort_cell = f"its models fail in ONNX Runtime ({o['run_error'].split('Status Message: ')[-1][:110]})"
         sp = time_split(q) or {}
         qs, es, ow = sp.get("quantize_s"), sp.get("evaluate_s"), o.get("wall_s")
         lines.append(
             f"| {row['model']} | {c.get('fused', '-')}/{c.get('float_gemm', '-')}/{c.get('stray', '-')}{_islands(c)}"
             f"{' **float: no int8 layout faster than FP32 (guard)**' if _in_float(q) else ''} "
-            f"| {co.get('fused', '-')}/{co.get('float_gemm', '-')}/{co.get('stray', '-')} ({row.get('ort_best', '-')}) "
+            f"| {ort_cell} "
             f"| {sq(q)} / {sq(o)}{_ci(row.get('sqnr_diff_ci95'))} "
             + (f"| {exact(q)} / {exact(o)} " if isa else "")
             + f"| {f(q.get('top1_agreement'), '.2f')} / {f(o.get('top1_agreement'), '.2f')} "
