@@ -381,8 +381,9 @@ def decoder_sizes(folder: str | os.PathLike[str]) -> DecoderSizes:
         if e is not None:
             blk["experts"].add(int(e.group(1)))
             blk["expert_linear"] += n if len(t.shape) == 2 else 0
-        if linear and len(shape) == 3:  # experts stored together, as [experts, K, N] here (gpt-oss; Granite-MoE's
-            # transposed; transformers' own expert parameters, without ".weight", are stored that way)
+        if linear and len(shape) == 3:  # experts stored together, taken as [experts, K, N] (gpt-oss, Qwen3-VL-MoE as
+            # published; Granite-MoE's ".weight" transposed above; a store the other way round swaps K and N in the
+            # estimate only - the builder tells them apart by the config's sizes)
             ne, kk, nn = (int(v) for v in shape)
             blk["experts"].update(range(ne))
             blk["expert_linear"] += n
