@@ -314,11 +314,16 @@ def _spec(kind: str) -> tuple[Any, Any]:
         # renormalized, and a shared MLP
         return t.HunYuanMoEV1ForCausalLM, t.HunYuanMoEV1Config(**{**c, "intermediate_size": 48}, head_dim=16,
                                                                num_experts=4, moe_topk=2)  # fmt: skip
+    if kind == "minimax_m2":  # q / k norms over the whole projection, a rotary half of each head (the checkpoints'
+        # rotary_dim), sigmoid scores + a choice bias picking 2 of 4 experts, renormalized
+        return t.MiniMaxM2ForCausalLM, t.MiniMaxM2Config(**{**c, "intermediate_size": 48}, head_dim=32, rotary_dim=16,
+                                                         num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
     raise AssertionError(kind)
 
 
 MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "glm4_moe", "glm4_moe_air",
-             "dots1", "ernie4_5_moe", "flex_olmo", "phimoe", "granitemoeshared", "hunyuan_moe"]
+             "dots1", "ernie4_5_moe", "flex_olmo", "phimoe", "granitemoeshared", "hunyuan_moe",
+             "minimax_m2"]
 KINDS = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "gpt2", "smollm3", "mistral_window",
          "qwen2_window", "llama_dynamic", "ministral", "granite", "phi", "stablelm", "stablelm_parallel", "gpt_neox", "gpt_neox_serial", "olmo2",
          "starcoder2", "helium", "exaone4", "exaone4_full", "arcee", "seed_oss", "ernie4_5", "glm", "glm4",
@@ -348,7 +353,7 @@ def make_family(kind: str, folder: Path, seed: int = 0) -> Any:
                     p.uniform_(0.5, 1.5)
         for name, buf in [*model.named_buffers(), *model.named_parameters()]:
             if name.endswith("e_score_correction_bias"):  # GLM-4.5's / ERNIE's choice bias: zeros at init
-                buf.normal_(0.0, 0.3 if kind != "ernie4_5_moe" else 0.1)
+                buf.normal_(0.0, {"ernie4_5_moe": 0.1, "minimax_m2": 0.05}.get(kind, 0.3))
     model.save_pretrained(folder)
     return cls.from_pretrained(folder, dtype=torch.float32).eval()
 
