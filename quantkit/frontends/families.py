@@ -765,7 +765,7 @@ def moe_message(cfg: Mapping[str, Any], where: str) -> str | None:
         return None
     model_type = str(cfg.get("model_type", "?")).lower()
     head = f"{where}: model_type {model_type!r} is a mixture-of-experts decoder ({keys[0]}: {cfg[keys[0]]})"
-    moe_types = [t for f in FAMILIES if f.moe for t in f.model_types]
+    moe_types = list(dict.fromkeys(t for f in FAMILIES if f.moe for t in f.model_types))  # (variants: once)
     if model_type in moe_types:
         return (f"{head}; the whole-graph path cannot export it (torch.export does not trace the expert dispatch): "
                 "quantize it layer-wise (calibration.layerwise: true, the default for decoders)")

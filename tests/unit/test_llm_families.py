@@ -1002,7 +1002,7 @@ def test_unsupported_mixture_of_experts_is_refused_naming_the_supported_ones(tmp
     for call in (read_decoder_config, check_hf_folder):
         with pytest.raises(ModelError, match=r"'deepseek_v3' is a mixture-of-experts decoder \(n_routed_experts: 16\); "
                                              r"quantkit supports the mixture-of-experts families mixtral, granitemoe, "
-                                             r".*qwen3_moe, .*glm4_moe, .*phimoe, gpt_oss.* \(layer-wise\)"):
+                                             r".*qwen3_moe, .*glm4_moe, dots1, .*phimoe, .*gpt_oss.* \(layer-wise\)"):
             call(tmp_path)
 
 
