@@ -367,10 +367,11 @@ _GPTJ_NAMES = Names(embed="transformer.wte", layers="transformer.h", final_norm=
                     up="mlp.fc_in", down="mlp.fc_out", act="mlp.act")  # fmt: skip
 _GLM4_MOE_NAMES: dict[str, Any] = dict(router="mlp.gate", experts="mlp.experts", shared_expert="mlp.shared_experts",
                                         router_choice_bias="mlp.gate.e_score_correction_bias")
-_GLM4_MOE: dict[str, Any] = dict(default_rope_partial=True, moe=True, moe_routing="sigmoid_grouped",
-                                 moe_dense_first_key="first_k_dense_replace", moe_shared_key="n_shared_experts",
-                                 defaults=(("rms_norm_eps", 1e-5), ("partial_rotary_factor", 0.5)),
-                                 genai_type="decoder")  # fmt: skip
+_DEEPSEEK_MOE: dict[str, Any] = dict(moe=True, moe_routing="sigmoid_grouped", moe_dense_first_key="first_k_dense_replace",
+                                     moe_shared_key="n_shared_experts", genai_type="decoder")  # fmt: skip
+"""DeepSeek-V3's mixture of experts (GLM-4.5, dots.llm1): grouped sigmoid routing, shared experts, dense first layers."""
+_GLM4_MOE: dict[str, Any] = dict(**_DEEPSEEK_MOE, default_rope_partial=True,
+                                 defaults=(("rms_norm_eps", 1e-5), ("partial_rotary_factor", 0.5)))
 _GPTJ: dict[str, Any] = dict(norm="layer", mlp="plain", act_keys=("activation_function",), act_default="gelu_new",
                              rotary_interleaved=True, rotary_dim_key="rotary_dim", default_rope_partial=True,
                              parallel="always", config_aliases=_GPT_ALIASES,
@@ -491,8 +492,7 @@ FAMILIES: tuple[Family, ...] = (
            when=(("use_qk_norm", (False, None)),), **_GLM4_MOE),
     Family("dots1", ("dots1",), "dots.llm1 (mixture of experts)",
            names=Names(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", **_GLM4_MOE_NAMES),
-           windows="layer_types", window_rule="qwen", moe=True, moe_routing="sigmoid_grouped",
-           moe_dense_first_key="first_k_dense_replace", moe_shared_key="n_shared_experts", genai_type="decoder"),
+           windows="layer_types", window_rule="qwen", **_DEEPSEEK_MOE),
     Family("phimoe", ("phimoe",), "Phi-3.5-MoE",
            names=Names(router="block_sparse_moe.gate", experts="block_sparse_moe.experts",
                        expert_roles=("w1", "w3", "w2")),
@@ -1261,22 +1261,21 @@ def _moe_fields(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: 
         layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(out.num_hidden_layers))
     out_fields: dict[str, Any] = {
         "num_experts": experts, "experts_per_token": top, "norm_topk_prob": bool(norm),
-        "moe_intermediate_size": int(inter), "shared_expert_intermediate_size": int(shared), "moe_layers": layers}
+        "moe_intermediate_size": int(inter), "shared_expert_intermediate_size": int(shared), "moe_layers": layers,
+        "moe_routing": fam.moe_routing}
     if fam.moe_ernie_layers:
         start, end = (_count(cfg, k, where, minimum=0) if cfg.get(k) is not None else d for k, d in (
             ("moe_layer_start_index", 0), ("moe_layer_end_index", out.num_hidden_layers - 1)))  # fmt: skip
         every = _count(cfg, "moe_layer_interval", where) if cfg.get("moe_layer_interval") is not None else 1
         out_fields["moe_layers"] = tuple((i + 1) % every == 0 and start <= i <= end
                                          for i in range(out.num_hidden_layers))  # fmt: skip
-    if fam.moe_routing == "softmax_biased":
-        out_fields["moe_routing"] = fam.moe_routing
     if fam.moe_routing == "sparsemixer":
         if top != 2:
             raise ModelError(f"{where}: num_experts_per_tok {top} with the sparse mixer's routing; allowed: 2")
         eps = cfg.get("router_jitter_noise", 0.01)
         if not _num(eps, positive=False):
             raise ModelError(f"{where}: router_jitter_noise {eps!r}; allowed: a number >= 0")
-        out_fields.update({"moe_routing": fam.moe_routing, "router_jitter_noise": float(eps)})
+        out_fields["router_jitter_noise"] = float(eps)
     if fam.moe_routing == "sigmoid_grouped":
         groups = _count(cfg, "n_group", where) if cfg.get("n_group") is not None else 1
         chosen = _count(cfg, "topk_group", where) if cfg.get("topk_group") is not None else 1
@@ -1290,7 +1289,7 @@ def _moe_fields(cfg: Mapping[str, Any], fam: Family, out: DecoderConfig, where: 
         scale = cfg.get("routed_scaling_factor", 1.0)
         if not _num(scale, positive=True):
             raise ModelError(f"{where}: routed_scaling_factor {scale!r}; allowed: a number > 0")
-        out_fields.update({"moe_routing": fam.moe_routing, "n_group": groups, "topk_group": chosen,
+        out_fields.update({"n_group": groups, "topk_group": chosen,
                            "routed_scaling_factor": float(scale)})  # fmt: skip
     if out.activation == "swiglu_oss":
         for key, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):

@@ -1519,12 +1519,12 @@ def _moe_mlp(g: _GraphBuilder, i: int, h: str, w: dict[str, Any], q: dict[str, P
                             f"{p}.{n.shared_expert}/gated")[0]  # fmt: skip
     else:
         shared = None
-    weights_apart = cfg.moe_routing in ("sigmoid_grouped", "softmax_biased", "sparsemixer")
+    weights_apart = cfg.moe_routing != "softmax"  # routing weights computed apart from the choice of experts
     choice = weights = None
     if cfg.moe_routing == "sparsemixer":  # Phi-3.5-MoE: the logits choose, the sparse mixer weighs
         choice, weights = logits, _sparsemixer_weights(g, logits, m)
     elif weights_apart:  # DeepSeek-V3 / GLM-4.5: sigmoid scores; the choice adds a bias and keeps the best groups
-        choice, weights = _sigmoid_routing(g, logits, m, w.pop(f"{p}.{n.router_choice_bias}"))
+        choice, weights = _biased_routing(g, logits, m, w.pop(f"{p}.{n.router_choice_bias}"))
     fused = None if g.tapped else _qmoe_weights(cfg, [tuple(q[s] for s in roles) for roles in experts])
     if weights_apart and fused is None:  # the float MoE kernel takes no routing weights of its own: the dispatch
         float_kernel = False
@@ -1659,7 +1659,7 @@ def _sparsemixer_weights(g: _GraphBuilder, logits: str, m: str) -> str:
     return g.node("Add", picked, [f"{m}/mixer/output_0"], f"{m}/mixer")[0]
 
 
-def _sigmoid_routing(g: _GraphBuilder, logits: str, m: str, bias: Any) -> tuple[str, str]:
+def _biased_routing(g: _GraphBuilder, logits: str, m: str, bias: Any) -> tuple[str, str]:
     """DeepSeek-V3 / GLM-4.5's routing of the router ``logits`` ``[T, E]``: ``(choice, weights)``, both ``[T, E]``
     (ERNIE 4.5's the same with the softmax instead of the sigmoid, one group, renormalized, unscaled).
 
