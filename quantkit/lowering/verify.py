@@ -161,6 +161,7 @@ class LeftoverQDQ:
     at_graph_output: bool
     producer: str = ""  # op type of the node producing its input ("" for a graph input / initializer)
     feeds_requantize: bool = False  # its output reaches a QuantizeLinear through at most one float op
+    q_feeds_kernel: bool = False  # a DQ whose codes come from a QuantizeLinear whose codes a quantized kernel reads
 
     def describe(self) -> str:
         """``"<op> '<name>': <input> -> <output> -> <consumers>"`` for reports."""
@@ -324,6 +325,21 @@ class _OptIndex:
             node = self.producer.get(node.input[0])
             seen += 1
         return node
+
+    def reaches_kernel(self, tensor: str) -> bool:
+        """Whether a quantized kernel reads the codes ``tensor``, directly or through the ops ONNX Runtime runs on
+        codes as they are (the other outputs of a Split on the codes included)."""
+        from quantkit.ops import PASSTHROUGH
+
+        todo, seen = [tensor], 0
+        while todo and seen < 64:
+            seen += 1
+            for c in self.consumers.get(todo.pop(), []):
+                if c.op_type in QUANTIZED_KERNELS:
+                    return True
+                if c.op_type in _PASS_THROUGH or c.op_type in PASSTHROUGH:
+                    todo.extend(o for o in c.output if o)
+        return False
 
     def through_layout(self, tensor: str) -> onnx.NodeProto | None:
         """The producer of ``tensor``, looking back through ORT-inserted Reshape/Transpose."""
@@ -531,6 +547,8 @@ def _leftovers(opt: _OptIndex) -> list[LeftoverQDQ]:
                 at_graph_output=data_out in opt.graph_outputs,
                 producer=prod.op_type if prod is not None else "",
                 feeds_requantize=requant,
+                q_feeds_kernel=("Dequantize" in node.op_type and prod is not None and prod.op_type in _QDQ_OPS
+                                and "Dequantize" not in prod.op_type and opt.reaches_kernel(prod.output[0])),
             )
         )
     return found

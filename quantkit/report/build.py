@@ -921,7 +921,8 @@ def classify_leftovers(census: Census) -> list[tuple[str, str]]:
 
     * ``boundary``: quantizes a graph input or dequantizes a graph output (expected);
     * ``chain_exit``: a ``DequantizeLinear`` of a quantized kernel's output read by float ops that do not
-      quantize again - where an int8 chain meets a layer in another format (expected, needed);
+      quantize again - where an int8 chain meets a layer in another format (expected, needed); or of codes a
+      ``QuantizeLinear`` made for a chain (one output of an int8 ``Split`` read only by float ops);
     * ``feeds_fused_kernel``: a ``QuantizeLinear`` whose every consumer is a quantized kernel or
       int8 data movement (ORT's QDQ propagation moves a Q above Transpose/Reshape) - the one
       quantization of an activation that a float op produced (expected, needed);
@@ -940,8 +941,8 @@ def classify_leftovers(census: Census) -> list[tuple[str, str]]:
     for item in census.leftovers:
         if item.at_graph_input or item.at_graph_output:
             kind = "boundary"
-        elif (item.op_type.endswith("DequantizeLinear") and item.producer.split(".")[-1] in QUANTIZED_KERNELS
-              and not item.feeds_requantize):
+        elif (item.op_type.endswith("DequantizeLinear") and (item.producer.split(".")[-1] in QUANTIZED_KERNELS
+                                                             or item.q_feeds_kernel) and not item.feeds_requantize):
             kind = "chain_exit"
         elif (
             item.op_type.endswith("QuantizeLinear")

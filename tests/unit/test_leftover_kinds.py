@@ -116,3 +116,44 @@ def test_an_add_of_an_int8_lateral_and_an_upsampled_level_is_a_qlinearadd() -> N
     assert res.report["census"]["quantized_kernels"].get("QLinearAdd") == 1
     assert [n for n, lp in res.plan.layers.items() if lp.op_type == "Add"]
     assert next(iter(res.report["fidelity"].values()))["sqnr_db"] > 25.0
+
+
+class _Modulation(torch.nn.Module):
+    """FocalNet's focal modulation in miniature: one Linear's output split into the query, the context and a gate;
+    ``q * modulator`` (the modulator an int8 convolution of the context) read by an int8 convolution, the gate read
+    only by float ops (a broadcast ``Mul`` with a GELU island)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 16, 3, 2, 1)
+        self.f = torch.nn.Linear(16, 33)
+        self.dw = torch.nn.Conv2d(16, 16, 3, 1, 1, groups=16)
+        self.mod = torch.nn.Conv2d(16, 16, 1)
+        self.out = torch.nn.Conv2d(16, 8, 3, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        q, ctx, gate = torch.split(self.f(h.permute(0, 2, 3, 1)).permute(0, 3, 1, 2), (16, 16, 1), 1)
+        ctx = self.dw(ctx)
+        y = self.out(q * self.mod(ctx))
+        return y + (torch.nn.functional.gelu(ctx) * gate).mean((1, 2, 3), keepdim=True)
+
+
+def test_a_split_read_by_an_int8_op_stays_in_the_chain() -> None:
+    """A Split one of whose outputs only float ops read stays int8 (that output is dequantized, a chain exit): it
+    was dropped from the chain, so ``q * modulator`` stayed float between a stray DequantizeLinear of the modulator
+    and the next QuantizeLinear (FocalNet: 12 strays)."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    cal = [rng.standard_normal((4, 3, 32, 32)).astype(np.float32) for _ in range(4)]
+    rec = {"version": 1, "name": "focal", "target": {"isa": "portable"}, "report": {"latency": {"enabled": False}}}
+    res = quantkit.quantize(_Modulation().eval(), cal, rec, example_inputs=torch.from_numpy(cal[0]),
+                            evaluation_data=cal[:2], progress=False)
+    from quantkit.report.build import classify_leftovers
+
+    ops = {lp.op_type for lp in res.plan.layers.values()}
+    assert {"Split", "Mul"} <= ops, res.plan.skipped
+    kinds = [k for _, k in classify_leftovers(res.census)]
+    assert "stray" not in kinds, classify_leftovers(res.census)
+    assert res.report["census"]["quantized_kernels"].get("QLinearMul", 0) >= 1
+    assert next(iter(res.report["fidelity"].values()))["sqnr_db"] > 25.0
