@@ -97,8 +97,26 @@ HF_VISION.update({
 attention-pooling head), Swin-V2's cosine attention with a log-spaced continuous position bias, PVT-v2's
 spatial-reduction attention with depth-wise convolutions in the MLP, FocalNet's focal modulation (no attention),
 DeiT's distillation token."""
+HF_VISION.update({
+    "dinov3_s6": ("DINOv3ViTConfig", "DINOv3ViTModel",
+                  {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 6, "intermediate_size": 1536,
+                   "patch_size": 16, "image_size": 224}),
+    "aimv2_6l": ("Aimv2VisionConfig", "Aimv2VisionModel",
+                 {"hidden_size": 768, "num_hidden_layers": 6, "num_attention_heads": 12, "intermediate_size": 2048,
+                  "patch_size": 14, "image_size": 224}),
+    "upernet_convnext": ("UperNetConfig", "UperNetForSemanticSegmentation", {"num_labels": 19}),
+    "textnet": ("TextNetConfig", "TextNetForImageClassification", {"num_labels": 1000}),
+    "regnet_hf": ("RegNetConfig", "RegNetForImageClassification", {"num_labels": 1000}),
+    "depth_anything_s": ("DepthAnythingConfig", "DepthAnythingForDepthEstimation", {}),
+})
+"""(tenth set) DINOv3's rotary position embedding in a ViT with register tokens and layer scale; AIMv2's RMSNorm
+and SwiGLU MLP in a vision tower; UperNet's pyramid pooling (adaptive average pools at 1, 2, 3 and 6 cells,
+upsampled and concatenated) on a ConvNeXt backbone; TextNet's re-parameterisable asymmetric 1x3 / 3x1 convolutions;
+transformers' RegNet (squeeze-excite); Depth Anything (a DINOv2 backbone under a DPT-style reassemble / fusion head
+with transposed convolutions and bilinear upsampling; output a depth map)."""
 PROBES.update({k: {} for k in HF_VISION})
-SEGMENTATION = ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large", "segformer_b0")
+SEGMENTATION = ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large", "segformer_b0", "upernet_convnext",
+                "depth_anything_s", "dinov3_s6", "aimv2_6l")
 """Probes from ``torchvision.models.segmentation``: exported as ``input -> logits [N, classes, H, W]`` (the
 model's ``out``); judged by output SQNR (a per-pixel top-1 would need the class axis, not the last one)."""
 ZOO_ENCODERS = ("bert_base", "distilbert")
@@ -125,6 +143,22 @@ HF_ENCODERS.update({
 })
 """(fourth set) ModernBERT's rotary embedding, GeGLU, pre-norm LayerNorms without biases and alternating local /
 global attention; MPNet's relative position bias (all-mpnet-base-v2's architecture)."""
+HF_ENCODERS.update({
+    "mobilebert": ("MobileBertConfig", "MobileBertModel", {"num_hidden_layers": 12}),
+    "t5_encoder": ("T5Config", "T5EncoderModel", {"d_model": 512, "d_ff": 2048, "num_layers": 6, "num_heads": 8,
+                                                  "feed_forward_proj": "gated-gelu"}),
+    "roformer": ("RoFormerConfig", "RoFormerModel", {"num_hidden_layers": 6}),
+    "esm": ("EsmConfig", "EsmModel", {"hidden_size": 480, "num_hidden_layers": 6, "num_attention_heads": 20,
+                                      "intermediate_size": 1920, "position_embedding_type": "rotary",
+                                      "pad_token_id": 0, "mask_token_id": 103, "max_position_embeddings": 1026}),
+    "fnet": ("FNetConfig", "FNetModel", {"num_hidden_layers": 6}),
+    "nystromformer": ("NystromformerConfig", "NystromformerModel", {"num_hidden_layers": 6, "num_landmarks": 32,
+                                                                    "segment_means_seq_len": 128}),
+})
+"""(tenth set) MobileBERT's bottlenecks with ``NoNorm`` (an element-wise scale and shift) and stacked feed-forward
+networks; T5's encoder (relative position buckets, RMSNorm without a mean, gated GELU, no biases); RoFormer's and
+ESM's rotary embeddings (ESM: pre-LayerNorm, token dropout scaling); FNet's Fourier token mixing (``DFT``, no
+attention); Nystromformer's landmark attention (segment means and an iterative pseudo-inverse)."""
 ENCODERS = (*ZOO_ENCODERS, *HF_ENCODERS)
 PROBES.update({k: {} for k in HF_ENCODERS})
 ALL = (*TORCHVISION_MODELS, "vit_6l", *ZOO_ENCODERS, "efficientnet_lite0", "se_cnn")
@@ -219,7 +253,11 @@ def build_torch(name: str, size: int) -> Any:
                 self.hf = hf
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
-                return self.hf(pixel_values=x).logits
+                out = self.hf(pixel_values=x)
+                for key in ("logits", "predicted_depth", "pooler_output", "last_hidden_state"):
+                    if getattr(out, key, None) is not None:  # a head's output, or the backbone's pooled / last state
+                        return getattr(out, key)
+                raise TypeError(f"{type(out).__name__} has no tensor output")
 
         return warm_batchnorm(Logits(), size)
     tvm = torchvision_models()
