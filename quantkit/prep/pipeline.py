@@ -19,7 +19,9 @@ Rule
    Conv / Gemm / MatMul(+Add) (see :mod:`quantkit.prep.fold_batchnorm` for the math), and into a
    MatMul(+Add) read through a Reshape / Transpose that keeps its features whole (a ``BatchNorm1d`` after a
    ``Linear`` on a sequence: :mod:`quantkit.prep.fold_batchnorm_layout`), then ``fold_pad`` — a zero ``Pad``
-   folded into the ``Conv`` it feeds (:mod:`quantkit.prep.fold_pad`), so no Pad sits between a DQ and its Conv; then ``global_pool`` — a
+   folded into the ``Conv`` it feeds (:mod:`quantkit.prep.fold_pad`), so no Pad sits between a DQ and its Conv; then
+   ``parallel_convs`` — convolutions of one input that are summed (a re-parameterisable block's 3x3, 1x3 and 3x1
+   branches) become one convolution (:mod:`quantkit.prep.parallel_convs`); then ``global_pool`` — a
    spatial ``ReduceMean`` becomes ``GlobalAveragePool`` (:mod:`quantkit.prep.global_pool`), which
    ONNX Runtime fuses in int8 (it leaves a QDQ ReduceMean in float); then ``hard_swish`` — ``HardSwish(x)``
    becomes ``x * HardSigmoid(x)``, its definition (:mod:`quantkit.prep.hard_swish`), two nodes that lower to
@@ -414,6 +416,12 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
         applied["fold_pad"] = fold_pad_rules().apply_to_model(model)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ModelError(f"graph preparation step 'fold_pad' failed: {exc}") from exc
+    from quantkit.prep.parallel_convs import merge_parallel_convs
+
+    try:
+        applied["parallel_convs"] = merge_parallel_convs(model)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ModelError(f"graph preparation step 'parallel_convs' failed: {exc}") from exc
     try:
         applied["global_pool"] = global_pool_rules().apply_to_model(model)
     except (ValueError, TypeError, RuntimeError) as exc:
