@@ -258,6 +258,14 @@ def lower_int8(
     # 3. weights and biases
     _lower_weights(graph, plan, result, namer, const, act_inputs, input_means, target, hessians, pair_cache)
 
+    if plan.dynamic_lstms:  # select rule 11
+        from quantkit.lowering.lstm import lower_dynamic_lstms
+
+        for layer in lower_dynamic_lstms(graph, set(plan.dynamic_lstms), const):
+            result.notes[layer] = ("DynamicQuantizeLSTM (com.microsoft): int8 weights, one scale per gate row; "
+                                   "input and hidden state quantized at run time")
+            if "com.microsoft" not in model.opset_imports:
+                model.opset_imports["com.microsoft"] = 1
     _layout_on_codes(graph)
     _shape_on_codes(graph)
     if matmul_form == "fused":

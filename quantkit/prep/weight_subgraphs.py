@@ -8,7 +8,8 @@ unfolded on purpose (a table read twice - a tied embedding and its lm_head's ``T
 copies).
 
 :func:`fold_weight_subgraphs` takes the rest: for every ``Conv`` / ``ConvTranspose`` / ``Gemm`` / ``MatMul``
-whose weight input (input 1) is computed only from constants, by nodes whose outputs feed nothing else and whose
+whose weight input (input 1) - and every ``LSTM`` / ``GRU`` / ``RNN`` whose ``W`` or ``R`` - is computed only from
+constants, by nodes whose outputs feed nothing else and whose
 large constants are read by nothing else (a shared table - a tied embedding - is left alone), the weight is
 evaluated once by ONNX Runtime (every such weight of the model in one session, the way the float model computes
 it) and becomes an initializer; the nodes that computed it and the constants only they read are removed.  Nothing random (``RandomNormal`` ...) or stateful is folded.
@@ -26,7 +27,10 @@ log = logging.getLogger("quantkit")
 
 __all__ = ["fold_weight_subgraphs"]
 
-_CONSUMERS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+_CONSUMERS = {"Conv": (1,), "ConvTranspose": (1,), "Gemm": (1,), "MatMul": (1,), "LSTM": (1, 2), "GRU": (1, 2),
+              "RNN": (1, 2)}
+"""The weight inputs of each layer op (a recurrent layer's ``W`` and ``R``: the dynamo exporter writes them as
+``Concat`` nodes of ``Slice`` nodes of the parameters, reordering the gates)."""
 _NEVER = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
                     "Bernoulli", "If", "Loop", "Scan", "SequenceConstruct", "SplitToSequence"})
 MAX_NODES = 64
@@ -88,13 +92,16 @@ def fold_weight_subgraphs(model: ir.Model) -> int:
     """Fold every weight computed from constants (module doc); returns the number of weights folded."""
     graph = model.graph
     found: list[tuple[ir.Node, ir.Value, list[ir.Node]]] = []
+    index: list[int] = []
     for node in graph:
-        if node.op_type not in _CONSUMERS or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+        if node.op_type not in _CONSUMERS or node.domain not in ("", "ai.onnx"):
             continue
-        w = node.inputs[1]
-        sub = _subgraph(w, node) if w is not None else None
-        if sub is not None:
-            found.append((node, w, sub))  # type: ignore[arg-type]
+        for i in _CONSUMERS[node.op_type]:
+            w = node.inputs[i] if len(node.inputs) > i else None
+            sub = _subgraph(w, node) if w is not None else None
+            if sub is not None:
+                found.append((node, w, sub))  # type: ignore[arg-type]
+                index.append(i)
     if not found:
         return 0
     from quantkit.lowering.nbits import _const, _drop_if_unused
@@ -105,9 +112,9 @@ def fold_weight_subgraphs(model: ir.Model) -> int:
         return 0
     namer = _Namer(graph)
     folded = 0
-    for (node, w, _sub), arr in zip(found, values, strict=True):
+    for (node, w, _sub), i, arr in zip(found, index, values, strict=True):
         if arr.size <= MAX_ELEMENTS:
-            node.replace_input_with(1, _const(graph, namer, f"{w.name or node.name}_folded", arr))
+            node.replace_input_with(i, _const(graph, namer, f"{w.name or node.name}_folded", arr))
             folded += 1
     order = {id(n): i for i, n in enumerate(graph)}
     dead = sorted({id(n): n for _, _, sub in found for n in sub}.values(), key=lambda n: -order[id(n)])
