@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import onnx
@@ -162,3 +163,19 @@ def tiny_lm(seed: int = 0, K: int = 32, V: int = 48) -> onnx.ModelProto:
 def lm_feeds(n: int, seed: int = 0, K: int = 32, T: int = 8) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
     return [{"x": rng.standard_normal((1, T, K)).astype(np.float32)} for _ in range(n)]
+
+
+def quantize_portable(module: Any, shape: tuple[int, ...], name: str) -> Any:
+    """``quantkit.quantize`` of a small torch module (seed 0) on 4 random batches of ``shape`` for the portable
+    target, latency off, evaluated on 2 of them: the result (its plan, census, report)."""
+    import torch
+
+    import quantkit
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    cal = [rng.standard_normal(shape).astype(np.float32) for _ in range(4)]
+    rec = {"version": 1, "name": name, "target": {"isa": "portable"}, "report": {"latency": {"enabled": False}}}
+    return quantkit.quantize(module.eval(), cal, rec, example_inputs=torch.from_numpy(cal[0]),
+                             evaluation_data=cal[:2], progress=False)
+

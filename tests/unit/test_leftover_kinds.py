@@ -103,12 +103,9 @@ class _TopDown(torch.nn.Module):
 def test_an_add_of_an_int8_lateral_and_an_upsampled_level_is_a_qlinearadd() -> None:
     """Select rule 9: the Add keeps the chain (the Resize output gets its own QuantizeLinear) - it used to stay float
     between a stray DequantizeLinear of the lateral and the next Conv's QuantizeLinear (UperNet: 3 strays)."""
-    torch.manual_seed(0)
-    rng = np.random.default_rng(0)
-    cal = [rng.standard_normal((4, 3, 32, 32)).astype(np.float32) for _ in range(4)]
-    rec = {"version": 1, "name": "fpn", "target": {"isa": "portable"}, "report": {"latency": {"enabled": False}}}
-    res = quantkit.quantize(_TopDown().eval(), cal, rec, example_inputs=torch.from_numpy(cal[0]),
-                            evaluation_data=cal[:2], progress=False)
+    from tests.conftest import quantize_portable
+
+    res = quantize_portable(_TopDown(), (4, 3, 32, 32), "fpn")
     from quantkit.report.build import classify_leftovers
 
     kinds = [k for _, k in classify_leftovers(res.census)]
@@ -143,12 +140,9 @@ def test_a_split_read_by_an_int8_op_stays_in_the_chain() -> None:
     """A Split one of whose outputs only float ops read stays int8 (that output is dequantized, a chain exit): it
     was dropped from the chain, so ``q * modulator`` stayed float between a stray DequantizeLinear of the modulator
     and the next QuantizeLinear (FocalNet: 12 strays)."""
-    torch.manual_seed(0)
-    rng = np.random.default_rng(0)
-    cal = [rng.standard_normal((4, 3, 32, 32)).astype(np.float32) for _ in range(4)]
-    rec = {"version": 1, "name": "focal", "target": {"isa": "portable"}, "report": {"latency": {"enabled": False}}}
-    res = quantkit.quantize(_Modulation().eval(), cal, rec, example_inputs=torch.from_numpy(cal[0]),
-                            evaluation_data=cal[:2], progress=False)
+    from tests.conftest import quantize_portable
+
+    res = quantize_portable(_Modulation(), (4, 3, 32, 32), "focal")
     from quantkit.report.build import classify_leftovers
 
     ops = {lp.op_type for lp in res.plan.layers.values()}

@@ -9,7 +9,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import quantkit  # noqa: E402
 from quantkit.prep import prepare  # noqa: E402
 
 
@@ -95,12 +94,9 @@ def test_branches_off_one_grid_are_left_alone(tmp_path) -> None:  # type: ignore
 
 
 def test_a_merged_block_quantizes_to_one_qlinearconv_per_block() -> None:
-    torch.manual_seed(0)
-    rng = np.random.default_rng(0)
-    cal = [rng.standard_normal((4, 3, 20, 20)).astype(np.float32) for _ in range(4)]
-    rec = {"version": 1, "name": "ac", "target": {"isa": "portable"}, "report": {"latency": {"enabled": False}}}
-    res = quantkit.quantize(_AcBlock().eval(), cal, rec, example_inputs=torch.from_numpy(cal[0]),
-                            evaluation_data=cal[:2], progress=False)
+    from tests.conftest import quantize_portable
+
+    res = quantize_portable(_AcBlock(), (4, 3, 20, 20), "ac")
     assert res.report["census"]["quantized_kernels"].get("QLinearConv") == 6
     assert res.report["census"]["quantized_kernels"].get("QLinearAdd") == 1
     assert not res.report["census"]["leftover_dequantize_linear"] or all(
