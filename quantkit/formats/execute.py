@@ -73,7 +73,7 @@ def lower_plan(job: Job) -> Lowered:
         sel = chosen[h.name]
         if h.name == "static":
             out.static = sel
-            if not sel.layers:
+            if not sel.layers and not sel.dynamic_lstms:
                 continue
         elif not sel:
             continue

@@ -63,3 +63,26 @@ def test_an_lstm_kept_float_by_the_recipe_stays_an_lstm() -> None:
     assert not res.plan.dynamic_lstms
     assert sum(n.op_type == "LSTM" for n in res.model.graph) == 2
     assert any("keeps it fp32" in why for why in res.plan.skipped.values())
+
+
+class _LstmOnly(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(24, 32, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+def test_a_model_of_an_lstm_alone_is_quantized() -> None:
+    """No static int8 layer at all: the LSTM is still lowered (and the report does not call the model float)."""
+    torch.manual_seed(0)
+    cal = _data(4, 0)
+    rec = {"version": 1, "name": "lstm", "report": {"latency": {"enabled": False}}}
+    res = quantkit.quantize(_LstmOnly().eval(), cal, rec, example_inputs=torch.from_numpy(cal[0]),
+                            evaluation_data=_data(2, 1), progress=False)
+    assert not res.plan.layers and len(res.plan.dynamic_lstms) == 1
+    assert res.report["census"]["quantized_kernels"].get("DynamicQuantizeLSTM") == 1
+    assert not any(w.startswith("no layer was quantized") for w in res.report["warnings"])
+    assert next(iter(res.report["fidelity"].values()))["sqnr_db"] > 30.0
+
