@@ -261,7 +261,8 @@ def lower_int8(
     if plan.dynamic_lstms:  # select rule 11
         from quantkit.lowering.lstm import lower_dynamic_lstms
 
-        for layer in lower_dynamic_lstms(graph, set(plan.dynamic_lstms), const):
+        pair_safe = target is not None and target.pair_safe
+        for layer in lower_dynamic_lstms(graph, set(plan.dynamic_lstms), const, pair_safe=pair_safe):
             result.notes[layer] = ("DynamicQuantizeLSTM (com.microsoft): int8 weights, one scale per gate row; "
                                    "input and hidden state quantized at run time")
             if "com.microsoft" not in model.opset_imports:

@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import quantkit  # noqa: E402
+from quantkit.run import QuantizeResult  # noqa: E402
 
 
 class _BiLstm(torch.nn.Module):
@@ -27,12 +28,16 @@ def _data(n: int, seed: int) -> list[np.ndarray]:
     return [rng.standard_normal((4, 12, 24)).astype(np.float32) for _ in range(n)]
 
 
-def test_lstms_become_dynamic_quantize_lstm() -> None:
+def _quantize(module: torch.nn.Module, **recipe: object) -> QuantizeResult:
     torch.manual_seed(0)
     cal = _data(4, 0)
-    rec = {"version": 1, "name": "lstm", "report": {"latency": {"enabled": False}}}
-    res = quantkit.quantize(_BiLstm().eval(), cal, rec, example_inputs=torch.from_numpy(cal[0]),
-                            evaluation_data=_data(2, 1), progress=False)
+    rec = {"version": 1, "name": "lstm", "report": {"latency": {"enabled": False}}, **recipe}
+    return quantkit.quantize(module.eval(), cal, rec, example_inputs=torch.from_numpy(cal[0]),
+                             evaluation_data=_data(2, 1), progress=False)
+
+
+def test_lstms_become_dynamic_quantize_lstm() -> None:
+    res = _quantize(_BiLstm())
     assert res.report["census"]["quantized_kernels"].get("DynamicQuantizeLSTM") == 2
     assert len(res.plan.dynamic_lstms) == 2
     nodes = [n for n in res.model.graph if n.op_type == "DynamicQuantizeLSTM"]
@@ -76,13 +81,20 @@ class _LstmOnly(torch.nn.Module):
 
 def test_a_model_of_an_lstm_alone_is_quantized() -> None:
     """No static int8 layer at all: the LSTM is still lowered (and the report does not call the model float)."""
-    torch.manual_seed(0)
-    cal = _data(4, 0)
-    rec = {"version": 1, "name": "lstm", "report": {"latency": {"enabled": False}}}
-    res = quantkit.quantize(_LstmOnly().eval(), cal, rec, example_inputs=torch.from_numpy(cal[0]),
-                            evaluation_data=_data(2, 1), progress=False)
+    res = _quantize(_LstmOnly())
     assert not res.plan.layers and len(res.plan.dynamic_lstms) == 1
     assert res.report["census"]["quantized_kernels"].get("DynamicQuantizeLSTM") == 1
     assert not any(w.startswith("no layer was quantized") for w in res.report["warnings"])
     assert next(iter(res.report["fidelity"].values()))["sqnr_db"] > 30.0
+
+
+def test_portable_lstm_codes_cannot_saturate_pair_sums() -> None:
+    """For a CPU class whose u8 x s8 kernels saturate int16 pair sums (and for ``portable``) the codes stay in
+    [-64, 64]: any two sum to at most 128, so 255 * 128 fits."""
+    res = _quantize(_LstmOnly(), target={"isa": "portable"})
+    node = next(n for n in res.model.graph if n.op_type == "DynamicQuantizeLSTM")
+    for i in (1, 2):
+        codes = np.asarray(node.inputs[i].const_value.numpy())  # type: ignore[union-attr]
+        assert np.abs(codes.astype(np.int32)).max() == 64
+    assert next(iter(res.report["fidelity"].values()))["sqnr_db"] > 25.0
 
