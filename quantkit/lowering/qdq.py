@@ -269,6 +269,7 @@ def lower_int8(
                 model.opset_imports["com.microsoft"] = 1
     _layout_on_codes(graph)
     _shape_on_codes(graph)
+    _relus_on_codes(graph)
     if matmul_form == "fused":
         fused = fuse_float_output_linears(model, plan, result)
         for layer in fused:
@@ -889,6 +890,59 @@ def _layout_on_codes(graph: ir.Graph) -> int:
         graph.remove(q, safe=True)
         graph.remove(dq, safe=True)
         out.name = name
+        done += 1
+    return done
+
+
+def _q_max_value(q: ir.Node) -> float | None:
+    """The largest value a per-tensor QuantizeLinear's grid represents, or None (not per-tensor / not constant)."""
+    if len(q.inputs) < 3 or q.attributes.get("axis") is not None:
+        return None
+    s, z = constant_array(q.inputs[1]), constant_array(q.inputs[2])
+    if s is None or z is None or s.size != 1 or z.size != 1:
+        return None
+    return float(s.reshape(())) * float(int(np.iinfo(z.dtype).max) - int(z.reshape(())))
+
+
+def _relus_on_codes(graph: ir.Graph) -> int:
+    """``DequantizeLinear -> Relu / Clip(0, hi) -> QuantizeLinear`` on two per-tensor grids becomes
+    ``DQ -> LeakyRelu(alpha=0) -> Q``, which ONNX Runtime fuses into ``QLinearLeakyRelu`` (a 256-entry table on the
+    codes, one pass); returns how many (select rule 12).  ONNX Runtime removes a Relu before a QuantizeLinear whose
+    zero point is the grid minimum - right when the DQ and Q share a grid, but between two grids it leaves a
+    DequantizeLinear -> QuantizeLinear requantization that nothing fuses (a stray round trip).  ``Clip(0, hi)``
+    qualifies only when the Q's grid ends at or below ``hi`` (its saturation is the upper bound)."""
+    done = 0
+    for node in list(graph):
+        if node.op_type not in ("Relu", "Clip") or node.domain not in ("", "ai.onnx") or not node.inputs \
+                or node.inputs[0] is None or len(node.outputs) != 1 or node.outputs[0].is_graph_output():
+            continue
+        dq = node.inputs[0].producer()
+        uses = list(node.outputs[0].uses())
+        if dq is None or dq.op_type != "DequantizeLinear" or len(uses) != 1:
+            continue
+        q = uses[0].node
+        if q.op_type != "QuantizeLinear" or q.graph is not graph or _q_max_value(q) is None \
+                or _q_max_value(dq) is None or _same_grid(dq, q) or _const_dtype(dq.inputs[2]) != _const_dtype(
+                    q.inputs[2]):  # QLinearLeakyRelu reads and writes one code type
+            continue
+        lo, hi = 0.0, float("inf")
+        if node.op_type == "Clip":
+            ins = list(node.inputs)
+            bounds = [constant_array(v) if v is not None else None for v in ins[1:3]]
+            if "min" in node.attributes or "max" in node.attributes or len(ins) < 2 or bounds[0] is None:
+                continue
+            lo = float(bounds[0].reshape(()))
+            if len(bounds) > 1 and bounds[1] is not None:
+                hi = float(bounds[1].reshape(()))
+            if lo != 0.0 or (_q_max_value(q) or 0.0) > hi * (1.0 + 1e-6):
+                continue
+        relu = ir.node("LeakyRelu", [node.inputs[0]], attributes={"alpha": 0.0}, name=node.name,
+                       outputs=[ir.Value(name=None, type=node.outputs[0].type, shape=node.outputs[0].shape)])
+        graph.insert_before(node, relu)
+        name = node.outputs[0].name
+        node.outputs[0].replace_all_uses_with(relu.outputs[0], replace_graph_outputs=False)
+        graph.remove(node, safe=True)
+        relu.outputs[0].name = name
         done += 1
     return done
 

@@ -68,6 +68,14 @@ Rules (see :mod:`quantkit.ops` for the op roles):
    row, the input and hidden state quantized at run time by the kernel - no QuantizeLinear (ONNX Runtime has no QDQ
    LSTM); nothing of it is calibrated.  Before, an LSTM stayed float without a word (a recurrent text classifier
    came out 0.9998 of its size).
+12. A ``Relu`` / ``Clip(0, hi)`` that is *not* its quantized producer's only reader - a pre-activation residual unit,
+   ``x + conv(relu(conv(relu(x))))`` (DPT / Depth Anything's fusion blocks, a pre-activation ResNet without its
+   BatchNorm), where the stream ``x`` is read by the ``Relu`` and by the residual ``Add`` - keeps the chain: its
+   output is quantized on its own clipped range (zero point at the grid minimum), its readers count as the
+   producer's int8 readers (rule 2), and the lowering emits it as ``LeakyRelu(alpha=0)`` between the DQ and the Q,
+   which ONNX Runtime runs as ``QLinearLeakyRelu`` on the codes (:func:`quantkit.lowering.qdq._relus_on_codes`).
+   Before, the residual ``Add`` stayed float and the ``Relu`` sat between a DequantizeLinear and a QuantizeLinear
+   of another grid, which ONNX Runtime's Relu removal left as a stray requantizing round trip.
 """
 
 from __future__ import annotations
@@ -471,9 +479,10 @@ def _q_producer(plan: QuantPlan, v: ir.Value) -> ir.Node | None:
     layer = _biased_layer(plan, p)
     if layer is not None:
         return layer
-    if p.op_type in ABSORBABLE and clip_bounds(p) is not None and p.inputs[0] is not None:
+    bounds = clip_bounds(p) if p.op_type in ABSORBABLE else None
+    if bounds is not None and p.inputs[0] is not None:
         pp = _biased_layer(plan, p.inputs[0].producer())
-        if pp is not None and len(_consumers(p.inputs[0])) == 1:
+        if pp is not None and (len(_consumers(p.inputs[0])) == 1 or bounds[0] == 0.0):  # rule 4, rule 12
             return pp
     if (p.name or "") in plan.folded_gates and plan.folded_gates[p.name or ""] in plan.layers:
         return p.inputs[0].producer() if p.inputs[0] is not None else None
@@ -513,6 +522,15 @@ def _folds_after(node: ir.Node) -> bool:
     return node.op_type not in _NO_FOLD and rescale_factor(node) is None
 
 
+def _relu_on_codes(node: ir.Node) -> bool:
+    """Whether ``node`` is a ``Relu`` / ``Clip(0, hi)`` that ONNX Runtime can run on 8-bit codes (rule 12: emitted
+    as ``LeakyRelu(alpha=0)``, fused into ``QLinearLeakyRelu``; the upper bound is the output grid's saturation)."""
+    if node.op_type not in ABSORBABLE or node.domain not in ("", "ai.onnx"):
+        return False
+    bounds = clip_bounds(node)
+    return bounds is not None and bounds[0] == 0.0 and bounds[1] > 0.0
+
+
 def _keep_int8_chains(model: ir.Model, plan: QuantPlan, nodes: Mapping[str, ir.Node]) -> None:
     """Rule 2: glue / passthrough nodes stay int8 only inside a chain (greatest fixed point)."""
     graph_outputs = {id(v) for v in model.graph.outputs}
@@ -533,6 +551,8 @@ def _keep_int8_chains(model: ir.Model, plan: QuantPlan, nodes: Mapping[str, ir.N
                     for u in users:
                         if u.op_type in ABSORBABLE and len(users) == 1 and _folds_after(node):
                             folded.extend(_consumers(u.outputs[0]))
+                        elif _relu_on_codes(u):  # rule 12: a Relu beside other readers runs on the codes
+                            folded.extend([u, *_consumers(u.outputs[0])])
                         else:
                             folded.append(u)
                     if node.op_type in REDUCING and id(out) not in graph_outputs:

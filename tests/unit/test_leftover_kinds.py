@@ -151,3 +151,78 @@ def test_a_split_read_by_an_int8_op_stays_in_the_chain() -> None:
     assert "stray" not in kinds, classify_leftovers(res.census)
     assert res.report["census"]["quantized_kernels"].get("QLinearMul", 0) >= 1
     assert next(iter(res.report["fidelity"].values()))["sqnr_db"] > 25.0
+
+
+class _ResidualConvUnits(torch.nn.Module):
+    """DPT's fusion block in miniature: pre-activation residual units ``x + conv(relu(conv(relu(x))))`` - the stream
+    read by the Relu and by the residual Add - summed with a lateral, then a bilinear upsample (a float island)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.lat = torch.nn.Conv2d(3, 16, 3, 2, 1), torch.nn.Conv2d(16, 16, 1)
+        self.units = torch.nn.ModuleList(
+            [torch.nn.ModuleList([torch.nn.Conv2d(16, 16, 3, 1, 1), torch.nn.Conv2d(16, 16, 3, 1, 1)]) for _ in range(2)])
+        self.out = torch.nn.Conv2d(16, 4, 3, 1, 1)
+
+    def unit(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.units[i]
+        return x + b(torch.relu(a(torch.relu(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        y = self.unit(1, self.unit(0, self.lat(h)) + h)
+        y = torch.nn.functional.interpolate(y, scale_factor=2.0, mode="bilinear", align_corners=True)
+        return self.out(torch.relu(y))
+
+
+def test_a_relu_beside_a_residual_add_runs_on_the_codes() -> None:
+    """Select rule 12: the residual Adds stay int8 and each Relu that shares its input with one runs as
+    ``QLinearLeakyRelu`` - they were a float Add and a DequantizeLinear -> QuantizeLinear requantization per unit
+    (Depth Anything: 7 strays)."""
+    from tests.conftest import quantize_portable
+
+    torch.manual_seed(0)
+    res = quantize_portable(_ResidualConvUnits(), (4, 3, 32, 32), "rcu")
+    from quantkit.report.build import classify_leftovers
+
+    kinds = [k for _, k in classify_leftovers(res.census)]
+    assert "stray" not in kinds, classify_leftovers(res.census)
+    kernels = res.report["census"]["quantized_kernels"]
+    assert kernels.get("QLinearLeakyRelu") == 2 and kernels.get("QLinearAdd", 0) >= 2, kernels
+    assert next(iter(res.report["fidelity"].values()))["sqnr_db"] > 25.0
+
+
+@pytest.mark.parametrize("op", ["Relu", "Clip"])
+def test_relu_between_two_grids_becomes_a_leaky_relu_bit_exact(op: str, tmp_path: Path) -> None:
+    """``DQ -> Relu -> Q`` on two grids is emitted as ``LeakyRelu(alpha=0)``: ONNX Runtime fuses it into
+    ``QLinearLeakyRelu``, whose codes equal the unoptimized QDQ graph's (checked against ORT's own Q / DQ)."""
+    import onnx
+    import onnx_ir as ir
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from quantkit.lowering.qdq import _relus_on_codes
+
+    inits = [helper.make_tensor("s1", TensorProto.FLOAT, [], [0.037]), helper.make_tensor("z1", TensorProto.UINT8, [], [131]),
+             helper.make_tensor("s2", TensorProto.FLOAT, [], [0.0213]), helper.make_tensor("z2", TensorProto.UINT8, [], [0]),
+             helper.make_tensor("lo", TensorProto.FLOAT, [], [0.0]), helper.make_tensor("hi", TensorProto.FLOAT, [], [6.0])]
+    act = helper.make_node("Relu", ["d"], ["r"]) if op == "Relu" else helper.make_node("Clip", ["d", "lo", "hi"], ["r"])
+    nodes = [helper.make_node("DequantizeLinear", ["x", "s1", "z1"], ["d"]), act,
+             helper.make_node("QuantizeLinear", ["r", "s2", "z2"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.UINT8, [256])],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT8, [256])], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = ir.from_proto(proto)
+    assert _relus_on_codes(model.graph) == 1
+    lowered = ir.to_proto(model)
+    assert [n.op_type for n in lowered.graph.node] == ["DequantizeLinear", "LeakyRelu", "QuantizeLinear"]
+    codes = {"x": np.arange(256, dtype=np.uint8)}
+    ref_opts = ort.SessionOptions()
+    ref_opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    ref = ort.InferenceSession(proto.SerializeToString(), ref_opts, providers=["CPUExecutionProvider"])
+    opts = ort.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    fused = ort.InferenceSession(lowered.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    assert [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node] == ["QLinearLeakyRelu"]
+    np.testing.assert_array_equal(fused.run(None, codes)[0], ref.run(None, codes)[0])
+
