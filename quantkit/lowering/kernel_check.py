@@ -200,8 +200,15 @@ class KernelCheck:
                 "agree": self.agree, "layers": self.layers, "emulated_x86_avx2": self.emulated_avx2}
 
 
+_THROUGH = frozenset({"Relu", "Clip", "LeakyRelu", "DequantizeLinear", "QuantizeLinear"})
+"""Nodes between a layer and a QuantizeLinear of its (activated, requantized) output."""
+
+
 def _quantized_tensors(model: onnx.ModelProto) -> list[tuple[str, str, float]]:
-    """(QuantizeLinear output, layer that produced its input, zero point) in graph order."""
+    """(QuantizeLinear output, layer that produced its input, zero point) in graph order.  The layer is found
+    through a folded ``Relu`` / ``Clip`` and through a ``DQ -> Relu -> Q`` requantization (select rule 12: a
+    ``LeakyRelu`` on the codes) back to the op that made the values - never a DequantizeLinear's name, which no
+    recipe override can name."""
     producer = {o: n for n in model.graph.node for o in n.output}
     inits = {t.name: t for t in model.graph.initializer}
     outs = []
@@ -209,8 +216,13 @@ def _quantized_tensors(model: onnx.ModelProto) -> list[tuple[str, str, float]]:
         if n.op_type != "QuantizeLinear" or not n.output:
             continue
         src = producer.get(n.input[0])
-        if src is not None and src.op_type in ("Relu", "Clip") and src.input:
-            src = producer.get(src.input[0], src)
+        for _ in range(8):  # Relu / Clip / LeakyRelu(0) <- DQ <- Q <- the layer
+            if src is None or src.op_type not in _THROUGH or not src.input:
+                break
+            up = producer.get(src.input[0])
+            if up is None:
+                break
+            src = up
         zp_t = inits.get(n.input[2]) if len(n.input) > 2 else None
         if zp_t is not None:
             zp = float(np.mean(numpy_helper.to_array(zp_t)))

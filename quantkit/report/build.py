@@ -618,7 +618,8 @@ def build_report(
         warnings.insert(0, "no layer was quantized: the output is the float model" + (
             " (most common reasons: " + "; ".join(f"{why} ({n} nodes)" for why, n in top) + ")" if top else ""))
     growth = _growth(float_proto, per_layer_sqnr, kernels or {}, layer_input_sqnr or {})
-    warnings += verdict_warnings(quality.get("fidelity", {}), growth["sqnr"], kernels or {}, growth["drift"])
+    warnings += verdict_warnings(quality.get("fidelity", {}), growth["sqnr"], kernels or {}, growth["drift"],
+                                 set(formats))
     counts: dict[str, int] = {}
     for f in formats.values():
         counts[f] = counts.get(f, 0) + 1

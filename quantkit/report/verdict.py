@@ -26,7 +26,7 @@ help there, keeping the layers *before* the ops in float does, and the verdict n
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import onnx
@@ -178,9 +178,12 @@ def _keep_float(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def verdict_warnings(fidelity: Mapping[str, Mapping[str, float]], sqnr_growth: list[dict[str, Any]],
-                     kernels: Mapping[str, Any], drift_growth: list[dict[str, Any]]) -> list[str]:
+                     kernels: Mapping[str, Any], drift_growth: list[dict[str, Any]],
+                     layers: Collection[str] | None = None) -> list[str]:
     """The whole-model verdicts (module doc): empty when the outputs are close to FP32 and the fused
-    kernels stay close to the QDQ math."""
+    kernels stay close to the QDQ math.  ``layers``: the quantized layers a recipe override can name; where the
+    drift grows at the output of an op that is not one (a float GELU before an int8 MatMul), the snippet names
+    only the layers among the rows (none: no snippet)."""
     out = []
     worst = [(name, d) for name, d in fidelity.items()
              if float(d.get("sqnr_db", math.inf)) < FIDELITY_SQNR_DB or d.get("top1_agreement", 1.0) < FIDELITY_TOP1]
@@ -204,9 +207,12 @@ def verdict_warnings(fidelity: Mapping[str, Mapping[str, float]], sqnr_growth: l
             what = "; ".join(f"'{n}' SQNR {float(d.get('sqnr_db', math.nan)):.1f} dB"
                              + (f", top-1 {d['top1_agreement']:.2f}" if "top1_agreement" in d else "")
                              for n, d in drifting)
+            named = [r["layer"] for r in dtop if layers is None or r["layer"] in layers]
+            advice = (f"and if it falls short keep those layers in float: {_snippet(named)}" if named else
+                      "and if it falls short keep the int8 layers that read those ops' outputs in float")
             out.append(f"kernels: every layer alone matches the QDQ math (at most one rounding step), but the "
                        f"one-step differences compound to {what} between this CPU's fused kernels and the QDQ "
                        f"math at the output: this model amplifies small perturbations. The drift grows most at "
                        f"{_where(dtop)}. Judge the model by its fused-kernel accuracy (the report's fidelity), "
-                       f"and if it falls short keep those layers in float: {_snippet([r['layer'] for r in dtop])}")
+                       f"{advice}")
     return out

@@ -64,6 +64,11 @@ def test_verdicts_name_the_layers_and_print_a_recipe_snippet() -> None:
     kernels = {"check": {"agree": True, "outputs": {"logits": {"sqnr_db": 22.0, "top1_agreement": 0.8}}}}
     ws = verdict_warnings(good, growth, kernels, drift)
     assert len(ws) == 1 and ws[0].startswith("kernels:") and "l3 (90.0 -> 45.0 dB)" in ws[0]
+    # a drift that grows at an op no override can name (a float GELU's output): the snippet names only layers
+    (w,) = verdict_warnings(good, growth, kernels, drift, layers={"l1", "l2", "add"})
+    assert "l3 (90.0 -> 45.0 dB)" in w and "{layer: l3," not in w and "{layer: add, format: fp32}" in w
+    (w,) = verdict_warnings(good, growth, kernels, drift, layers={"l1"})
+    assert "fp32" not in w and "read those ops' outputs in float" in w
     kernels["check"]["agree"] = False  # a layer that parts is reported by the kernel check itself
     assert verdict_warnings(good, growth, kernels, drift) == []
 
