@@ -73,7 +73,7 @@ def lower_plan(job: Job) -> Lowered:
         sel = chosen[h.name]
         if h.name == "static":
             out.static = sel
-            if not sel.layers and not sel.dynamic_lstms:
+            if not sel.layers and not sel.dynamic_lstms and not sel.tables:
                 continue
         elif not sel:
             continue

@@ -68,7 +68,7 @@ class StaticInt8(FormatHandler):
             with stage("lower to INT8 QDQ", enabled=job.progress):
                 out.lowering = _lower(job, model, qplan, ranges, means, hessians)
         out.static = qplan
-        out.layers[self.name] = {k: "int8" for k in (*qplan.layers, *qplan.dynamic_lstms)}
+        out.layers[self.name] = {k: "int8" for k in (*qplan.layers, *qplan.dynamic_lstms, *qplan.tables)}
 
     @staticmethod
     def _calibrate(job: Job, qplan: Any) -> None:

@@ -267,6 +267,16 @@ def lower_int8(
                                    "input and hidden state quantized at run time")
             if "com.microsoft" not in model.opset_imports:
                 model.opset_imports["com.microsoft"] = 1
+    if plan.tables:  # select rule 13
+        from quantkit.lowering.tables import lower_gather_tables
+
+        for layer, table in lower_gather_tables(graph, set(plan.tables), const).items():
+            result.notes[layer] = (f"GatherBlockQuantized (com.microsoft): 8-bit rows, a scale and zero point per "
+                                   f"{table.block} values")
+            result.weights[layer] = WeightParams(layer, "uint8", False, 1, table.scale_min, table.scale_max,
+                                                 table.zero_point_range, table.sqnr_db)
+        if "com.microsoft" not in model.opset_imports:
+            model.opset_imports["com.microsoft"] = 1
     _layout_on_codes(graph)
     _shape_on_codes(graph)
     _relus_on_codes(graph)

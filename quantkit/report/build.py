@@ -71,8 +71,10 @@ def _static_rows(lowered: Any, census: Census, per_layer_sqnr: Mapping[str, floa
     for t in plan.tensors.values():
         for c in t.consumers:
             act_of.setdefault(c, []).append(t.name)
-    for name, lp in plan.layers.items():
-        fusion = census.per_layer.get(name)
+    kernels_of = {**dict.fromkeys(plan.dynamic_lstms, "DynamicQuantizeLSTM"),
+                  **dict.fromkeys(plan.tables, "GatherBlockQuantized")}  # select rules 11 and 13: no QDQ group
+    for name, lp in [*plan.layers.items(), *plan.dynamic_lstms.items(), *plan.tables.items()]:
+        fusion = census.per_layer.get(name) if name in plan.layers else None
         w = lowering.weights.get(name)
         acts = [lowering.tensors[t] for t in act_of.get(name, []) if t in lowering.tensors]
         rows.append({
@@ -87,10 +89,10 @@ def _static_rows(lowered: Any, census: Census, per_layer_sqnr: Mapping[str, floa
                         "note": a.note} for a in acts],
             "lowering_note": lowering.notes.get(name, ""),
             "output_sqnr_db": _finite(per_layer_sqnr[name]) if name in per_layer_sqnr else None,
-            "fused": None if fusion is None else fusion.fused,
-            "kernel": None if fusion is None else fusion.kernel,
+            "fused": (True if name in kernels_of else None) if fusion is None else fusion.fused,
+            "kernel": kernels_of.get(name) if fusion is None else fusion.kernel,
             "note": ("int8 data movement: ONNX Runtime drops the DQ/Q pair around it (same scale)"
-                     if lp.op_type in PASSTHROUGH else "") if fusion is None else fusion.note,
+                     if lp.op_type in PASSTHROUGH and name in plan.layers else "") if fusion is None else fusion.note,
         })
         if fusion is not None and not fusion.fused:
             unfused.append({
