@@ -114,9 +114,24 @@ and SwiGLU MLP in a vision tower; UperNet's pyramid pooling (adaptive average po
 upsampled and concatenated) on a ConvNeXt backbone; TextNet's re-parameterisable asymmetric 1x3 / 3x1 convolutions;
 transformers' RegNet (squeeze-excite); Depth Anything (a DINOv2 backbone under a DPT-style reassemble / fusion head
 with transposed convolutions and bilinear upsampling; output a depth map)."""
+HF_VISION.update({
+    "swiftformer_xs": ("SwiftFormerConfig", "SwiftFormerForImageClassification", {}),
+    "cvt_13": ("CvtConfig", "CvtForImageClassification", {}),
+    "hiera_t": ("HieraConfig", "HieraForImageClassification", {}),
+    "mobilevitv2": ("MobileViTV2Config", "MobileViTV2ForImageClassification", {}),
+    "glpn": ("GLPNConfig", "GLPNForDepthEstimation", {}),
+    "hgnetv2_b0": ("HGNetV2Config", "HGNetV2ForImageClassification", {}),
+    "mobilenet_v1_hf": ("MobileNetV1Config", "MobileNetV1ForImageClassification", {}),
+})
+"""(eleventh set) SwiftFormer's efficient additive attention (a learned global query, no softmax over tokens);
+CvT's convolutional token embedding and depth-wise convolutional q / k / v projections; Hiera's mask-unit attention
+(reshapes and unrolls, no convolution after the stem); MobileViT-V2's separable self-attention (a softmax over one
+channel, GroupNorm); GLPN's hierarchical encoder with a selective-feature-fusion depth decoder; HGNetV2's stem with a
+max-pool branch, learnable affine blocks and light convolutions; MobileNet-V1 as transformers builds it (ReLU6,
+TensorFlow "same" padding as explicit Pads)."""
 PROBES.update({k: {} for k in HF_VISION})
 SEGMENTATION = ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large", "segformer_b0", "upernet_convnext",
-                "depth_anything_s", "dinov3_s6", "aimv2_6l")
+                "depth_anything_s", "dinov3_s6", "aimv2_6l", "glpn")
 """Probes from ``torchvision.models.segmentation``: exported as ``input -> logits [N, classes, H, W]`` (the
 model's ``out``); judged by output SQNR (a per-pixel top-1 would need the class axis, not the last one)."""
 ZOO_ENCODERS = ("bert_base", "distilbert")
@@ -159,6 +174,19 @@ HF_ENCODERS.update({
 networks; T5's encoder (relative position buckets, RMSNorm without a mean, gated GELU, no biases); RoFormer's and
 ESM's rotary embeddings (ESM: pre-LayerNorm, token dropout scaling); FNet's Fourier token mixing (``DFT``, no
 attention); Nystromformer's landmark attention (segment means and an iterative pseudo-inverse)."""
+HF_ENCODERS.update({
+    "squeezebert": ("SqueezeBertConfig", "SqueezeBertModel", {"num_hidden_layers": 6}),
+    "convbert": ("ConvBertConfig", "ConvBertModel", {"num_hidden_layers": 6}),
+    "funnel": ("FunnelConfig", "FunnelBaseModel", {"block_sizes": [2, 2, 2]}),
+    "canine": ("CanineConfig", "CanineModel", {"num_hidden_layers": 4}),
+    "rembert": ("RemBertConfig", "RemBertModel", {"num_hidden_layers": 4, "hidden_size": 512,
+                                                  "num_attention_heads": 8, "intermediate_size": 2048,
+                                                  "input_embedding_size": 128, "output_embedding_size": 128}),
+})
+"""(eleventh set) SqueezeBERT's grouped 1-D convolutions in place of the linear layers; ConvBERT's span-based
+dynamic convolution (kernels computed from the input, unfolded); Funnel's pooled sequence (strided mean pooling
+between blocks, relative attention); CANINE's hashed character embeddings (eight tables read by computed ids) and
+strided convolution down-sampling; RemBERT's decoupled input embedding (128 wide, projected)."""
 ENCODERS = (*ZOO_ENCODERS, *HF_ENCODERS)
 PROBES.update({k: {} for k in HF_ENCODERS})
 ALL = (*TORCHVISION_MODELS, "vit_6l", *ZOO_ENCODERS, "efficientnet_lite0", "se_cnn")
