@@ -47,7 +47,7 @@ import onnx_ir as ir
 from quantkit.algorithms.bias_correction import bias_shift
 from quantkit.algorithms.pair_rounding import pair_safe_weight
 from quantkit.errors import CalibrationError
-from quantkit.lowering.select import QuantPlan, TensorQuant, constant_array
+from quantkit.lowering.select import QuantPlan, TensorQuant, clip_bounds, constant_array
 from quantkit.ops import WEIGHTED
 from quantkit.scheme.dtypes import int_type
 from quantkit.scheme.qparams import (
@@ -935,17 +935,9 @@ def _relus_on_codes(graph: ir.Graph) -> int:
                 or _q_max_value(dq) is None or _same_grid(dq, q) or _const_dtype(dq.inputs[2]) != _const_dtype(
                     q.inputs[2]):  # QLinearLeakyRelu reads and writes one code type
             continue
-        lo, hi = 0.0, float("inf")
-        if node.op_type == "Clip":
-            ins = list(node.inputs)
-            bounds = [constant_array(v) if v is not None else None for v in ins[1:3]]
-            if "min" in node.attributes or "max" in node.attributes or len(ins) < 2 or bounds[0] is None:
-                continue
-            lo = float(bounds[0].reshape(()))
-            if len(bounds) > 1 and bounds[1] is not None:
-                hi = float(bounds[1].reshape(()))
-            if lo != 0.0 or (_q_max_value(q) or 0.0) > hi * (1.0 + 1e-6):
-                continue
+        bounds = clip_bounds(node)  # Relu: (0, inf)
+        if bounds is None or bounds[0] != 0.0 or (_q_max_value(q) or 0.0) > bounds[1] * (1.0 + 1e-6):
+            continue
         relu = ir.node("LeakyRelu", [node.inputs[0]], attributes={"alpha": 0.0}, name=node.name,
                        outputs=[ir.Value(name=None, type=node.outputs[0].type, shape=node.outputs[0].shape)])
         graph.insert_before(node, relu)

@@ -70,6 +70,7 @@ def lower_gather_tables(graph: ir.Graph, names: set[str] | frozenset[str],
     """Rewrite the Gathers named ``names`` (in place; select rule 13 checked each: input 0 a constant float 2-D
     table that only Gathers along axis 0 read); returns what each got.  ``const(base, array)`` registers an
     initializer under a fresh name."""
+    from quantkit.evaluate.metrics import sqnr_db
     from quantkit.lowering.nbits import _drop_if_unused, _replace_node
 
     done: dict[str, TableParams] = {}
@@ -85,10 +86,8 @@ def lower_gather_tables(graph: ir.Graph, names: set[str] | frozenset[str],
             codes, scales, zps = quantize_table(arr, bs)
             deq = (codes.astype(np.float32) - np.repeat(zps, bs, 1)[:, :arr.shape[1]]) * np.repeat(scales, bs, 1)[
                 :, :arr.shape[1]]  # fmt: skip
-            noise = float(np.sum((arr.astype(np.float64) - deq) ** 2))
-            sqnr = 10.0 * np.log10(max(float(np.sum(arr.astype(np.float64) ** 2)), 1e-30) / noise) if noise else np.inf
             params = TableParams(bs, float(scales.min()), float(scales.max()), (int(zps.min()), int(zps.max())),
-                                 float(sqnr))
+                                 sqnr_db(arr, deq))
             base = table.name or node.name or "table"
             packed[id(table)] = (const(f"{base}_quantized", codes), const(f"{base}_scale", scales),
                                  const(f"{base}_zero_point", zps), params)
