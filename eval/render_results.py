@@ -110,6 +110,10 @@ DOCUMENTED: dict[str, dict[str, str]] = {
     "zoo_x86-vnni.json": {
         "title": "Conformance zoo: quantkit's default recipe vs ONNX Runtime's quantize_static on every zoo model",
     },
+    "zoo_x86-avx2.json": {
+        "title": "Conformance zoo on a CPU without VNNI (x86-avx2, AMD EPYC): quantkit's default recipe vs ONNX "
+                 "Runtime's quantize_static, every model built and measured on that CPU's own kernels",
+    },
     "zoo_x86-avx2-on-vnni.json": {
         "title": "Conformance zoo, every model built for CPUs without VNNI (x86-avx2: pair-safe int8 weights) and "
                  "measured here: exactness there, SQNR, and the pair-safe build's quantization time",

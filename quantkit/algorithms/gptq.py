@@ -210,6 +210,7 @@ def gptq(
     clip: bool = True,
     precision: str = "auto",
     factor: GPTQFactor | None = None,
+    refit: bool = False,
     **options: Any,
 ) -> WOQResult:
     """GPTQ-quantize ``W`` ``[K, N]`` using the input second moment from ``stats`` (or ``hessian``).
@@ -218,12 +219,14 @@ def gptq(
     factorization and the row loop: ``float32`` (the reference implementation's; half the time and memory of
     float64 on a wide layer, the same output error on real layers), ``float64``, or ``auto``: float64 up to
     :data:`FLOAT64_MAX_K` inputs (a ``K x K`` of at most 128 MB: cheap), float32 above.  ``factor``: the Hessian's
-    factorization from :func:`gptq_factor` with the same settings, shared by the column slices of a wide layer.
+    factorization from :func:`gptq_factor` with the same settings, shared by the column slices of a wide layer.  ``refit``: after
+    the rounding, the group scales that minimise the layer's output error for the chosen codes
+    (:func:`~quantkit.algorithms.scale_refit.refit_scales`, on the undamped Hessian).
     """
     if options:
         raise RecipeError(
             f"gptq: unknown options {sorted(options)}; allowed: percdamp, act_order, block_size, narrow, hessian, clip, "
-            "precision"
+            "precision, refit"
         )
     if precision not in ("auto", "float32", "float64"):
         raise RecipeError(f"gptq: precision {precision!r} is not supported; allowed: auto, float32, float64")
@@ -276,4 +279,12 @@ def gptq(
         return np.asarray(dequantize(q, scales[gi], zeros[gi], axis=0), work)
 
     obs_rounding(Wm, U, round_row, B)
-    return WOQResult(Q, scales, zeros, bits, g, symmetric)
+    res = WOQResult(Q, scales, zeros, bits, g, symmetric)
+    if refit:
+        from quantkit.algorithms.scale_refit import refit_scales
+
+        if hessian is None and (stats is None or not stats.count):
+            raise CalibrationError("gptq: refit needs the layer's Hessian (stats or hessian)")
+        H = np.asarray(hessian, np.float64) if hessian is not None else stats.hessian()  # type: ignore[union-attr]
+        res = refit_scales(w32, H, res)
+    return res

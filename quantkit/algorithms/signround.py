@@ -53,6 +53,8 @@ from typing import Any
 import numpy as np
 
 from quantkit.algorithms.rtn import clip_ranges
+from quantkit.algorithms.scale_refit import hessian_loss as _hessian_loss
+from quantkit.algorithms.scale_refit import refit_scales
 from quantkit.algorithms.woq import WOQResult, check_weight, register_weight_algorithm, resolve_group_size
 from quantkit.calibrate.layer_stats import LayerStats
 from quantkit.errors import CalibrationError, RecipeError
@@ -61,14 +63,9 @@ from quantkit.scheme.qparams import dequantize, group_weight_codes
 __all__ = ["SIGNROUND_OPTIONS", "signround", "signround_from", "signround_refine"]
 
 SIGNROUND_OPTIONS = frozenset(
-    {"iters", "lr", "min_clip", "init", "percdamp", "narrow", "hessian", "learn_clip", "relaxed", "clip_lr_scale"}
+    {"iters", "lr", "min_clip", "init", "percdamp", "narrow", "hessian", "learn_clip", "relaxed", "clip_lr_scale",
+     "refit", "refit_iters"}
 )
-
-
-def _hessian_loss(H: np.ndarray, D: np.ndarray) -> float:
-    """``tr(D^T H D)`` in float64."""
-    D64 = D.astype(np.float64)
-    return float(np.sum((H @ D64) * D64))
 
 
 def signround_refine(
@@ -275,7 +272,10 @@ def signround(
     ``min_clip`` (0.5, the smallest clip factor), ``init`` (``rtn`` | ``gptq``: the starting codes and
     scales), ``percdamp`` (0.01), ``narrow`` (False), ``learn_clip`` (False: the clip factors stay at the
     RTN search's; True learns them too, measured worse), ``relaxed`` (True), ``hessian`` (``[K, K]``, instead
-    of ``stats``)."""
+    of ``stats``), ``refit`` (0: rounds of the best scales for the codes
+    (:func:`~quantkit.algorithms.scale_refit.refit_scales`), each followed by ``refit_iters`` (``iters``) steps of
+    rounding on the new scales, and the scales refitted once more at the end; ``refit_iters: 0``: the scales
+    only)."""
     unknown = set(options) - SIGNROUND_OPTIONS
     if unknown:
         raise RecipeError(f"signround: unknown options {sorted(unknown)}; allowed: {sorted(SIGNROUND_OPTIONS)}")
@@ -288,8 +288,12 @@ def signround(
     learn_clip = bool(options.get("learn_clip", False))
     relaxed = bool(options.get("relaxed", True))
     clip_lr_scale = float(options.get("clip_lr_scale", 1.0))
+    refit = int(options.get("refit", 0))
+    refit_iters = int(options.get("refit_iters", iters))
     if init not in ("rtn", "gptq"):
         raise RecipeError(f"signround: init {init!r} is not supported; allowed: gptq, rtn")
+    if refit < 0 or refit_iters < 0:
+        raise RecipeError(f"signround: refit and refit_iters must be >= 0 (got refit={refit}, refit_iters={refit_iters})")
     if iters < 0 or not 0.0 < min_clip <= 1.0 or (lr is not None and float(lr) <= 0.0) or percdamp < 0.0:
         raise RecipeError(
             f"signround: need iters >= 0, 0 < min_clip <= 1, lr > 0, percdamp >= 0 "
@@ -318,9 +322,16 @@ def signround(
     damp = percdamp * float(np.mean(np.diag(H)))
     if damp > 0.0:
         H[np.diag_indices(K)] += damp  # H + damp I without a K x K identity and a second copy
-    return signround_refine(w, H, start, iters=iters, lr=None if lr is None else float(lr), min_clip=min_clip,
-                            narrow=narrow, learn_clip=learn_clip, relaxed=relaxed,
-                            clip_lr_scale=clip_lr_scale)
+    res = signround_refine(w, H, start, iters=iters, lr=None if lr is None else float(lr), min_clip=min_clip,
+                           narrow=narrow, learn_clip=learn_clip, relaxed=relaxed, clip_lr_scale=clip_lr_scale)
+    for r in range(refit):  # the best scales for these codes, then the codes again for those scales, ...
+        res = refit_scales(w, H, res)
+        if refit_iters:
+            res = signround_refine(w, H, res, iters=refit_iters, lr=None if lr is None else float(lr),
+                                   learn_clip=False, relaxed=relaxed)
+            if r == refit - 1:  # ... and the scales once more for the last codes
+                res = refit_scales(w, H, res)
+    return res
 
 
 signround.options = SIGNROUND_OPTIONS  # what the recipe may pass (checked when it loads)

@@ -151,3 +151,45 @@ def test_zero_iterations_is_rtn() -> None:
     res = signround(W, bits=4, group_size=32, symmetric=True, stats=st, iters=0)
     ref = rtn(W, bits=4, group_size=32, symmetric=True, stats=st)
     np.testing.assert_array_equal(res.codes, ref.codes)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_refit_scales_is_the_least_squares_optimum(symmetric: bool) -> None:
+    """With the codes and zero points kept, ``refit_scales`` returns the scales of the weighted least-squares
+    solution, column by column: no other scales lower ``tr(dW^T H dW)``."""
+    from quantkit.algorithms.scale_refit import refit_scales
+
+    W, st = _random_case(K=96, N=12)
+    H = st.hessian()
+    start = signround(W, bits=4, group_size=32, symmetric=symmetric, stats=st, iters=10)
+    res = refit_scales(W, H, start)
+    assert np.array_equal(res.codes, start.codes) and np.array_equal(res.zero_points, start.zero_points)
+    L = np.linalg.cholesky(H)  # tr(D^T H D) = sum_n ||L^T d_n||^2
+    for n in range(W.shape[1]):  # the scales of column n as an ordinary least-squares problem
+        c = start.codes[:, n].astype(np.float64) - np.repeat(start.zero_points[:, n], 32).astype(np.float64)
+        D = np.zeros((96, 3))
+        for gi in range(3):
+            D[gi * 32:(gi + 1) * 32, gi] = c[gi * 32:(gi + 1) * 32]
+        s, *_ = np.linalg.lstsq(L.T @ D, L.T @ W[:, n].astype(np.float64), rcond=None)
+        np.testing.assert_allclose(res.scales[:, n], s, rtol=2e-4)
+    assert _layer_loss(W, st, res) < _layer_loss(W, st, start)
+
+
+def test_refit_rounds_lower_the_layer_loss() -> None:
+    """``refit: n`` alternates the best scales for the codes and SignRound's codes for those scales: each round
+    keeps or lowers the layer loss; the option is validated."""
+    W, st = _structured_case()
+    losses = [_layer_loss(W, st, signround(W, bits=4, group_size=64, symmetric=False, stats=st, refit=r))
+              for r in (0, 1, 2)]
+    assert losses[1] < losses[0] and losses[2] <= losses[1] * (1 + 1e-9)
+    with pytest.raises(RecipeError, match="refit"):
+        signround(W, bits=4, group_size=64, stats=st, refit=-1)
+
+
+def test_gptq_refit_lowers_the_layer_loss() -> None:
+    """GPTQ's ``refit``: same codes, scales refitted, lower layer loss (on the undamped Hessian)."""
+    W, st = _structured_case()
+    plain = gptq(W, bits=4, group_size=64, symmetric=False, stats=st)
+    fitted = gptq(W, bits=4, group_size=64, symmetric=False, stats=st, refit=True)
+    assert np.array_equal(plain.codes, fitted.codes)
+    assert _layer_loss(W, st, fitted) < _layer_loss(W, st, plain)
