@@ -111,3 +111,24 @@ def test_layerwise_recipe_and_generate_on_real_smollm2_blocks(reduced_smollm2: P
     assert out.startswith("The capital of France is") and len(out.strip()) > len("The capital of France is")
     assert "prefill" in err and "ms/token" in err
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+
+
+def test_scale_refit_on_real_smollm2_layers(reduced_smollm2: Path) -> None:
+    """SignRound's ``refit`` on real weights and real calibration activations (the whole-graph path): the same
+    4-bit format, every layer's output error lower or equal, and the model's perplexity no worse."""
+    from quantkit.api import quantize
+
+    reps = {}
+    for name, opts in (("plain", {}), ("refit", {"refit": 1, "refit_iters": 0})):
+        rec = _recipe("signround")
+        rec["calibration"]["layerwise"] = False
+        rec["quantization"]["default"]["algorithm_options"] = opts
+        reps[name] = quantize(str(reduced_smollm2), None, rec, progress=False).report
+    sq = {n: {r["layer"]: r["output_sqnr_db"] for r in rep["layers"] if r.get("output_sqnr_db") is not None}
+          for n, rep in reps.items()}
+    assert len(sq["plain"]) >= 14 and sq["plain"].keys() == sq["refit"].keys()
+    assert all(sq["refit"][k] >= sq["plain"][k] - 0.05 for k in sq["plain"]), sq  # -0.05 dB: float noise
+    assert sum(sq["refit"].values()) > sum(sq["plain"].values()) + 0.1 * len(sq["plain"]), sq
+    assert reps["refit"]["size"]["quantized_bytes"] == reps["plain"]["size"]["quantized_bytes"]
+    nll = {n: rep["quality"]["perplexity_quantized"]["nll"] for n, rep in reps.items()}
+    assert nll["refit"] < nll["plain"] * 1.01, nll
