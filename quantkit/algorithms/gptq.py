@@ -219,8 +219,8 @@ def gptq(
     factorization and the row loop: ``float32`` (the reference implementation's; half the time and memory of
     float64 on a wide layer, the same output error on real layers), ``float64``, or ``auto``: float64 up to
     :data:`FLOAT64_MAX_K` inputs (a ``K x K`` of at most 128 MB: cheap), float32 above.  ``factor``: the Hessian's
-    factorization from :func:`gptq_factor` with the same settings, shared by the column slices of a wide layer.  ``refit``: after
-    the rounding, the group scales that minimise the layer's output error for the chosen codes
+    factorization from :func:`gptq_factor` with the same settings, shared by the column slices of a wide layer.
+    ``refit``: after the rounding, the group scales that minimise the layer's output error for the chosen codes
     (:func:`~quantkit.algorithms.scale_refit.refit_scales`, on the undamped Hessian).
     """
     if options:

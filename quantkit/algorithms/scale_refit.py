@@ -56,7 +56,7 @@ def refit_scales(w: np.ndarray, H: np.ndarray, res: WOQResult, *, chunk: int = 4
         if np.any(ok):
             try:
                 new[ok] = np.linalg.solve(A[ok], b.T[ok][..., None])[..., 0]
-            except np.linalg.LinAlgError:
+            except np.linalg.LinAlgError:  # a system singular in floating point: this chunk keeps its scales
                 continue
         good = ok & np.all(np.isfinite(new), axis=1)
         scales[:, c0:c1] = np.where(good[None, :], new.T, old.T).astype(np.float32)

@@ -293,7 +293,8 @@ def signround(
     if init not in ("rtn", "gptq"):
         raise RecipeError(f"signround: init {init!r} is not supported; allowed: gptq, rtn")
     if refit < 0 or refit_iters < 0:
-        raise RecipeError(f"signround: refit and refit_iters must be >= 0 (got refit={refit}, refit_iters={refit_iters})")
+        raise RecipeError(
+            f"signround: refit and refit_iters must be >= 0 (got refit={refit}, refit_iters={refit_iters})")
     if iters < 0 or not 0.0 < min_clip <= 1.0 or (lr is not None and float(lr) <= 0.0) or percdamp < 0.0:
         raise RecipeError(
             f"signround: need iters >= 0, 0 < min_clip <= 1, lr > 0, percdamp >= 0 "
