@@ -587,8 +587,9 @@ def _lower_weights(graph: ir.Graph, plan: QuantPlan, result: LoweringResult, nam
             if target is not None and target.pair_safe and lp.weight_dtype == "int8":
                 wq, w_scale, n_safe = _pair_safe(node, lp, w, wq, w_scale, w_zp, (hessians or {}).get(node.name or ""),
                                                  pair_cache)
-                if n_safe:
-                    result.notes[node.name or ""] = (
+                if n_safe:  # after any note an earlier pass left on this layer (a HardSigmoid folded into it)
+                    prev = result.notes.get(node.name or "")
+                    result.notes[node.name or ""] = (prev + "; " if prev else "") + (
                         f"{n_safe} output channel(s) rounded to the int16 pair bound (exact on x86 without VNNI)"
                     )
             base = w_val.name or node.name or "weight"
