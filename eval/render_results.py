@@ -94,6 +94,10 @@ DOCUMENTED: dict[str, dict[str, str]] = {
         "title": "SmolLM2-135M with an 8-bit KV cache (export.kv_cache: int8) vs float32: perplexity at 2048 "
                  "positions, cache bytes, memory, decode and prefill time",
     },
+    "readme_main_job_x86-avx2.json": {
+        "title": "README command 1 on a fresh clone on a CPU without VNNI (AMD EPYC), output to a file: wall time by "
+                 "stage, longest silence between log lines, the run's figures",
+    },
     "readme_main_job_x86-vnni.json": {
         "title": "README command 1 on a fresh clone, output to a file: wall time by stage, longest silence "
                  "between log lines, the run's figures",
