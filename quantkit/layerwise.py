@@ -381,6 +381,8 @@ class _Hook(BuildHook):
             if algo == "gptq":  # one factorization of the Hessian (the K^3 part) shared by every slice
                 shared: dict[str, Any] = {k: opts[k] for k in ("percdamp", "act_order", "precision") if k in opts}
                 opts = {**opts, "factor": gptq_factor(stats, K=K, **shared)}
+                if opts.get("refit") and stats is not None and "hessian" not in opts:  # refit's H, once, not per slice
+                    opts["hessian"] = stats.hessian()
             codes = scales = zps = None
             first = None
             for j in range(0, N, step):
@@ -399,7 +401,8 @@ class _Hook(BuildHook):
             assert first is not None and codes is not None and scales is not None and zps is not None  # noqa: S101
             res = WOQResult(codes, scales, zps, first.bits, first.group_size, first.symmetric, None)
             del first, codes, scales, zps
-            opts.pop("factor", None)  # GPTQ's factor freed before the report row takes its own K x K
+            opts.pop("factor", None)  # GPTQ's factor (and refit's H) freed before the report row takes its own K x K
+            opts.pop("hessian", None)
         self.result_rows.append(_layer_row(name, lp, algo, w, res, stats, block, time.perf_counter() - t0))
         if name not in (self.embed, f"{self.embed}.hot"):  # a MatMulNBits (the embedding: GatherBlockQuantized)
             self.result_rows[-1]["accuracy_level"] = self.accuracy_level
