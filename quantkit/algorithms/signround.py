@@ -48,6 +48,7 @@ the signed-scale grid with zero point ``2^(b-1)``), stored as chosen.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -200,9 +201,17 @@ def _refine_learned_clip(w: np.ndarray, H: np.ndarray, init: WOQResult, *, iters
 
 
 def _refine_fixed_scales(w: np.ndarray, H: np.ndarray, init: WOQResult, *, iters: int, lr: float | None,
-                         relaxed: bool) -> WOQResult:
+                         relaxed: bool, dense_frac: float = 0.03) -> WOQResult:
     """:func:`signround_refine` with the scales / zero points of ``init`` kept (only the offsets ``V`` learn):
-    the gradient is written out (no autograd), one ``H @ dW`` matmul and a few elementwise passes per step."""
+    the gradient is written out (no autograd).
+
+    Its costly term is ``G = H dW``.  A step moves every offset by at most ``lr_t``, so only the weights whose
+    rounding flips change ``dW``: 1.6% of a 1536 x 576 layer's weights at the first step, 0.005% at the last.  ``G``
+    is therefore updated by the flipped entries alone, ``G += H dW_delta`` (a sparse ``[N, K]`` times dense
+    ``[K, K]`` product, ``nnz * K`` multiply-adds), and recomputed whole when more than ``dense_frac`` of the
+    weights flip: 2.8x faster on that layer than the full product per step, the same codes up to float32 rounding
+    in ``G``.  Everything is held transposed (``[N, K]``, rows = output columns) so the sparse rows are contiguous.
+    """
     import torch
 
     K, N = w.shape
@@ -212,41 +221,67 @@ def _refine_fixed_scales(w: np.ndarray, H: np.ndarray, init: WOQResult, *, iters
     if iters <= 0 or init_loss <= 0.0:
         return init
     rep = np.minimum(np.arange(K) // g, init.scales.shape[0] - 1)
+
+    def tt(a: np.ndarray) -> torch.Tensor:  # [K, N] -> contiguous float32 [N, K]
+        return torch.from_numpy(np.ascontiguousarray(np.asarray(a, np.float32).T))
+
     with torch.no_grad():
-        Wt = torch.from_numpy(np.ascontiguousarray(w, np.float32))
-        Ht = torch.from_numpy(np.ascontiguousarray(H, np.float32))
-        S = torch.from_numpy(np.ascontiguousarray(init.scales[rep], np.float32))
-        Z = torch.from_numpy(np.ascontiguousarray(init.zero_points[rep], np.float32))
-        hd = torch.from_numpy(np.ascontiguousarray(np.diag(H), np.float32))[:, None]
-        Wn = Wt / S
-        d = torch.from_numpy(init.codes.astype(np.float32)) - (torch.round(Wn) + Z)  # V = 0 -> the initial codes
+        Ht = torch.from_numpy(np.ascontiguousarray(H, np.float32))  # symmetric: dW^T H = (H dW)^T
+        S = tt(init.scales[rep])
+        Z = tt(init.zero_points[rep])
+        hd = torch.from_numpy(np.ascontiguousarray(np.diag(H), np.float32))[None, :]
+        Wn = tt(w) / S
+        d = tt(init.codes) - (torch.round(Wn) + Z)  # V = 0 -> the initial codes
         lo, hi = -Z - d, qmax - Z - d  # round(W / S + V) must stay in [lo, hi] (the grid)
         hdS2 = hd * S * S
-        V = torch.zeros((K, N), dtype=torch.float32)
+        V = torch.zeros((N, K), dtype=torch.float32)
         best_loss, best_V = np.inf, V.clone()
         lr0 = 1.0 / iters if lr is None else float(lr)
+        rc_prev: torch.Tensor | None = None
+        D = G = torch.empty(0)
         for t in range(iters + 1):
             u = Wn + V
             r = torch.round(u)
-            rc = torch.minimum(torch.maximum(r, lo), hi)
-            D = (rc + d - Wn).mul_(S)  # W_hat - W = (rc + d + Z - Z) * S - W
-            G = Ht @ D
-            loss = float(torch.sum(G * D))
+            rc = torch.clamp(r, lo, hi)
+            flips = None if rc_prev is None else (rc != rc_prev).nonzero()
+            if flips is None or flips.shape[0] > dense_frac * K * N:
+                D = (rc + d - Wn).mul_(S)  # (W_hat - W)^T = (rc + d + Z - Z) * S - W
+                G = D @ Ht
+            elif flips.shape[0] and rc_prev is not None:
+                n, k = flips[:, 0], flips[:, 1]
+                delta = (rc[n, k] - rc_prev[n, k]).mul_(S[n, k])
+                D[n, k] += delta
+                with warnings.catch_warnings():  # torch: "Sparse CSR tensor support is in beta state"
+                    warnings.filterwarnings("ignore", message="Sparse CSR", category=UserWarning)
+                    sp = torch.sparse_csr_tensor(_csr_rows(n, N), k, delta, (N, K), check_invariants=False)
+                G += torch.sparse.mm(sp, Ht)
+            rc_prev = rc
+            loss = float(torch.dot(G.view(-1), D.view(-1)))
             if loss < best_loss:
                 best_loss, best_V = loss, V.clone()
             if t == iters:
                 break
-            grad = G.mul_(S)  # dL/dV through the straight-through rounding (up to the factor 2)
+            grad = G * S  # dL/dV through the straight-through rounding (up to the factor 2)
             if relaxed:  # the weight's own term on the continuous offset u instead of the rounded rc
-                grad += hdS2 * (u - rc)
+                grad.addcmul_(hdS2, u.sub_(rc))
             step = torch.sign(grad).mul_(r == rc)  # no gradient where the grid clips
             V.sub_(step, alpha=lr0 * (1.0 - t / iters)).clamp_(-0.5, 0.5)
-        r = torch.minimum(torch.maximum(torch.round(Wn + best_V), lo), hi)
-        codes = (r + d + Z).numpy().astype(np.uint8)
+        r = torch.clamp(torch.round(Wn + best_V), lo, hi)
+        codes = np.ascontiguousarray((r + d + Z).numpy().T).astype(np.uint8)
     res = WOQResult(codes, init.scales, init.zero_points, bits, g, init.symmetric, input_scale=init.input_scale)
     if _hessian_loss(H, res.dequantize() - w) >= init_loss:
         return init
     return res
+
+
+def _csr_rows(rows: Any, n_rows: int) -> Any:
+    """CSR row pointers for row indices sorted ascending (``nonzero``'s order)."""
+    import torch
+
+    counts = torch.bincount(rows, minlength=n_rows)
+    crow = torch.zeros(n_rows + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=crow[1:])
+    return crow
 
 
 def signround_from(w: np.ndarray, H: np.ndarray, init: WOQResult, *, iters: int = 50, percdamp: float = 0.01,

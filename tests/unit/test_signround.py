@@ -146,6 +146,27 @@ def test_deterministic() -> None:
     np.testing.assert_array_equal(a.scales, b.scales)
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_sparse_updates_match_the_full_product(symmetric: bool) -> None:
+    """The step's ``H dW`` updated by the flipped weights alone gives the codes of the full product every step
+    (``dense_frac=0``), up to float32 ties: the sparse path must be exercised (steps with few flips) and agree."""
+    from quantkit.algorithms.signround import _refine_fixed_scales
+    from quantkit.scheme.qparams import group_weight_codes
+
+    W, st = _random_case(256, 96, seed=5)
+    H = st.hessian()
+    H[np.diag_indices(256)] += 0.01 * float(np.mean(np.diag(H)))
+    sc, q, z = group_weight_codes(W, 4, 64, symmetric=symmetric)
+    start = WOQResult(q, sc, z, 4, 64, symmetric)
+    full = _refine_fixed_scales(W, H, start, iters=40, lr=None, relaxed=True, dense_frac=0.0)
+    sparse = _refine_fixed_scales(W, H, start, iters=40, lr=None, relaxed=True, dense_frac=0.5)
+    assert not np.array_equal(full.codes, start.codes)
+    assert np.mean(full.codes == sparse.codes) > 0.999
+    a, b = _layer_loss(W, st, full), _layer_loss(W, st, sparse)
+    assert abs(a - b) <= 1e-3 * a
+    assert b < 0.7 * _layer_loss(W, st, start)
+
+
 def test_zero_iterations_is_rtn() -> None:
     W, st = _random_case(128, 16)
     res = signround(W, bits=4, group_size=32, symmetric=True, stats=st, iters=0)
