@@ -93,7 +93,8 @@ def perplexity(
     batch_size: int = 1,
     threads: int | None = None,
     progress: Callable[[int, int], None] | None = None,
-) -> dict[str, float | int]:
+    per_batch: bool = False,
+) -> dict[str, Any]:
     """Perplexity of ``model`` on ``dataset`` (see the module docstring for the math).
 
     Args:
@@ -105,10 +106,12 @@ def perplexity(
         batch_size: samples per ONNX Runtime call.
         threads: intra-op threads (default: ONNX Runtime's choice).
         progress: called as ``progress(samples_done, samples_total)`` after each batch.
+        per_batch: also return each batch's ``[nll_sum, tokens]``.
 
     Returns:
-        ``{"ppl", "nll", "tokens", "windows"}``: perplexity, mean NLL (nats), number of
-        predicted tokens, number of samples.
+        ``{"ppl", "nll", "tokens", "windows"}``: perplexity, mean NLL (nats), number of predicted tokens,
+        number of samples; with ``per_batch``, also ``"per_batch"``: ``[nll_sum, tokens]`` of each batch in order
+        (for paired comparisons of models on the same windows, e.g. a bootstrap over windows).
 
     Raises:
         ModelError: the model does not load or has no logits output.
@@ -120,6 +123,7 @@ def perplexity(
     wanted = [i.name for i in sess.get_inputs()]
     total_samples = len(dataset)
     nll_sum, tokens, samples = 0.0, 0, 0
+    batches: list[list[float]] = []
     for batch in dataset.batches(batch_size):
         if "input_ids" not in batch:
             raise DataError(f"perplexity: the data has no 'input_ids'; it provides {sorted(batch)}")
@@ -136,12 +140,16 @@ def perplexity(
         nll_sum += s
         tokens += n
         samples += ids.shape[0]
+        batches.append([float(s), int(n)])
         if progress is not None:
             progress(samples, total_samples)
     if tokens == 0:
         raise DataError("perplexity: the data has no predicted token (empty, or every sample shorter than 2)")
     nll = nll_sum / tokens
-    return {"ppl": ppl_from_nll(nll), "nll": nll, "tokens": tokens, "windows": samples}
+    out: dict[str, Any] = {"ppl": ppl_from_nll(nll), "nll": nll, "tokens": tokens, "windows": samples}
+    if per_batch:
+        out["per_batch"] = batches
+    return out
 
 
 def ppl_from_nll(nll: float) -> float:

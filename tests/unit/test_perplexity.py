@@ -67,6 +67,11 @@ def test_perplexity_matches_torch_loss(tiny: tuple[Any, ir.Model, Any]) -> None:
     assert seen == [(1, 3), (2, 3), (3, 3)]
     # The same with batches of 2 and from an ir.Model.
     assert perplexity(model, data, batch_size=2)["nll"] == pytest.approx(res["nll"], abs=1e-6)
+    assert "per_batch" not in res
+    # Each batch's NLL sum and tokens, in order, on request: they add up to the totals.
+    pb = perplexity(model, data, batch_size=2, per_batch=True)["per_batch"]
+    assert [n for _, n in pb] == [39 + 24, 39]
+    assert sum(s for s, _ in pb) / sum(n for _, n in pb) == pytest.approx(res["nll"], abs=1e-6)
 
 
 def test_blown_up_logits_give_an_infinite_perplexity() -> None:
