@@ -171,21 +171,79 @@ class Available:
 
 
 def process_tree_rss(pid: int | None = None) -> int:
-    """Summed resident memory of process ``pid`` (default: this one) and all its children, in bytes."""
+    """Summed resident memory of process ``pid`` (default: this one) and all its children, in bytes.
+
+    On Linux the children come from ``/proc/<pid>/task/<tid>/children`` and the sizes from ``/proc/<pid>/statm``: a
+    few small reads per process of the tree.  psutil's ``children()`` scans every process of the machine instead
+    (~5 ms with 72 processes, more on a busy machine), and :class:`PeakMeter` calls this ten times a second while
+    the main thread works: that scan took ~7% of a 2-core machine's samples during a CNN's quantization.  Elsewhere
+    (no ``children`` files) psutil does it."""
+    root = os.getpid() if pid is None else int(pid)
+    if _proc_children_supported():
+        total, todo, seen = 0, [root], set()
+        while todo:
+            p = todo.pop()
+            if p in seen:
+                continue
+            seen.add(p)
+            rss = _statm_rss(p)
+            if rss is None:
+                if p == root:
+                    return 0
+                continue
+            total += rss
+            todo.extend(_proc_children(p))
+        return total
     import psutil
 
     try:
-        proc = psutil.Process(pid)
+        proc = psutil.Process(root)
         procs = [proc, *proc.children(recursive=True)]
     except psutil.Error:
         return 0
     total = 0
-    for p in procs:
+    for q in procs:
         try:
-            total += int(p.memory_info().rss)
+            total += int(q.memory_info().rss)
         except psutil.Error:
             pass
     return total
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_CHILDREN_FILES: bool | None = None
+
+
+def _proc_children_supported() -> bool:
+    """Whether this kernel lists each task's children in ``/proc/<pid>/task/<tid>/children`` (CONFIG_PROC_CHILDREN)."""
+    global _CHILDREN_FILES
+    if _CHILDREN_FILES is None:
+        _CHILDREN_FILES = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+    return _CHILDREN_FILES
+
+
+def _statm_rss(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as fh:
+            return int(fh.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None  # the process ended
+
+
+def _proc_children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (every thread's, as a child belongs to the thread that forked it)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    kids: list[int] = []
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/children", "rb") as fh:
+                kids.extend(int(x) for x in fh.read().split())
+        except (OSError, ValueError):
+            continue  # the thread ended
+    return kids
 
 
 def _read_int(path: Path) -> int | None:

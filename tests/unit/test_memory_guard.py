@@ -299,3 +299,37 @@ def test_moe_block_session_holds_no_float_expert_weights() -> None:
     per_param = 4 / 8 + 4 / 32
     saved = blocks(0, E) - blocks(experts, E)
     assert abs(saved - SESSION_COPIES * (4 - per_param) * experts) <= 2
+
+
+def test_process_tree_rss_counts_children_and_grandchildren(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The /proc children walk sums the same tree as psutil's scan of every process (a child that holds ~80 MB and
+    its own child), and the psutil path (kernels without the children files) gives the same sum."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    code = ("import subprocess, sys, time; import numpy as np; a = np.ones(10_000_000); "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+            "print('ready', flush=True); time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        me = psutil.Process()
+        tree = [me, *me.children(recursive=True)]
+        assert len(tree) >= 3  # this process, the child, the grandchild
+        ref = sum(p.memory_info().rss for p in tree)
+        walked = memory.process_tree_rss()
+        assert abs(walked - ref) < 0.05 * ref and walked > me.memory_info().rss + 70e6
+        # the grandchild too: the walk from the child is its own RSS and its child's
+        kid = psutil.Process(child.pid)
+        grand = kid.children()[0].memory_info().rss
+        assert memory.process_tree_rss(child.pid) == pytest.approx(kid.memory_info().rss + grand, rel=0.02)
+        monkeypatch.setattr(memory, "_CHILDREN_FILES", False)
+        assert abs(memory.process_tree_rss() - ref) < 0.05 * ref
+        assert memory.process_tree_rss(child.pid) < walked
+    finally:
+        for p in psutil.Process(child.pid).children(recursive=True):
+            p.kill()
+        child.kill()
+        child.wait()
