@@ -17,6 +17,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("QUANTKIT_CACHE", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                      ".cache", "quantkit"))
 
+try:  # property tests check values, never speed: no per-example deadline, no "input generation is slow" health
+    # check (CI on a loaded 2-core machine once failed a 4-bit packing round trip because one draw took 1.1 s)
+    from hypothesis import HealthCheck
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("quantkit", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    _hypothesis_settings.load_profile("quantkit")
+except ImportError:  # hypothesis comes with the test extras; without it the property tests are not collected
+    pass
+
 
 @pytest.fixture(autouse=True)
 def _no_timed_latency_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
