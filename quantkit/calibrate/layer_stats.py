@@ -63,7 +63,7 @@ class LayerStats:
             c = r32[c0 : c0 + CHUNK_ROWS]
             self.H += c.T @ c
         self.abs_sum += np.abs(r32).sum(axis=0, dtype=np.float64)
-        self._reservoir_add(rows.astype(np.float32))
+        self._reservoir_add(r32)
         self.count += rows.shape[0]
 
     def _reservoir_add(self, rows: np.ndarray) -> None:
