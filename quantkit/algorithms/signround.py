@@ -18,7 +18,8 @@ Objective: the layer's output reconstruction error on the calibration activation
 ``tr(dW^T H dW) = sum_t ||x_t (W_hat - W)||^2`` with ``H = sum_t x_t^T x_t`` (``[K, K]``, from
 :class:`~quantkit.calibrate.layer_stats.LayerStats`, i.e. all calibration tokens, not a row sample;
 ``percdamp * mean(diag H)`` added to its diagonal as GPTQ does).  Its gradient with respect to ``W_hat``
-is ``2 H dW``: one ``[K, K] x [K, N]`` float32 matmul per iteration (torch), carried through the
+is ``2 H dW`` (float32, torch; with the scales fixed, updated each step from the weights whose rounding flipped,
+see :func:`_refine_fixed_scales`), carried through the
 straight-through rounding (gradient 1; 0 where the grid clips) to ``V`` (written out; autograd when the
 clip factors learn).
 
