@@ -58,13 +58,20 @@ def awq_shared(
     narrow: bool = False,
     gptq: bool = False,
     signround: bool = False,
+    iters: int = 50,
+    refit: int = 0,
+    refit_iters: int | None = None,
 ) -> list[WOQResult]:
     """AWQ for layers that read the same input: one input scale ``s`` ``[K]`` for all of ``Ws``.
 
     ``gptq=True`` (AWQ then GPTQ): after the scale search, the scaled weights ``diag(s) W`` are rounded by
     GPTQ with the Hessian of the scaled inputs ``X / s`` (``diag(1/s) H diag(1/s)``) instead of the
     clipping search + round-to-nearest.  ``signround=True``: the result (GPTQ's or the clipped RTN's) is then
-    refined by signed gradient descent on the same scaled Hessian (:func:`quantkit.algorithms.signround.signround_from`)."""
+    refined by signed gradient descent on the same scaled Hessian (:func:`quantkit.algorithms.signround.signround_from`,
+    ``iters`` steps, then ``refit`` rounds of scale refits with ``refit_iters`` steps each, as for ``signround``)."""
+    if iters < 0 or refit < 0 or (refit_iters is not None and refit_iters < 0):
+        raise RecipeError(f"awq: need iters, refit, refit_iters >= 0 (got iters={iters}, refit={refit}, "
+                          f"refit_iters={refit_iters})")
     if stats is None or stats.count == 0 or stats.samples.shape[0] == 0:
         raise CalibrationError("awq needs calibration statistics with sampled input rows (stats=LayerStats)")
     mats = [check_weight(W, bits) for W in Ws]
@@ -101,7 +108,7 @@ def awq_shared(
         Hs = stats.hessian() / np.outer(s64, s64)
         r = run_gptq(Ws_, bits=bits, group_size=g, symmetric=symmetric, hessian=Hs, narrow=narrow)
         if signround:
-            r = _signround(Ws_, Hs, r)
+            r = _signround(Ws_, Hs, r, iters, refit, refit_iters)
         sc, q, z = r.scales, r.codes, r.zero_points
         return _split(q, sc, z, widths, bits, g, symmetric, s)
     Xc = (X[:clip_rows] / s).astype(np.float32)
@@ -125,16 +132,18 @@ def awq_shared(
     )
     if signround:
         s64 = s.astype(np.float64)
-        r = _signround(Ws_, stats.hessian() / np.outer(s64, s64), WOQResult(q, sc, z, bits, g, symmetric))
+        r = _signround(Ws_, stats.hessian() / np.outer(s64, s64), WOQResult(q, sc, z, bits, g, symmetric), iters,
+                       refit, refit_iters)
         sc, q, z = r.scales, r.codes, r.zero_points
 
     return _split(q, sc, z, widths, bits, g, symmetric, s)
 
 
-def _signround(w: np.ndarray, H: np.ndarray, init: WOQResult) -> WOQResult:
+def _signround(w: np.ndarray, H: np.ndarray, init: WOQResult, iters: int, refit: int,
+               refit_iters: int | None) -> WOQResult:
     from quantkit.algorithms.signround import signround_from
 
-    return signround_from(w, H, init)
+    return signround_from(w, H, init, iters=iters, refit=refit, refit_iters=refit_iters)
 
 
 def _split(q: np.ndarray, sc: np.ndarray, z: np.ndarray, widths: list[int], bits: int, g: int, symmetric: bool,
@@ -148,7 +157,8 @@ def _split(q: np.ndarray, sc: np.ndarray, z: np.ndarray, widths: list[int], bits
     return results
 
 
-AWQ_OPTIONS = frozenset({"n_grid", "max_shrink", "max_rows", "clip_rows", "narrow", "gptq", "signround"})
+AWQ_OPTIONS = frozenset({"n_grid", "max_shrink", "max_rows", "clip_rows", "narrow", "gptq", "signround", "iters",
+                         "refit", "refit_iters"})
 
 
 @register_weight_algorithm("awq")
@@ -162,7 +172,8 @@ def awq(
     **options: Any,
 ) -> WOQResult:
     """AWQ of a single layer (see :func:`awq_shared`; options: n_grid, max_shrink, max_rows, clip_rows, narrow,
-    gptq = AWQ's scales then GPTQ rounding, signround = then signed-gradient refinement)."""
+    gptq = AWQ's scales then GPTQ rounding, signround = then signed-gradient refinement with iters, refit,
+    refit_iters as for ``signround``)."""
     allowed = AWQ_OPTIONS
     if set(options) - allowed:
         raise RecipeError(

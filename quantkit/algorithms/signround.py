@@ -49,6 +49,7 @@ the signed-scale grid with zero point ``2^(b-1)``), stored as chosen.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -62,11 +63,11 @@ from quantkit.calibrate.layer_stats import LayerStats
 from quantkit.errors import CalibrationError, RecipeError
 from quantkit.scheme.qparams import dequantize, group_weight_codes
 
-__all__ = ["SIGNROUND_OPTIONS", "signround", "signround_from", "signround_refine"]
+__all__ = ["SIGNROUND_OPTIONS", "refit_rounds", "signround", "signround_from", "signround_refine"]
 
 SIGNROUND_OPTIONS = frozenset(
     {"iters", "lr", "min_clip", "init", "percdamp", "narrow", "hessian", "learn_clip", "relaxed", "clip_lr_scale",
-     "refit", "refit_iters"}
+     "refit", "refit_iters", "equalize"}
 )
 
 
@@ -286,12 +287,14 @@ def _csr_rows(rows: Any, n_rows: int) -> Any:
 
 
 def signround_from(w: np.ndarray, H: np.ndarray, init: WOQResult, *, iters: int = 50, percdamp: float = 0.01,
-                   lr: float | None = None) -> WOQResult:
+                   lr: float | None = None, refit: int = 0, refit_iters: int | None = None) -> WOQResult:
     """Refine another algorithm's result ``init`` of ``w`` (RTN, GPTQ) by signed gradient descent on the
-    offsets, its scales kept, with ``H`` damped by ``percdamp * mean(diag H)`` (used by AWQ's ``signround``)."""
+    offsets, its scales kept, with ``H`` damped by ``percdamp * mean(diag H)`` (used by AWQ's ``signround``);
+    then ``refit`` rounds of :func:`refit_rounds` (``refit_iters`` steps each, default ``iters``)."""
     damp = percdamp * float(np.mean(np.diag(H)))
     Hd = H + damp * np.eye(H.shape[0]) if damp > 0.0 else H
-    return signround_refine(w, Hd, init, iters=iters, lr=lr, learn_clip=False)
+    res = signround_refine(w, Hd, init, iters=iters, lr=lr, learn_clip=False)
+    return refit_rounds(w, Hd, res, refit=refit, refit_iters=iters if refit_iters is None else refit_iters, lr=lr)
 
 
 @register_weight_algorithm("signround")
@@ -311,7 +314,9 @@ def signround(
     of ``stats``), ``refit`` (0: rounds of the best scales for the codes
     (:func:`~quantkit.algorithms.scale_refit.refit_scales`), each followed by ``refit_iters`` (``iters``) steps of
     rounding on the new scales, and the scales refitted once more at the end; ``refit_iters: 0``: the scales
-    only)."""
+    only), ``equalize`` (False: True searches an input scale against the int8 activations of ``MatMulNBits`` at
+    ``accuracy_level`` 4, :mod:`quantkit.algorithms.equalize`; the weights are then rounded in the scaled space and
+    the result carries ``input_scale``; needs ``stats`` with sampled rows)."""
     unknown = set(options) - SIGNROUND_OPTIONS
     if unknown:
         raise RecipeError(f"signround: unknown options {sorted(unknown)}; allowed: {sorted(SIGNROUND_OPTIONS)}")
@@ -324,6 +329,9 @@ def signround(
     learn_clip = bool(options.get("learn_clip", False))
     relaxed = bool(options.get("relaxed", True))
     clip_lr_scale = float(options.get("clip_lr_scale", 1.0))
+    equalize = options.get("equalize", False)
+    if not isinstance(equalize, bool):
+        raise RecipeError(f"signround: equalize must be true or false (got {equalize!r})")
     refit = int(options.get("refit", 0))
     refit_iters = int(options.get("refit_iters", iters))
     if init not in ("rtn", "gptq"):
@@ -348,6 +356,18 @@ def signround(
     if H.shape != (K, K):
         raise CalibrationError(f"signround: Hessian shape {H.shape} does not match the weight's K={K}")
     g = resolve_group_size(K, group_size)
+    s_in = None
+    if equalize:
+        if stats is None or stats.samples.shape[0] == 0:
+            raise CalibrationError("signround: equalize needs calibration statistics with sampled input rows "
+                                   "(stats=LayerStats)")
+        from quantkit.algorithms.equalize import equalize_scale
+
+        s_in, _ = equalize_scale([w], stats, bits=bits, group_size=g, symmetric=symmetric)
+        if s_in is not None:  # round diag(s) W against the Hessian of x / s
+            w = (w * s_in[:, None]).astype(np.float32)
+            s64 = s_in.astype(np.float64)
+            H = H / np.outer(s64, s64)
     if init == "gptq":
         from quantkit.algorithms.gptq import gptq
 
@@ -361,11 +381,20 @@ def signround(
         H[np.diag_indices(K)] += damp  # H + damp I without a K x K identity and a second copy
     res = signround_refine(w, H, start, iters=iters, lr=None if lr is None else float(lr), min_clip=min_clip,
                            narrow=narrow, learn_clip=learn_clip, relaxed=relaxed, clip_lr_scale=clip_lr_scale)
+    res = refit_rounds(w, H, res, refit=refit, refit_iters=refit_iters, lr=None if lr is None else float(lr),
+                       relaxed=relaxed)
+    return res if s_in is None else dataclasses.replace(res, input_scale=s_in)
+
+
+def refit_rounds(w: np.ndarray, H: np.ndarray, res: WOQResult, *, refit: int, refit_iters: int,
+                 lr: float | None = None, relaxed: bool = True) -> WOQResult:
+    """``refit`` rounds of: the best scales for the codes of ``res`` (:func:`refit_scales`), then ``refit_iters``
+    steps of rounding on those scales; the scales refitted once more at the end (``refit_iters: 0``: the scales
+    only).  ``H`` as for :func:`signround_refine` (damped by the caller)."""
     for r in range(refit):  # the best scales for these codes, then the codes again for those scales, ...
         res = refit_scales(w, H, res)
         if refit_iters:
-            res = signround_refine(w, H, res, iters=refit_iters, lr=None if lr is None else float(lr),
-                                   learn_clip=False, relaxed=relaxed)
+            res = signround_refine(w, H, res, iters=refit_iters, lr=lr, learn_clip=False, relaxed=relaxed)
             if r == refit - 1:  # ... and the scales once more for the last codes
                 res = refit_scales(w, H, res)
     return res
