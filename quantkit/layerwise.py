@@ -219,6 +219,10 @@ class _Hook(BuildHook):
         self.accuracy_level, self.max_rows, self.progress = accuracy_level, max_rows, progress
         self.w4a8_max_ratio = w4a8_max_error_ratio
         self.w4a8_s = 0.0  # seconds spent in the W4A8 check
+        self.equalize_s = 0.0  # seconds spent in the W4A8 input equalization's search
+        self.equalize_choices: list[dict[str, Any]] = []  # one per searched group: its layers, choice, scores
+        self.equalize_notes: dict[str, str] = {}  # layers asking for equalize whose scale would not fold for free
+        self.equalize_searched: set[str] = set()  # layers whose group's scale was searched
         self.result_rows: list[dict[str, Any]] = []
         self.notes: dict[str, str] = {}
         self.resumed = 0
@@ -356,7 +360,11 @@ class _Hook(BuildHook):
         return lp
 
     # -- quantizing one layer ---------------------------------------------------------------------------
-    def _quantize(self, name: str, w: np.ndarray, stats: LayerStats | None, block: int) -> PackedLinear | None:
+    def _quantize(self, name: str, w: np.ndarray, stats: LayerStats | None, block: int,
+                  equalized: tuple[np.ndarray, np.ndarray, str] | None = None) -> PackedLinear | None:
+        """One layer quantized and packed.  ``equalized`` ``(s, H_s, label)``: the group's W4A8 input scale (see
+        :meth:`_equalize`): the algorithm rounds ``diag(s) W`` against ``H_s`` (the Hessian of ``x / s``) and the
+        layer carries ``input_scale = s``."""
         lp = self.plans[name]
         bits = LAYERWISE_FORMATS[lp.format]
         if bits is None:
@@ -367,6 +375,14 @@ class _Hook(BuildHook):
             algo = "rtn"
         t0 = time.perf_counter()
         opts = dict(lp.algorithm_options) if algo == lp.algorithm else {}
+        if (opts.pop("equalize", False) and equalized is None and name not in self.equalize_notes
+                and name not in self.equalize_searched  # searched, s = 1 chosen
+                and name not in (self.embed, f"{self.embed}.hot")):  # a table lookup has no activations to round
+            self.equalize_notes[name] = "equalize: not applied (its input's scale would not fold for free)"
+        w0 = w
+        if equalized is not None:
+            w = (w * equalized[0][:, None]).astype(np.float32)
+            opts["hessian"] = equalized[1]
         fn = get_weight_algorithm(algo)
         K, N = w.shape
         # RTN and GPTQ treat every output column on its own (GPTQ: given the shared Hessian), so a wide
@@ -403,7 +419,11 @@ class _Hook(BuildHook):
             del first, codes, scales, zps
             opts.pop("factor", None)  # GPTQ's factor (and refit's H) freed before the report row takes its own K x K
             opts.pop("hessian", None)
-        self.result_rows.append(_layer_row(name, lp, algo, w, res, stats, block, time.perf_counter() - t0))
+        if equalized is not None:
+            res = dataclasses.replace(res, input_scale=equalized[0])
+        self.result_rows.append(_layer_row(name, lp, algo, w0, res, stats, block, time.perf_counter() - t0))
+        if equalized is not None:
+            self.result_rows[-1]["w4a8_equalize"] = equalized[2]
         if name not in (self.embed, f"{self.embed}.hot"):  # a MatMulNBits (the embedding: GatherBlockQuantized)
             self.result_rows[-1]["accuracy_level"] = self.accuracy_level
         return _pack(res, self.accuracy_level)
@@ -431,12 +451,64 @@ class _Hook(BuildHook):
             for n, r in zip(awq, results, strict=True):
                 self.result_rows.append(_layer_row(n, lp, "awq", ws[n], r, stats, block, dt))
                 out[n] = _pack(r, self.accuracy_level)
+        eq = self._equalize(names, ws, stats, block) if not out else None
         for n in names:
             if n not in out:
-                q = self._quantize(n, ws[n], stats, block)
+                q = self._quantize(n, ws[n], stats, block, eq)
                 if q is not None:
                     out[n] = q
         return self._w4a8(out, ws, sample)
+
+    def _equalize(self, names: list[str], ws: dict[str, np.ndarray], stats: LayerStats | None, block: int
+                  ) -> tuple[np.ndarray, np.ndarray, str] | None:
+        """The W4A8 input scale of the layers ``names`` (one input), searched when every one of them is a 4-bit
+        ``signround`` layer with ``equalize: true`` built at ``accuracy_level`` 4 and ``1 / s`` folds for free (into
+        the norm before them, or into up_proj's columns for down_proj); ``(s, H_s, label)``, or None (``s = 1``)."""
+        plans = [self.plans[n] for n in names]
+        if not all(lp.algorithm == "signround" and dict(lp.algorithm_options).get("equalize") for lp in plans):
+            return None
+        if stats is None or stats.samples.shape[0] == 0 or self.accuracy_level != 4:
+            return None
+        if any(LAYERWISE_FORMATS[lp.format] != 4 for lp in plans) or not self._free_fold(names, block):
+            return None
+        from quantkit.algorithms.equalize import equalize_scale
+
+        lp = plans[0]
+        if any((q.group_size, q.weight_symmetric) != (lp.group_size, lp.weight_symmetric) for q in plans):
+            return None
+        K = ws[names[0]].shape[0]
+        g = K if lp.group_size is None else min(int(lp.group_size), K)
+        t0 = time.perf_counter()
+        s, scores = equalize_scale([ws[n] for n in names], stats, bits=4, group_size=g,
+                                   symmetric=lp.weight_symmetric)  # fmt: skip
+        self.equalize_s += time.perf_counter() - t0
+        self.equalize_searched.update(names)
+        self.equalize_choices.append({"layers": names, "chosen": min(scores, key=scores.__getitem__) if scores else "1",
+                                      "scores": {k: round(v, 6) for k, v in scores.items()}})  # fmt: skip
+        if s is None:
+            return None
+        s64 = s.astype(np.float64)
+        return s, stats.hessian() / np.outer(s64, s64), self.equalize_choices[-1]["chosen"]
+
+    def _free_fold(self, names: list[str], block: int) -> bool:
+        """Whether an input scale of the group ``names`` folds into the graph at no run-time cost: the attention's or
+        the MLP's input norm is their input (the builder divides its weight), or they are a gated MLP's down
+        projection whose up projection is quantized (the builder divides up's per-column scales).  o_proj (the
+        attention output) and a mixture of experts' linears would need a ``Mul``."""
+        cfg, n = self.cfg, self.cfg.spec.names
+        if cfg.is_moe(block):
+            return False
+        p = block_prefix(cfg, block)
+        suffixes = tuple(x[len(p) + 1 :] for x in names)
+        groups = input_groups(cfg, block)
+        if suffixes == groups[0]:
+            return n.attn_norm is not None
+        if len(groups) == 4 and suffixes == groups[2]:
+            return cfg.mlp_norm is not None
+        if suffixes == groups[-1] and len(suffixes) == 1 and suffixes[0] == n.down:
+            up = n.gate_up if n.gate_up is not None else (n.up if n.gate is not None else None)
+            return up is not None and LAYERWISE_FORMATS[self.plans[f"{p}.{up}"].format] is not None
+        return False
 
     # -- the W4A8 check: accuracy_level 4 against 0 on the layer's calibration inputs ---------------------
     def _row(self, name: str) -> dict[str, Any]:
@@ -1042,4 +1114,13 @@ def quantize_llm_layerwise(
     res.timings["w4a8_check_s"] = hook.w4a8_s
     res.w4a8 = w4a8_summary(res.rows, threshold=w4a8_max_error_ratio, accuracy_level=accuracy_level,
                             calibrated=windows is not None, seconds=hook.w4a8_s)  # fmt: skip
+    if hook.equalize_choices or hook.equalize_notes:  # signround's equalize: what the search chose, what it skipped
+        chosen = [c["chosen"] for c in hook.equalize_choices]
+        res.w4a8["equalize"] = {
+            "groups_searched": len(chosen), "groups_scaled": sum(c != "1" for c in chosen),
+            "chosen": {k: chosen.count(k) for k in sorted(set(chosen))},
+            "not_applied": sorted(hook.equalize_notes), "seconds": round(hook.equalize_s, 3),
+            "groups": hook.equalize_choices,
+        }  # fmt: skip
+        res.timings["equalize_s"] = hook.equalize_s
     return res

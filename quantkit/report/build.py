@@ -286,6 +286,12 @@ def w4a8_line(sec: Mapping[str, Any], int4: Mapping[str, Any] | None = None) -> 
                 f"{thr:g}x the weight-only error everywhere: {dist})")
     if sec.get("why"):
         line += f"; {sec['why']}"
+    eq = sec.get("equalize") or {}
+    if eq:
+        line += (f"; input equalization (signround `equalize`): {eq.get('groups_scaled', 0)} of "
+                 f"{eq.get('groups_searched', 0)} layer groups scaled")
+        if eq.get("not_applied"):
+            line += f", {len(eq['not_applied'])} linears not (their scale would need a Mul, e.g. `{eq['not_applied'][0]}`)"
     shipped = (int4 or {}).get("shipped") or {}
     if kept and list(shipped) == ["0"]:
         line += "; moot: every kernel ships at level 0 (INT4 kernel)"

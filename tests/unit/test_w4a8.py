@@ -24,13 +24,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import quantkit  # noqa: E402
+from quantkit.algorithms.equalize import act_fake_quant  # noqa: E402
 from quantkit.algorithms.woq import get_weight_algorithm  # noqa: E402
 from quantkit.errors import RecipeError  # noqa: E402
 from quantkit.evaluate.greedy import agreement, greedy_agreement, greedy_decode, prompts_from  # noqa: E402
 from quantkit.frontends.llm_builder import PackedLinear  # noqa: E402
 from quantkit.layerwise import _Hook, _key, quantize_llm_layerwise  # noqa: E402
 from quantkit.lowering.nbits import matmul_nbits_arrays  # noqa: E402
-from quantkit.lowering.w4a8 import dequantize_nbits, level4_check  # noqa: E402
+from quantkit.lowering.w4a8 import dequantize_nbits, level4_check, nbits_model  # noqa: E402
 from quantkit.recipe import load_recipe  # noqa: E402
 from quantkit.recipe.plan import PrecisionPlan  # noqa: E402
 from quantkit.report.build import greedy_line, render_markdown, w4a8_line  # noqa: E402
@@ -148,6 +149,37 @@ def test_a_planted_outlier_channel_raises_the_ratio_and_the_row_budget_is_kept()
     B, s2, zp, bs = matmul_nbits_arrays(res_s)
     fig_s = level4_check(x, w, PackedLinear(B, s2, zp, 4, bs, K, N, sc, 4))
     assert fig_s["level0_vs_math"] < 1e-5 and fig_s["w4a8_error_ratio"] > THRESHOLD
+
+
+@pytest.mark.parametrize(("K", "group", "symmetric"), [(200, 128, True), (576, 128, False), (256, 32, False)])
+def test_the_activation_emulation_is_what_the_level4_kernel_computes(K: int, group: int, symmetric: bool) -> None:
+    """:func:`act_fake_quant` (AWQ's ``act_bits`` search) rounds the input as level 4 does: per row and block of the
+    weights' block size (a short last block included), symmetric int8; what is left is float rounding."""
+    rng = np.random.default_rng(3)
+    N = 48
+    w = (rng.standard_normal((K, N)) * 0.05).astype(np.float32)
+    x = rng.standard_normal((64, K)).astype(np.float32)
+    x[:, 5] *= 30.0  # an outlier: the int8 step of its block is large, so the activation error is too
+    res = get_weight_algorithm("rtn")(w, bits=4, group_size=group, symmetric=symmetric, stats=None)
+    B, s, zp, bs = matmul_nbits_arrays(res)
+    q = PackedLinear(B, s, zp, 4, bs, K, N, None, 4)
+    wd = dequantize_nbits(q)
+    y = {lv: _run_level(q, lv, x) for lv in (0, 4)}
+    level4_error = float(np.linalg.norm(y[4] - y[0]))
+    assert level4_error > 1e-3 * float(np.linalg.norm(y[0]))  # the check has something to explain
+    assert float(np.linalg.norm(y[4] - act_fake_quant(x, bs) @ wd)) < 0.05 * level4_error
+    # a block of another length explains much less of it (the emulation's block is the kernel's)
+    other = 64 if bs != 64 else 128
+    assert float(np.linalg.norm(y[4] - act_fake_quant(x, other) @ wd)) > 0.3 * level4_error
+
+
+def _run_level(q: PackedLinear, level: int, x: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(nbits_model(q, level).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return np.asarray(sess.run(None, {"X": x})[0])
 
 
 def test_exact_weights_have_an_unbounded_ratio() -> None:
@@ -385,3 +417,40 @@ def test_the_console_prints_both(folders: dict[str, Path], tmp_path: Path, capsy
     out = capsys.readouterr().out.splitlines()
     assert sum(ln.startswith("W4A8 check: 0 of 15 4-bit linears kept at accuracy_level 0") for ln in out) == 1
     assert sum(ln.startswith("greedy tokens vs FP32 (4 prompts of 8 tokens, 4 generated each): ") for ln in out) == 1
+
+
+# -- signround's equalize: an input scale against the int8 activations -------------------------------------------
+
+
+def test_equalize_scales_the_outlier_input_and_folds_it_for_free(folders: dict[str, Path], tmp_path: Path) -> None:
+    """The planted outlier channel of block 0's attention input: SignRound alone leaves q/k/v at level 0 (the check);
+    with ``equalize`` the search scales that input (folded into the norm: no node added), the level-4 error falls
+    back under the threshold and the group stays on the fast kernel; o_proj (whose scale would need a Mul) is left."""
+    def plan(equalize: bool) -> PrecisionPlan:
+        opts = {"iters": 10, "equalize": True} if equalize else {"iters": 10}
+        rec = {"version": 1, "model": {"source": str(folders["qkv"])}, "calibration": {"layerwise": True},
+               "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": "signround",
+                                            "algorithm_options": opts}}}  # fmt: skip
+        return PrecisionPlan.from_recipe(load_recipe(rec))
+
+    def build(name: str, equalize: bool) -> Any:
+        return quantize_llm_layerwise(folders["qkv"], tmp_path / name / "model.onnx", plan(equalize), _windows(3, 16, 1),
+                                      work_dir=tmp_path / f"work-{name}", progress=False, w4a8_max_error_ratio=THRESHOLD)
+
+    plain, eq = build("plain", False), build("eq", True)
+    p = "model.layers.0.self_attn"
+    rows0 = {r["layer"]: r for r in plain.rows}
+    rows1 = {r["layer"]: r for r in eq.rows}
+    assert rows0[f"{p}.q_proj"]["w4a8_error_ratio"] > THRESHOLD and rows0[f"{p}.q_proj"]["accuracy_level"] == 0
+    assert rows1[f"{p}.q_proj"]["w4a8_error_ratio"] < rows0[f"{p}.q_proj"]["w4a8_error_ratio"] / 2
+    assert all(rows1[f"{p}.{n}"]["w4a8_equalize"] != "1" and rows1[f"{p}.{n}"]["accuracy_level"] == 4
+               for n in ("q_proj", "k_proj", "v_proj"))  # fmt: skip
+    sec = eq.w4a8["equalize"]
+    assert sec["groups_searched"] == 6  # 2 blocks x (q/k/v, gate/up, down)
+    assert sec["groups_scaled"] >= 1
+    assert sec["not_applied"] == ["lm_head"] + [f"model.layers.{i}.self_attn.o_proj" for i in (0, 1)]
+    assert "input equalization (signround `equalize`)" in w4a8_line(eq.w4a8)
+    assert "equalize" not in plain.w4a8
+    # the scale folded: the same nodes as without it (no Mul for an input scale)
+    ops = [sorted(n.op_type for n in onnx.load(str(r.path), load_external_data=False).graph.node) for r in (plain, eq)]
+    assert ops[0] == ops[1]
