@@ -65,13 +65,14 @@ class TensorStatistics:
         self.batches += 1
         if arr.size == 0:
             return
-        if not (np.isfinite(arr.min()) and np.isfinite(arr.max())):
+        lo, hi = float(arr.min()), float(arr.max())
+        if not (np.isfinite(lo) and np.isfinite(hi)):
             finite = np.isfinite(arr)
             self.hist.nonfinite += int(arr.size - np.count_nonzero(finite))
             arr = arr[finite]
             if arr.size == 0:
                 return
-        lo, hi = float(arr.min()), float(arr.max())
+            lo, hi = float(arr.min()), float(arr.max())
         self.min = min(self.min, lo)
         self.max = max(self.max, hi)
         self.count += int(arr.size)
