@@ -35,7 +35,7 @@ from quantkit.lowering.w4a8 import dequantize_nbits, level4_check, nbits_model  
 from quantkit.recipe import load_recipe  # noqa: E402
 from quantkit.recipe.plan import PrecisionPlan  # noqa: E402
 from quantkit.report.build import greedy_line, render_markdown, w4a8_line  # noqa: E402
-from tests.unit.test_llm_builder import VOCAB, make_llama  # noqa: E402
+from tests.unit.test_llm_builder import VOCAB, make_llama, reference, run_cached  # noqa: E402
 
 FACTOR = 256.0  # a power of two: the planted model's bf16 / fp32 weights stay exact
 CHANNEL = 5
@@ -454,3 +454,9 @@ def test_equalize_scales_the_outlier_input_and_folds_it_for_free(folders: dict[s
     # the scale folded: the same nodes as without it (no Mul for an input scale)
     ops = [sorted(n.op_type for n in onnx.load(str(r.path), load_external_data=False).graph.node) for r in (plain, eq)]
     assert ops[0] == ops[1]
+    # ... and folded right: the equalized model is as close to FP32 as the plain one (a scale applied twice or not at
+    # all would multiply the outlier channel's contribution by up to s)
+    ids = _windows(2, 12, 5)
+    fp32 = reference(transformers.LlamaForCausalLM.from_pretrained(folders["qkv"], dtype=torch.float32).eval(), ids)
+    err = [float(np.linalg.norm(run_cached(r.path, ids) - fp32) / np.linalg.norm(fp32)) for r in (plain, eq)]
+    assert err[1] < 1.5 * err[0] + 1e-3, err
