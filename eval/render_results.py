@@ -123,6 +123,10 @@ DOCUMENTED: dict[str, dict[str, str]] = {
         "title": "Conformance zoo on a CPU without VNNI (x86-avx2, AMD EPYC): quantkit's default recipe vs ONNX "
                  "Runtime's quantize_static, every model built and measured on that CPU's own kernels",
     },
+    "zoo_densenet121_x86-avx2.json": {
+        "title": "DenseNet-121 alone on the AMD EPYC (x86-avx2), re-run after the peak meter stopped scanning every "
+                 "process: quantization time against ONNX Runtime's quantize_static in the same run",
+    },
     "zoo_x86-avx2-on-vnni.json": {
         "title": "Conformance zoo, every model built for CPUs without VNNI (x86-avx2: pair-safe int8 weights) and "
                  "measured here: exactness there, SQNR, and the pair-safe build's quantization time",
