@@ -494,15 +494,15 @@ class _Hook(BuildHook):
         """Whether an input scale of the group ``names`` folds into the graph at no run-time cost: the attention's or
         the MLP's input norm is their input (the builder divides its weight), or they are a gated MLP's down
         projection whose up projection is quantized (the builder divides up's per-column scales).  o_proj (the
-        attention output) and a mixture of experts' linears would need a ``Mul``."""
+        attention output) and a mixture of experts' MLP linears would need a ``Mul``."""
         cfg, n = self.cfg, self.cfg.spec.names
-        if cfg.is_moe(block):
-            return False
         p = block_prefix(cfg, block)
         suffixes = tuple(x[len(p) + 1 :] for x in names)
         groups = input_groups(cfg, block)
-        if suffixes == groups[0]:
+        if suffixes == groups[0]:  # q/k/v (a parallel block's MLP too), in a mixture-of-experts block as well
             return n.attn_norm is not None
+        if cfg.is_moe(block):
+            return False
         if len(groups) == 4 and suffixes == groups[2]:
             return cfg.mlp_norm is not None
         if suffixes == groups[-1] and len(suffixes) == 1 and suffixes[0] == n.down:

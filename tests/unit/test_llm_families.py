@@ -618,6 +618,37 @@ def test_quantkit_calibrate_layerwise_awq(built: Any, kind: str, tmp_path: Path)
         assert not moe
 
 
+@pytest.mark.parametrize("kind", ["phi3", "olmo2", "gpt_neox", "phi", "gpt2", "gemma", "mixtral"])
+def test_signround_equalize_folds_on_every_block_layout(built: Any, kind: str, tmp_path: Path) -> None:
+    """SignRound's W4A8 input equalization on the block layouts that differ where its scale folds: a packed gate/up
+    (Phi-3), no norm before attention or MLP (OLMo-2: only down_proj's scale folds, into up), parallel blocks with
+    and without an MLP norm (GPT-NeoX, Phi-2), a plain MLP and a LayerNorm with a bias (GPT-2), Gemma's ``1 + w``
+    norm, a mixture of experts (q/k/v only).  Every searched scale folds (the graph has the same nodes as without
+    equalization), and the model is as close to FP32 as without it (the folds' exactness: the AWQ tests, same code)."""
+    import onnx
+
+    from quantkit.layerwise import quantize_llm_layerwise
+
+    b = built(kind)
+    win = _ids(16, 1, rows=3)
+    ids = _ids(PROMPT + NEW, 4)
+    ref = _reference(b.model, ids)
+    out = {}
+    for eq in (False, True):
+        opts: dict[str, Any] = {"iters": 10, "equalize": True} if eq else {"iters": 10}
+        res = quantize_llm_layerwise(b.folder, tmp_path / f"q{eq}" / "model.onnx",
+                                     _plan(b.folder, algorithm="signround", algorithm_options=opts), win,
+                                     work_dir=tmp_path / f"w{eq}", progress=False, w4a8_max_error_ratio=1.5)  # fmt: skip
+        got = LLMSession(res.path)(ids)
+        out[eq] = (res, float(np.linalg.norm(got - ref) / np.linalg.norm(ref)),
+                   sorted(nd.op_type for nd in onnx.load(str(res.path), load_external_data=False).graph.node))
+    (_, e0, ops0), (res, e1, ops1) = out[False], out[True]
+    sec = res.w4a8["equalize"]
+    assert sec["groups_searched"] >= 2 and sec["not_applied"], sec  # o_proj at least is left alone
+    assert ops1 == ops0
+    assert e1 < 1.5 * e0 + 1e-3, (e0, e1)
+
+
 def _awq_graph(b: Any, kind: str, tmp_path: Path, overrides: list[dict[str, Any]] | None = None) -> Any:
     """``quantkit calibrate`` layer-wise, int4 g32 AWQ, on 3 x 16 random ids; the emitted graph (no weights)."""
     import onnx

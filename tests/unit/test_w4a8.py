@@ -423,19 +423,26 @@ def test_the_console_prints_both(folders: dict[str, Path], tmp_path: Path, capsy
 
 
 def test_equalize_scales_the_outlier_input_and_folds_it_for_free(folders: dict[str, Path], tmp_path: Path) -> None:
-    """The planted outlier channel of block 0's attention input: SignRound alone leaves q/k/v at level 0 (the check);
-    with ``equalize`` the search scales that input (folded into the norm: no node added), the level-4 error falls
-    back under the threshold and the group stays on the fast kernel; o_proj (whose scale would need a Mul) is left."""
+    """The planted outlier channels of block 0's attention input and down_proj input: SignRound alone leaves q/k/v at
+    level 0 (the check); with ``equalize`` the search scales those inputs (folded into the norm and into up_proj's
+    columns: no node added), q_proj's level-4 error falls back under the threshold and the group stays on the fast
+    kernel; o_proj (whose scale would need a Mul) is left."""
     def plan(equalize: bool) -> PrecisionPlan:
         opts = {"iters": 10, "equalize": True} if equalize else {"iters": 10}
-        rec = {"version": 1, "model": {"source": str(folders["qkv"])}, "calibration": {"layerwise": True},
+        rec = {"version": 1, "model": {"source": str(folder)}, "calibration": {"layerwise": True},
                "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": "signround",
                                             "algorithm_options": opts}}}  # fmt: skip
         return PrecisionPlan.from_recipe(load_recipe(rec))
 
     def build(name: str, equalize: bool) -> Any:
-        return quantize_llm_layerwise(folders["qkv"], tmp_path / name / "model.onnx", plan(equalize), _windows(3, 16, 1),
+        return quantize_llm_layerwise(folder, tmp_path / name / "model.onnx", plan(equalize), _windows(3, 16, 1),
                                       work_dir=tmp_path / f"work-{name}", progress=False, w4a8_max_error_ratio=THRESHOLD)
+
+    def down_outlier(p: dict[str, Any]) -> None:  # block 0's down_proj input gets an outlier channel too
+        p["model.layers.0.mlp.up_proj.weight"][CHANNEL] *= FACTOR
+        p["model.layers.0.mlp.down_proj.weight"][:, CHANNEL] /= FACTOR
+
+    folder = _plant(folders["qkv"], tmp_path / "planted", down_outlier)
 
     plain, eq = build("plain", False), build("eq", True)
     p = "model.layers.0.self_attn"
@@ -445,6 +452,7 @@ def test_equalize_scales_the_outlier_input_and_folds_it_for_free(folders: dict[s
     assert rows1[f"{p}.q_proj"]["w4a8_error_ratio"] < rows0[f"{p}.q_proj"]["w4a8_error_ratio"] / 2
     assert all(rows1[f"{p}.{n}"]["w4a8_equalize"] != "1" and rows1[f"{p}.{n}"]["accuracy_level"] == 4
                for n in ("q_proj", "k_proj", "v_proj"))  # fmt: skip
+    assert rows1["model.layers.0.mlp.down_proj"].get("w4a8_equalize") not in (None, "1")  # its scale folds into up
     sec = eq.w4a8["equalize"]
     assert sec["groups_searched"] == 6  # 2 blocks x (q/k/v, gate/up, down)
     assert sec["groups_scaled"] >= 1
@@ -454,9 +462,9 @@ def test_equalize_scales_the_outlier_input_and_folds_it_for_free(folders: dict[s
     # the scale folded: the same nodes as without it (no Mul for an input scale)
     ops = [sorted(n.op_type for n in onnx.load(str(r.path), load_external_data=False).graph.node) for r in (plain, eq)]
     assert ops[0] == ops[1]
-    # ... and folded right: the equalized model is as close to FP32 as the plain one (a scale applied twice or not at
-    # all would multiply the outlier channel's contribution by up to s)
+    # ... and applied: the equalized model is as close to FP32 as the plain one (a scale not applied takes it 3x
+    # further; the folds' exactness is tested with AWQ's scales, which go through the same builder code)
     ids = _windows(2, 12, 5)
-    fp32 = reference(transformers.LlamaForCausalLM.from_pretrained(folders["qkv"], dtype=torch.float32).eval(), ids)
+    fp32 = reference(transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), ids)
     err = [float(np.linalg.norm(run_cached(r.path, ids) - fp32) / np.linalg.norm(fp32)) for r in (plain, eq)]
     assert err[1] < 1.5 * err[0] + 1e-3, err
