@@ -64,7 +64,7 @@ import numpy as np
 
 from quantkit.algorithms.gptq import gptq_factor
 from quantkit.algorithms.rotation import rotation_for
-from quantkit.algorithms.woq import WOQResult, get_weight_algorithm
+from quantkit.algorithms.woq import WOQResult, get_weight_algorithm, resolve_group_size
 from quantkit.calibrate.layer_stats import LayerStats, quadratic_form
 from quantkit.checksum import dumps_checked, file_digest, loads_checked
 from quantkit.errors import DataError, QuantkitError, RecipeError
@@ -221,7 +221,7 @@ class _Hook(BuildHook):
         self.w4a8_s = 0.0  # seconds spent in the W4A8 check
         self.equalize_s = 0.0  # seconds spent in the W4A8 input equalization's search
         self.equalize_choices: list[dict[str, Any]] = []  # one per searched group: its layers, choice, scores
-        self.equalize_notes: dict[str, str] = {}  # layers asking for equalize whose scale would not fold for free
+        self.equalize_skipped: set[str] = set()  # layers asking for equalize whose input's scale would not fold for free
         self.equalize_searched: set[str] = set()  # layers whose group's scale was searched
         self.result_rows: list[dict[str, Any]] = []
         self.notes: dict[str, str] = {}
@@ -375,10 +375,10 @@ class _Hook(BuildHook):
             algo = "rtn"
         t0 = time.perf_counter()
         opts = dict(lp.algorithm_options) if algo == lp.algorithm else {}
-        if (opts.pop("equalize", False) and equalized is None and name not in self.equalize_notes
+        if (opts.pop("equalize", False) and equalized is None
                 and name not in self.equalize_searched  # searched, s = 1 chosen
                 and name not in (self.embed, f"{self.embed}.hot")):  # a table lookup has no activations to round
-            self.equalize_notes[name] = "equalize: not applied (its input's scale would not fold for free)"
+            self.equalize_skipped.add(name)
         w0 = w
         if equalized is not None:
             w = (w * equalized[0][:, None]).astype(np.float32)
@@ -477,7 +477,7 @@ class _Hook(BuildHook):
         if any((q.group_size, q.weight_symmetric) != (lp.group_size, lp.weight_symmetric) for q in plans):
             return None
         K = ws[names[0]].shape[0]
-        g = K if lp.group_size is None else min(int(lp.group_size), K)
+        g = resolve_group_size(K, lp.group_size)
         t0 = time.perf_counter()
         s, scores = equalize_scale([ws[n] for n in names], stats, bits=4, group_size=g,
                                    symmetric=lp.weight_symmetric)  # fmt: skip
@@ -1114,12 +1114,12 @@ def quantize_llm_layerwise(
     res.timings["w4a8_check_s"] = hook.w4a8_s
     res.w4a8 = w4a8_summary(res.rows, threshold=w4a8_max_error_ratio, accuracy_level=accuracy_level,
                             calibrated=windows is not None, seconds=hook.w4a8_s)  # fmt: skip
-    if hook.equalize_choices or hook.equalize_notes:  # signround's equalize: what the search chose, what it skipped
+    if hook.equalize_choices or hook.equalize_skipped:  # signround's equalize: what the search chose, what it skipped
         chosen = [c["chosen"] for c in hook.equalize_choices]
         res.w4a8["equalize"] = {
             "groups_searched": len(chosen), "groups_scaled": sum(c != "1" for c in chosen),
             "chosen": {k: chosen.count(k) for k in sorted(set(chosen))},
-            "not_applied": sorted(hook.equalize_notes), "seconds": round(hook.equalize_s, 3),
+            "not_applied": sorted(hook.equalize_skipped), "seconds": round(hook.equalize_s, 3),
             "groups": hook.equalize_choices,
         }  # fmt: skip
         res.timings["equalize_s"] = hook.equalize_s
