@@ -131,6 +131,11 @@ DOCUMENTED: dict[str, dict[str, str]] = {
         "title": "Conformance zoo, every model built for CPUs without VNNI (x86-avx2: pair-safe int8 weights) and "
                  "measured here: exactness there, SQNR, and the pair-safe build's quantization time",
     },
+    "zoo_probes_x86-avx2.json": {
+        "title": "Twelve architectures outside the zoo on a CPU without VNNI (x86-avx2, AMD EPYC): ShuffleNet v2, "
+                 "RegNet-Y, GoogLeNet, Swin-T, MobileViT, SegFormer, EfficientNet-V2, Inception-V3, MobileBERT, "
+                 "DeBERTa-V2, HGNetV2, LR-ASPP, each against ONNX Runtime's quantize_static in the same run",
+    },
     "zoo_probes_3_x86-vnni.json": {
         "title": "A third set of architectures outside the zoo (EfficientNet-V2, MaxViT, MobileNetV3-Large, "
                  "Inception-V3, LeViT, DINOv2, BEiT, and the encoders ALBERT, RoBERTa, ELECTRA, DeBERTa-V2)",
