@@ -271,7 +271,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     _refuse_unbuildable_decoder(args)  # before the imports below (about 1.5 s of them)
     from quantkit.api import quantize
     from quantkit.recipe.load import recipe_inputs
-    from quantkit.report.build import greedy_line, int4_kernel_line, latency_per, w4a8_line
+    from quantkit.report.build import class_grid_line, greedy_line, int4_kernel_line, latency_per, w4a8_line
     from quantkit.report.output import check_output_dir
 
     rec = _load(args)
@@ -321,6 +321,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     )
     if rep.get("int4_kernel"):
         print(int4_kernel_line(rep["int4_kernel"]))
+    if rep.get("by_cpu_class"):
+        print(class_grid_line(rep["by_cpu_class"]))
     if rep.get("w4a8_check"):
         print(w4a8_line(rep["w4a8_check"], rep.get("int4_kernel")))
     if "greedy_agreement" in q:

@@ -86,7 +86,7 @@ from quantkit.lowering.nbits import matmul_nbits_arrays
 from quantkit.lowering.w4a8 import level4_check, w4a8_summary
 from quantkit.memory import STAGE_STATS_BYTES
 from quantkit.progress import tqdm
-from quantkit.recipe.plan import LayerPlan, PrecisionPlan
+from quantkit.recipe.plan import LayerPlan, PrecisionPlan, applied_class
 from quantkit.weight_only import STATS_ALGORITHMS
 
 log = logging.getLogger("quantkit")
@@ -1040,6 +1040,7 @@ def _key(folder: Path, plan: PrecisionPlan, windows: np.ndarray | None, accuracy
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
     h.update(repr(sorted((k, repr(v)) for k, v in plan.recipe.quantization.model_dump().items())).encode())
+    h.update(f"class={applied_class(plan.recipe)}".encode())  # by_cpu_class: the grid this CPU class gets
     h.update(str(accuracy_level).encode())
     h.update(f"w4a8={w4a8_max_error_ratio!r}".encode())
     h.update(f"max_rows={max_rows};format={_STATE_FORMAT}".encode())

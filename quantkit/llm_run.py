@@ -51,7 +51,7 @@ from quantkit.memory import (
 from quantkit.pipeline import check_context, check_not_empty, extra_perplexities
 from quantkit.progress import stage
 from quantkit.recipe import RecipeModel
-from quantkit.recipe.plan import PrecisionPlan
+from quantkit.recipe.plan import PrecisionPlan, class_section
 from quantkit.report.build import complete_report, environment, load_average, map_layer_kernels, write_report
 from quantkit.scheme.target import resolve_target
 from quantkit.tempdirs import MARKER, clean_stale, owned_tempdir
@@ -453,6 +453,7 @@ def run_layerwise(model: Any, calibration_data: Any, rec: RecipeModel, *, evalua
         # q/k/v computed by one MatMulNBits: which layers share a kernel of the emitted graph
         "kernel_sharing": map_layer_kernels(onnx.load(str(q_path), load_external_data=False), res.rows),
         "int4_kernel": int4,  # the MatMulNBits accuracy_level shipped, how and why
+        "by_cpu_class": class_section(rec),  # the recipe's grid for this CPU class, when it has one
         "w4a8_check": res.w4a8,  # accuracy_level 4 vs 0 per layer on its calibration inputs (quantkit.lowering.w4a8)
         "kv_cache": kv_cache,  # the KV cache's element type (export.kv_cache) and, for int8, how it was calibrated
     }  # fmt: skip

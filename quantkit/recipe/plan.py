@@ -135,7 +135,7 @@ def inapplicable_overrides(recipe: RecipeModel, nodes: list[tuple[str, str, str 
 
 def resolve_layer(recipe: RecipeModel, layer: str, op_type: str, module: str | None = None) -> LayerPlan:
     """Resolve the scheme of node ``layer`` (of type ``op_type``, exported from PyTorch module ``module``)."""
-    d: LayerScheme = recipe.quantization.default
+    d: LayerScheme = class_default(recipe)
     ov, rule = _pick(recipe, layer, op_type, module)
     w: WeightScheme = (ov.weights if ov and ov.weights else None) or d.weights
     a: ActivationScheme = (ov.activations if ov and ov.activations else None) or d.activations
@@ -160,6 +160,41 @@ def resolve_layer(recipe: RecipeModel, layer: str, op_type: str, module: str | N
         compute=(ov.compute if ov is not None and ov.compute else None) or d.compute,
         hot_rows=int(ov.hot_rows or 0) if ov is not None else 0,
     )
+
+
+def applied_class(recipe: RecipeModel) -> str | None:
+    """The CPU class whose ``quantization.by_cpu_class`` entry applies to ``recipe``: the class ``target.isa``
+    names (``auto``: the running CPU's), when the recipe has an entry for it; else None."""
+    by = recipe.quantization.by_cpu_class
+    if not by:
+        return None
+    from quantkit.scheme.target import resolve_target
+
+    cls = resolve_target(recipe.target.isa, recipe.target.device).cpu_class
+    return cls if cls in by else None
+
+
+def class_default(recipe: RecipeModel) -> LayerScheme:
+    """``quantization.default`` with the entry of :func:`applied_class` applied (its ``group_size`` / ``weights``
+    replace the default's); the default itself when no entry applies."""
+    d = recipe.quantization.default
+    cls = applied_class(recipe)
+    if cls is None:
+        return d
+    patch = recipe.quantization.by_cpu_class[cls]
+    update = {k: getattr(patch, k) for k in ("group_size", "weights") if getattr(patch, k) is not None}
+    return d.model_copy(update=update)
+
+
+def class_section(recipe: RecipeModel) -> dict[str, Any] | None:
+    """The report's ``by_cpu_class`` section: the class whose entry applied and what it set; None when none did."""
+    cls = applied_class(recipe)
+    if cls is None:
+        return None
+    patch = recipe.quantization.by_cpu_class[cls]
+    return {"cpu_class": cls, "target_isa": recipe.target.isa,
+            **{k: (v.model_dump() if hasattr(v, "model_dump") else v)
+               for k in ("group_size", "weights") if (v := getattr(patch, k)) is not None}}
 
 
 def _algorithm_options(ov: Override | None, d: LayerScheme) -> dict[str, object]:

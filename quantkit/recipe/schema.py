@@ -311,10 +311,34 @@ class Override(_Strict):
         return self
 
 
+CLASS_KEYS: tuple[str, ...] = ("x86-vnni", "x86-avx2", "arm64", "portable")
+"""The keys of ``quantization.by_cpu_class``: the CPU classes of ``target.isa`` (``auto`` resolves to one of the
+first three) and ``portable``."""
+
+
+class ClassScheme(_Strict):
+    """What ``quantization.by_cpu_class`` may change in the default scheme for one CPU class: the weight-only grid
+    (group size and weight scheme), whose decode speed depends on the CPU's kernels."""
+
+    group_size: int | None = Field(None, ge=16, description="replaces quantization.default.group_size")
+    weights: WeightScheme | None = Field(None, description="replaces quantization.default.weights")
+
+    @field_validator("group_size")
+    @classmethod
+    def _pow2(cls, v: int | None) -> int | None:
+        return _power_of_two_group(v)
+
+
 class QuantizationSection(_Strict):
     default: LayerScheme = LayerScheme()
     op_types: Literal["auto"] | list[str] = "auto"
     overrides: list[Override] = Field(default_factory=list)
+    by_cpu_class: dict[str, ClassScheme] = Field(
+        default_factory=dict,
+        description="per CPU class (the class target.isa names; auto: the running CPU's), a group_size and / or "
+        "weights that replace the default's before any layer is resolved; an override's own values still win. "
+        "Keys: x86-vnni, x86-avx2, arm64, portable",
+    )
     fold_clip_ranges: bool = Field(
         True,
         description="quantize Relu/Clip outputs on [lo, hi] so ONNX Runtime can drop the activation (exact)",
@@ -346,6 +370,14 @@ class QuantizationSection(_Strict):
             bad = [o for o in v if o not in QUANTIZABLE_OPS]
             if bad:
                 raise ValueError(f"unsupported op types {bad}; allowed: {sorted(QUANTIZABLE_OPS)}")
+        return v
+
+    @field_validator("by_cpu_class")
+    @classmethod
+    def _known_classes(cls, v: dict[str, ClassScheme]) -> dict[str, ClassScheme]:
+        bad = sorted(k for k in v if k not in CLASS_KEYS)
+        if bad:
+            raise ValueError(f"unknown CPU class {bad}; allowed: {list(CLASS_KEYS)}")
         return v
 
 

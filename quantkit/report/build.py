@@ -268,6 +268,21 @@ def int4_kernel_line(sec: Mapping[str, Any] | None) -> str:
     return line
 
 
+def class_grid_line(sec: Mapping[str, Any] | None) -> str:
+    """One line on the recipe's ``quantization.by_cpu_class`` entry that applied (empty when none did)."""
+    if not sec:
+        return ""
+    parts = []
+    if sec.get("group_size") is not None:
+        parts.append(f"group_size {sec['group_size']}")
+    w = sec.get("weights") or {}
+    if w:
+        parts.append("symmetric weights" if w.get("symmetric") else "asymmetric weights (a zero point per group)")
+    how = "this CPU's class" if sec.get("target_isa") == "auto" else f"target.isa: {sec.get('target_isa')}"
+    return (f"Weight grid: quantization.by_cpu_class[{sec.get('cpu_class')}] applied ({how}): "
+            f"{', '.join(parts) or 'nothing changed'} in place of the default's")
+
+
 def w4a8_line(sec: Mapping[str, Any], int4: Mapping[str, Any] | None = None) -> str:
     """One line on the W4A8 check (:mod:`quantkit.lowering.w4a8`): the layers kept at accuracy_level 0 and why."""
     if not sec.get("checked"):
@@ -819,6 +834,8 @@ def summary_lines(rep: Mapping[str, Any]) -> list[str]:
         out.append(f"- latency: {lat['why']}")
     if rep.get("int4_kernel"):
         out.append("- " + int4_kernel_line(rep["int4_kernel"]))
+    if rep.get("by_cpu_class"):
+        out.append("- " + class_grid_line(rep["by_cpu_class"]))
     if rep.get("w4a8_check"):
         out.append("- " + w4a8_line(rep["w4a8_check"], rep.get("int4_kernel")))
     if "greedy_agreement" in (rep.get("quality") or {}):

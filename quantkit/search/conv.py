@@ -35,7 +35,7 @@ from quantkit.errors import RecipeError, UnsupportedOpError
 from quantkit.formats import Artifacts, Job, lower_plan
 from quantkit.formats.static_int8 import StaticInt8
 from quantkit.lowering.select import constant_array, layer_plan
-from quantkit.recipe.plan import LayerPlan, PrecisionPlan, with_candidate
+from quantkit.recipe.plan import LayerPlan, PrecisionPlan, class_default, with_candidate
 from quantkit.recipe.schema import Candidate, RecipeModel
 from quantkit.scheme.target import resolve_target
 from quantkit.search.linear import Unit, search_candidates, weight_only_bytes
@@ -179,7 +179,7 @@ class ConvSpace:
                 raise RecipeError(f"unit {u.name!r}: candidate {cand!r} is not allowed; allowed: {self.allowed(u)}")
             base = self._base[u.name]
             decided[u.name] = (dataclasses.replace(base, format="fp32", rule="search:fp32") if c is None
-                               else with_candidate(base, c, self.rec.quantization.default))
+                               else with_candidate(base, c, class_default(self.rec)))
         return PrecisionPlan.from_recipe(self.rec).choose(decided)
 
     def job(self, plan: PrecisionPlan) -> Job:

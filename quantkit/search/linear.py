@@ -48,7 +48,7 @@ from quantkit.formats.weight_only import WeightOnly
 from quantkit.lowering.select import constant_array, layer_plan, recipe_op_type
 from quantkit.ops import module_path
 from quantkit.recipe.patterns import pattern_search
-from quantkit.recipe.plan import LayerPlan, PrecisionPlan, overridden, with_candidate
+from quantkit.recipe.plan import LayerPlan, PrecisionPlan, class_default, overridden, with_candidate
 from quantkit.recipe.schema import Candidate, RecipeModel
 from quantkit.scheme.target import resolve_target
 
@@ -275,7 +275,7 @@ class LinearSpace:
             if cand != "fp32":
                 raise RecipeError(f"layer {layer!r}: unknown candidate {cand!r}; allowed: {sorted(self.candidates)}")
             return dataclasses.replace(base, format="fp32", rule="search:fp32")
-        return with_candidate(base, c, self.rec.quantization.default)
+        return with_candidate(base, c, class_default(self.rec))
 
     def plan_of(self, assignment: Mapping[str, str]) -> PrecisionPlan:
         """The precision plan of ``assignment`` (unit name -> candidate; units not named stay fp32); pinned

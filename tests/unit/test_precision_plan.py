@@ -76,3 +76,55 @@ def test_override_fields_for_every_family_validate() -> None:
     assert plan.layer("a", "MatMul").compute == "native"
     b = plan.layer("b", "MatMul")
     assert (b.smoothquant, b.granularity) == ("off", "per_tensor")
+
+
+def _class_recipe(isa: str, **extra: object) -> dict[str, object]:
+    return {
+        "version": 1, "name": "by-class", "model": {"source": "m.onnx"}, "target": {"isa": isa},
+        "quantization": {
+            "default": {"format": "int4", "group_size": 128, "weights": {"symmetric": False}},
+            "overrides": [{"layer": "lm_head", "format": "int4", "algorithm": "gptq"},
+                          {"layer": "emb", "format": "int4", "group_size": 64}],
+            "by_cpu_class": {"x86-avx2": {"group_size": 32, "weights": {"symmetric": True}}},
+            **extra,
+        },
+    }
+
+
+def test_by_cpu_class_replaces_the_default_grid_for_its_class_only() -> None:
+    from quantkit.recipe.plan import applied_class, class_section
+
+    avx2 = PrecisionPlan.from_recipe(load_recipe(_class_recipe("x86-avx2")))
+    body, head, emb = (avx2.layer(n, "MatMul") for n in ("model.layers.0.mlp.down_proj", "lm_head", "emb"))
+    assert (body.group_size, body.weight_symmetric) == (32, True)
+    assert (head.group_size, head.weight_symmetric, head.algorithm) == (32, True, "gptq")  # inherits the default
+    assert (emb.group_size, emb.weight_symmetric) == (64, True)  # an override's own group size still wins
+    assert applied_class(avx2.recipe) == "x86-avx2"
+    assert class_section(avx2.recipe) == {"cpu_class": "x86-avx2", "target_isa": "x86-avx2", "group_size": 32,
+                                          "weights": {"dtype": "int8", "symmetric": True, "granularity": "channel"}}
+    for isa in ("x86-vnni", "arm64", "portable"):
+        other = PrecisionPlan.from_recipe(load_recipe(_class_recipe(isa)))
+        lp = other.layer("model.layers.0.mlp.down_proj", "MatMul")
+        assert (lp.group_size, lp.weight_symmetric) == (128, False)
+        assert applied_class(other.recipe) is None and class_section(other.recipe) is None
+
+
+def test_by_cpu_class_search_candidates_take_the_class_group_size() -> None:
+    from quantkit.recipe.plan import class_default
+
+    rec = load_recipe(_class_recipe("x86-avx2"))
+    lp = PrecisionPlan.from_recipe(rec).layer("x", "MatMul")
+    cand = Candidate(name="c", format="int4")
+    assert with_candidate(lp, cand, class_default(rec)).group_size == 32
+    assert class_default(load_recipe(_class_recipe("x86-vnni"))).group_size == 128
+
+
+@pytest.mark.parametrize(("entry", "match"), [
+    ({"x86-sse": {"group_size": 32}}, r"unknown CPU class \['x86-sse'\]; allowed: \['x86-vnni', 'x86-avx2', "),
+    ({"x86-avx2": {"group_size": 48}}, "group_size 48 must be a power of two"),
+    ({"x86-avx2": {"group_size": 8}}, "group_size"),
+    ({"x86-avx2": {"algorithm": "gptq"}}, "algorithm"),
+])
+def test_by_cpu_class_bad_entries_are_refused_by_name(entry: dict[str, object], match: str) -> None:
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(_class_recipe("x86-avx2", by_cpu_class=entry))

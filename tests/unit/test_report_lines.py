@@ -329,3 +329,48 @@ def test_sweep_console_counts_repeated_steps_and_prints_each_output_once(tmp_pat
         assert (out / name).is_file()
         assert sum(str(out / name) in ln for ln in lines) == 1, name
     assert sum(str(out / "assignments") in ln for ln in lines) == 1
+
+
+def test_layerwise_build_takes_the_grid_of_its_cpu_class(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``quantization.by_cpu_class``: the entry of the running CPU's class (every class has one here) replaces the
+    default's group size and weights in every MatMulNBits the build emits - the lm_head's too, which inherits the
+    default - and the report and its summary say which entry applied; the embedding's own override keeps its grid."""
+    pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    import quantkit.llm_run
+    from quantkit.scheme.target import detect_cpu
+    from tests.unit.test_llm_builder import VOCAB, make_llama
+
+    folder = tmp_path / "hf"
+    make_llama(folder, tied=True, dtype=torch.bfloat16)
+    monkeypatch.setattr(quantkit.llm_run, "resolve_llm_folder",
+                        lambda source: folder if str(source) == "smollm2-135m" else Path(source))
+    ids = np.random.default_rng(0).integers(0, VOCAB, (3, 16)).astype(np.int64)
+    data = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    grid = {"group_size": 16, "weights": {"symmetric": True}}
+    rec = {"version": 1, "name": "tiny-int4", "model": {"source": "smollm2-135m"}, "calibration": {"layerwise": True},
+           "quantization": {"default": {"format": "int4", "group_size": 64, "algorithm": "gptq",
+                                        "weights": {"symmetric": False}},
+                            "overrides": [{"layer": "lm_head", "format": "int4", "algorithm": "gptq"},
+                                          {"layer": "model.embed_tokens", "format": "int4", "group_size": 32}],
+                            "by_cpu_class": {c: grid for c in ("x86-vnni", "x86-avx2", "arm64")}},
+           "report": {"latency": {"enabled": False}}}
+    res = quantize(None, data, rec, progress=False)
+    rep = res.report
+    cls = detect_cpu().cpu_class
+    assert rep["by_cpu_class"] == {"cpu_class": cls, "target_isa": "auto", "group_size": 16,
+                                   "weights": {"dtype": "int8", "symmetric": True, "granularity": "channel"}}
+    proto = onnx.load(str(res.path), load_external_data=False)
+    nbits = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    assert nbits and any(n.name.startswith("lm_head") for n in nbits)
+    for n in nbits:
+        if n.name.endswith(".hot"):
+            continue
+        attrs = {a.name: a.i for a in n.attribute}
+        assert attrs["block_size"] == 16, n.name
+        assert len(n.input) < 4 or not n.input[3], f"{n.name}: a symmetric grid has no zero points"
+    gather = [n for n in proto.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert [{a.name: a.i for a in n.attribute}["block_size"] for n in gather] == [32]
+    md = render_markdown(rep)
+    assert (f"Weight grid: quantization.by_cpu_class[{cls}] applied (this CPU's class): group_size 16, symmetric "
+            "weights in place of the default's") in md
