@@ -103,9 +103,10 @@ DOCUMENTED: dict[str, dict[str, str]] = {
                  "between log lines, the run's figures",
     },
     "int4_gap_x86-avx2.json": {
-        "title": "The llama-int4 recipe with scale refit against FP32 and ONNX Runtime's RTN g128 (symmetric, and "
-                 "asymmetric: its quantizer's default) on held-out Persuasion and Python docs, one process, on a CPU "
-                 "without VNNI; the recipe before refit and two other refit settings beside it",
+        "title": "The llama-int4 recipe on a CPU without VNNI (its by_cpu_class grid: symmetric groups of 32) against "
+                 "FP32 and ONNX Runtime's RTN g128 (symmetric, and asymmetric: its quantizer's default) on held-out "
+                 "Persuasion and Python docs, one process; the asymmetric g128 recipe before it and earlier variants "
+                 "beside it",
     },
     "int4_gap_x86-vnni.json": {
         "title": "The llama-int4 recipe against FP32 and ONNX Runtime's RTN g128 (symmetric, and asymmetric: its "
@@ -858,7 +859,7 @@ def _headline_rows(files: dict[str, Any]) -> list[tuple[str, str, str]]:
     def gap(d: Any) -> str:
         r = d["austen:persuasion"]
         return (f"held-out *Persuasion* perplexity {r['quantized']:.2f} vs FP32 {r['fp32']:.2f} at "
-                f"{d['size_ratio_to_fp32']['quantized']:.2f} of FP32's size: {r['gap_closed']:.0%} of the gap to ONNX "
+                f"{d['size_ratio_to_fp32']['quantized']:.3f} of FP32's size: {r['gap_closed']:.0%} of the gap to ONNX "
                 f"Runtime's symmetric RTN g128 ({r['ort_rtn_g128']:.2f}) closed, {r['gap_closed_vs_best_rtn']:.0%} of "
                 f"the gap to its default asymmetric RTN ({r['ort_rtn_g128_asym']:.2f})")
 
