@@ -208,10 +208,8 @@ def test_prefill_warning_says_why_and_what_to_try() -> None:
     assert "compute-bound" in w and "accuracy_level" not in w
 
 
-def test_layerwise_report_names_the_model_and_explains_the_shared_kernels(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The SmolLM2 recipe's shape on a tiny LLaMA, built block by block: q/k/v run as one MatMulNBits (the 212
-    layers -> 151 MatMulNBits of the real run), the name the user gave and the folder it was read from."""
+def _tiny_smollm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, np.ndarray]]:
+    """A tiny tied LLaMA folder that the name ``smollm2-135m`` resolves to, and 3 windows of 16 random tokens."""
     pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     import quantkit.llm_run
@@ -222,7 +220,14 @@ def test_layerwise_report_names_the_model_and_explains_the_shared_kernels(tmp_pa
     monkeypatch.setattr(quantkit.llm_run, "resolve_llm_folder",
                         lambda source: folder if str(source) == "smollm2-135m" else Path(source))
     ids = np.random.default_rng(0).integers(0, VOCAB, (3, 16)).astype(np.int64)
-    data = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    return folder, {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+
+
+def test_layerwise_report_names_the_model_and_explains_the_shared_kernels(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SmolLM2 recipe's shape on a tiny LLaMA, built block by block: q/k/v run as one MatMulNBits (the 212
+    layers -> 151 MatMulNBits of the real run), the name the user gave and the folder it was read from."""
+    folder, data = _tiny_smollm(tmp_path, monkeypatch)
     rec = {"version": 1, "name": "tiny-int4", "model": {"source": "smollm2-135m"}, "calibration": {"layerwise": True},
            "quantization": {"default": {"format": "int4", "group_size": 32, "algorithm": "gptq"}},
            "report": {"latency": {"warmup": 1, "repeat": 3, "seq_len": 8, "long_prefill": None}}}
@@ -335,18 +340,9 @@ def test_layerwise_build_takes_the_grid_of_its_cpu_class(tmp_path: Path, monkeyp
     """``quantization.by_cpu_class``: the entry of the running CPU's class (every class has one here) replaces the
     default's group size and weights in every MatMulNBits the build emits - the lm_head's too, which inherits the
     default - and the report and its summary say which entry applied; the embedding's own override keeps its grid."""
-    pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    import quantkit.llm_run
     from quantkit.scheme.target import detect_cpu
-    from tests.unit.test_llm_builder import VOCAB, make_llama
 
-    folder = tmp_path / "hf"
-    make_llama(folder, tied=True, dtype=torch.bfloat16)
-    monkeypatch.setattr(quantkit.llm_run, "resolve_llm_folder",
-                        lambda source: folder if str(source) == "smollm2-135m" else Path(source))
-    ids = np.random.default_rng(0).integers(0, VOCAB, (3, 16)).astype(np.int64)
-    data = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    _, data = _tiny_smollm(tmp_path, monkeypatch)
     grid = {"group_size": 16, "weights": {"symmetric": True}}
     rec = {"version": 1, "name": "tiny-int4", "model": {"source": "smollm2-135m"}, "calibration": {"layerwise": True},
            "quantization": {"default": {"format": "int4", "group_size": 64, "algorithm": "gptq",
