@@ -139,3 +139,21 @@ def test_static_int8_and_weight_only_layers_mix_in_one_model() -> None:
     assert {r["layer"] for r in res.report["weight_only"]} and "up" not in {r["layer"] for r in res.report["weight_only"]}
     k = res.census.quantized_kernels
     assert k.get("MatMulNBits", 0) >= 1 and k.get("MatMulIntegerToFloat", 0) + k.get("QLinearMatMul", 0) >= 1, k
+
+
+def test_whole_graph_int4_takes_the_grid_of_its_cpu_class() -> None:
+    """``quantization.by_cpu_class`` on the whole-graph path: every MatMulNBits takes the class's group size and
+    symmetric grid (no zero points), where the default alone would give groups of 32 with zero points."""
+    rec = _recipe("rtn", weights={"symmetric": False})
+    plain = quantize(tiny_lm(), windows(4, 1), rec, evaluate=False, progress=False)
+    rec["quantization"]["by_cpu_class"] = {c: {"group_size": 16, "weights": {"symmetric": True}}
+                                           for c in ("x86-vnni", "x86-avx2", "arm64")}
+    graded = quantize(tiny_lm(), windows(4, 1), rec, evaluate=False, progress=False)
+
+    def grids(res: Any) -> list[tuple[int, bool]]:
+        nodes = [n for n in ir.to_proto(res.model).graph.node if n.op_type == "MatMulNBits"]
+        return [({a.name: a.i for a in n.attribute}["block_size"], len(n.input) > 3 and bool(n.input[3]))
+                for n in nodes]
+
+    assert grids(plain) == [(32, True)] * 3
+    assert grids(graded) == [(16, False)] * 3
