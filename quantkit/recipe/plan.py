@@ -174,27 +174,28 @@ def applied_class(recipe: RecipeModel) -> str | None:
     return cls if cls in by else None
 
 
+def _class_update(recipe: RecipeModel) -> tuple[str, dict[str, Any]] | None:
+    """The class of :func:`applied_class` and the default's keys its entry sets; None when no entry applies."""
+    cls = applied_class(recipe)
+    if cls is None:
+        return None
+    return cls, {k: v for k, v in recipe.quantization.by_cpu_class[cls] if v is not None}
+
+
 def class_default(recipe: RecipeModel) -> LayerScheme:
     """``quantization.default`` with the entry of :func:`applied_class` applied (its ``group_size`` / ``weights``
     replace the default's); the default itself when no entry applies."""
-    d = recipe.quantization.default
-    cls = applied_class(recipe)
-    if cls is None:
-        return d
-    patch = recipe.quantization.by_cpu_class[cls]
-    update = {k: getattr(patch, k) for k in ("group_size", "weights") if getattr(patch, k) is not None}
-    return d.model_copy(update=update)
+    upd = _class_update(recipe)
+    return recipe.quantization.default if upd is None else recipe.quantization.default.model_copy(update=upd[1])
 
 
 def class_section(recipe: RecipeModel) -> dict[str, Any] | None:
     """The report's ``by_cpu_class`` section: the class whose entry applied and what it set; None when none did."""
-    cls = applied_class(recipe)
-    if cls is None:
+    upd = _class_update(recipe)
+    if upd is None:
         return None
-    patch = recipe.quantization.by_cpu_class[cls]
-    return {"cpu_class": cls, "target_isa": recipe.target.isa,
-            **{k: (v.model_dump() if hasattr(v, "model_dump") else v)
-               for k in ("group_size", "weights") if (v := getattr(patch, k)) is not None}}
+    return {"cpu_class": upd[0], "target_isa": recipe.target.isa,
+            **{k: (v.model_dump() if hasattr(v, "model_dump") else v) for k, v in upd[1].items()}}
 
 
 def _algorithm_options(ov: Override | None, d: LayerScheme) -> dict[str, object]:
