@@ -732,8 +732,8 @@ def _int8_nodes(plan: Any) -> set[str]:
     return set(plan.layers) | set(plan.rescales) | set(plan.folded_gates) | set(plan.layer_biases)
 
 
-def _float_plan(result: Any, layers: list[str]) -> Any:
-    """The result's precision plan with ``layers`` kept in float (their rule: :data:`RULE`)."""
+def _float_plan(result: Any, layers: list[str], rule: str | None = None) -> Any:
+    """The result's precision plan with ``layers`` kept in float (their rule: ``rule``, default :data:`RULE`)."""
     from quantkit.lowering.select import layer_plan
 
     wanted = set(layers)
@@ -741,7 +741,7 @@ def _float_plan(result: Any, layers: list[str]) -> Any:
     for node in result.float_model.graph:  # the layers of the other formats (not in the static-INT8 plan)
         if node.name in wanted and node.name not in current:
             current[node.name] = layer_plan(result.precision, node)
-    return result.precision.choose({k: dataclasses.replace(lp, format="fp32", rule=RULE)
+    return result.precision.choose({k: dataclasses.replace(lp, format="fp32", rule=rule or RULE)
                                     for k, lp in current.items()})
 
 

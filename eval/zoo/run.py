@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 
-from zoo_models import ALL, CI_SUBSET, ENCODERS, PROBES, SEGMENTATION, build, cache_root  # noqa: E402
+from zoo_models import ALL, CI_SUBSET, ENCODERS, PROBES, SEGMENTATION, SPEECH, build, cache_root  # noqa: E402
 
 GEMM_OPS = {"Conv", "MatMul", "Gemm", "FusedConv", "FusedGemm", "FusedMatMul", "NhwcFusedConv"}
 
@@ -233,7 +233,7 @@ def run_model(name: str, work: Path, *, repeat: int, isa: str | None = None) -> 
         if r["rc"] == 0:
             models[key] = dst
     feeds = _feeds(paths["evaluation"])
-    classify = name not in ENCODERS and name not in SEGMENTATION
+    classify = name not in ENCODERS and name not in SEGMENTATION and name not in SPEECH
     fp32 = make_session(str(paths["model"]))
     for key, path in list(models.items()):
         if key == "fp32":

@@ -189,6 +189,27 @@ between blocks, relative attention); CANINE's hashed character embeddings (eight
 strided convolution down-sampling; RemBERT's decoupled input embedding (128 wide, projected)."""
 ENCODERS = (*ZOO_ENCODERS, *HF_ENCODERS)
 PROBES.update({k: {} for k in HF_ENCODERS})
+SPEECH = {
+    "wav2vec2": ("Wav2Vec2Config", "Wav2Vec2Model", {"num_hidden_layers": 4}, "waveform"),
+    "hubert": ("HubertConfig", "HubertModel", {"num_hidden_layers": 4}, "waveform"),
+    "wavlm": ("WavLMConfig", "WavLMModel", {"num_hidden_layers": 4}, "waveform"),
+    "moonshine_enc": ("MoonshineConfig", "MoonshineModel", {"encoder_num_hidden_layers": 4,
+                                                            "decoder_num_hidden_layers": 1}, "waveform"),
+    "whisper_enc": ("WhisperConfig", "WhisperModel", {"d_model": 384, "encoder_layers": 4, "encoder_attention_heads": 6,
+                                                      "encoder_ffn_dim": 1536, "num_mel_bins": 80,
+                                                      "max_source_positions": 50}, "whisper_mel"),
+    "ast": ("ASTConfig", "ASTModel", {"num_hidden_layers": 4, "num_mel_bins": 128, "max_length": 100}, "ast_fbank"),
+}
+"""(twelfth set) Speech encoders (transformers, random weights, 4 layers at their base widths), fed one second of
+real speech at 16 kHz: wav2vec2 / HuBERT / WavLM (a 7-layer convolutional feature encoder on the raw waveform,
+GroupNorm, a LayerNorm'd projection, a grouped positional convolution; WavLM's gated relative position bias),
+Moonshine's encoder (a strided convolution stem with tanh and GroupNorm, rotary attention), Whisper's encoder
+(two 1-D convolutions on an 80-band log-mel spectrogram) and the Audio Spectrogram Transformer (a ViT on 128-band
+filter banks).  The encoder's ``last_hidden_state`` is the output."""
+PROBES.update({k: {} for k in SPEECH})
+SPEECH_PACKAGE = "alsa-utils"
+"""The Debian package whose ``/usr/share/sounds/alsa/*.wav`` are recordings of a human voice (eight spoken channel
+names, 48 kHz mono); ``Noise.wav`` is left out."""
 ALL = (*TORCHVISION_MODELS, "vit_6l", *ZOO_ENCODERS, "efficientnet_lite0", "se_cnn")
 KNOWN = (*ALL, *PROBES)
 CI_SUBSET = ("squeezenet1_1", "mobilenet_v3_small", "se_cnn")
@@ -378,6 +399,83 @@ def build_encoder(name: str, path: Path, seq: int) -> None:
             {"input_ids": {0: batch, 1: s}, "attention_mask": {0: batch, 1: s}})
 
 
+def build_speech(name: str, path: Path) -> None:
+    """One of :data:`SPEECH` with random weights, exported with a dynamic batch; input one second of audio."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg_name, cls_name, kw, kind = SPEECH[name]
+    model = getattr(transformers, cls_name)(getattr(transformers, cfg_name)(**kw)).eval()
+    inner = model.get_encoder() if hasattr(model, "get_encoder") and name in ("moonshine_enc", "whisper_enc") else model
+    arg = {"waveform": "input_values", "whisper_mel": "input_features", "ast_fbank": "input_values"}[kind]
+
+    class Last(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.m(x).last_hidden_state
+
+    x = torch.from_numpy(speech_features(kind, speech_clips("calibration")[:2]))
+    _export(Last().eval(), (x,), path, [arg], ["last_hidden_state"], {"x": {0: torch.export.Dim("batch", min=1,
+                                                                                                 max=1024)}})
+
+
+def speech_clips(split: str, seconds: float = 1.0, hop: float = 0.1) -> np.ndarray:
+    """Windows of ``seconds`` of real speech at 16 kHz, every ``hop`` seconds, each scaled to zero mean and unit
+    variance (as wav2vec2's feature extractor does): calibration from four of the eight recordings of
+    :data:`SPEECH_PACKAGE`, evaluation from the other four (``apt-get download`` once, cached)."""
+    import shutil
+    import tempfile
+    import wave
+
+    from scipy.signal import resample_poly
+
+    folder = cache_root() / "speech"
+    if not folder.is_dir():
+        with tempfile.TemporaryDirectory(prefix="zoo-speech-") as work:
+            subprocess.run(["apt-get", "download", SPEECH_PACKAGE], cwd=work, check=True, capture_output=True)
+            (deb,) = Path(work).glob("*.deb")
+            subprocess.run(["dpkg-deb", "-x", str(deb), str(Path(work) / "root")], check=True)
+            tmp = Path(work) / "speech"
+            shutil.copytree(Path(work) / "root" / "usr" / "share" / "sounds" / "alsa", tmp)
+            if not folder.exists():  # another run may have filled it meanwhile
+                os.replace(tmp, folder)
+    files = sorted(f for f in folder.glob("*.wav") if f.stem != "Noise")
+    n, step = int(16000 * seconds), int(16000 * hop)
+    out = []
+    for f in files[::2] if split == "calibration" else files[1::2]:
+        with wave.open(str(f)) as w:
+            rate, raw = w.getframerate(), w.readframes(w.getnframes())
+        a = np.frombuffer(raw, np.int16).astype(np.float32) / 32768.0
+        a = resample_poly(a, 16000, rate).astype(np.float32)
+        out += [a[i:i + n] for i in range(0, len(a) - n + 1, step)]
+    x = np.stack(out)
+    return ((x - x.mean(1, keepdims=True)) / (x.std(1, keepdims=True) + 1e-7)).astype(np.float32)
+
+
+def speech_features(kind: str, clips: np.ndarray) -> np.ndarray:
+    """What the model reads: the waveform, Whisper's 80-band log-mel spectrogram or AST's 128-band filter banks
+    (transformers' feature extractors, built in code: nothing downloaded)."""
+    import transformers
+
+    if kind == "waveform":
+        return clips
+    if kind == "whisper_mel":
+        fx = transformers.WhisperFeatureExtractor(feature_size=80, chunk_length=1)
+        return fx(list(clips), sampling_rate=16000, return_tensors="np")["input_features"].astype(np.float32)
+    fx = transformers.ASTFeatureExtractor(num_mel_bins=128, max_length=100)
+    return fx(list(clips), sampling_rate=16000, return_tensors="np")["input_values"].astype(np.float32)
+
+
+def speech_npz(path: Path, name: str, split: str) -> None:
+    kind = SPEECH[name][3]
+    arg = {"waveform": "input_values", "whisper_mel": "input_features", "ast_fbank": "input_values"}[kind]
+    np.savez(path, **{arg: speech_features(kind, speech_clips(split))})
+
+
 def image_npz(path: Path, split: str, count: int, size: int, preprocess: str = "imagenet") -> None:
     """``count`` crops of real photos (``quantkit.data.photos``) preprocessed to ``size``, as ``input``."""
     from quantkit.data.images import Preprocess, get_preprocess
@@ -411,12 +509,15 @@ def build(name: str, size: int = 224, cal: int = 64, ev: int = 64, seq: int = 12
     """ONNX + calibration / evaluation ``.npz`` of zoo model ``name`` (cached)."""
     if name not in KNOWN:
         raise SystemExit(f"unknown zoo model {name!r}; allowed: {', '.join(KNOWN)}")
-    folder = cache_root() / ZOO_VERSION / (f"{name}-{seq}" if name in ENCODERS else f"{name}-{size}")
+    folder = cache_root() / ZOO_VERSION / (f"{name}-{seq}" if name in ENCODERS else name if name in SPEECH
+                                           else f"{name}-{size}")
     folder.mkdir(parents=True, exist_ok=True)
     onnx_path = folder / "model.onnx"
     if not onnx_path.is_file():
         if name in ENCODERS:
             build_encoder(name, onnx_path, seq)
+        elif name in SPEECH:
+            build_speech(name, onnx_path)
         elif name == "efficientnet_lite0":
             import onnx_ir as ir
 
@@ -432,6 +533,8 @@ def build(name: str, size: int = 224, cal: int = 64, ev: int = 64, seq: int = 12
             tmp = p.with_name(p.stem + ".tmp.npz")
             if name in ENCODERS:
                 text_npz(tmp, split, n, seq)
+            elif name in SPEECH:  # every window of its recordings (20 per split), whatever n
+                speech_npz(tmp, name, split)
             else:
                 image_npz(tmp, split, n, size, "efficientnet" if name == "efficientnet_lite0" else "imagenet")
             os.replace(tmp, p)

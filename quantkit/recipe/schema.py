@@ -411,6 +411,14 @@ class EvaluationSection(_Strict):
         description="causal LMs: more held-out texts (other domains); perplexity on each, FP32 vs quantized",
     )
     metric: Metric = "auto"
+    fidelity_guard: bool = Field(
+        True,
+        description="models judged by output fidelity (not causal LMs): when an output of the emitted model is below "
+        "20 dB SQNR against FP32 and the report's verdict names layers to keep in "
+        "float, re-run the plan with them in float and ship that model if its worst output SQNR is at least 6 dB "
+        "better (at most 2 rounds, at most half of the quantized layers; quantkit.fidelity_guard; every figure in "
+        "the report's fidelity_guard). false: ship the plan as built, the verdict stays a warning",
+    )
     perplexity: bool = Field(True, description="causal LMs: perplexity on the evaluation windows")
     batch_size: int = Field(8, ge=1, le=4096)
     fp32_baseline: Literal["auto", "whole", "streamed", "off"] = Field(

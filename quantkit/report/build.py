@@ -1113,6 +1113,9 @@ def _quality_lines(rep: Mapping[str, Any]) -> list[str]:
         lines += ["| output | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
         lines += [f"| {name} | " + " | ".join(_fmt(d.get(k), 4) for k in keys) + " |" for name, d in fid.items()]
         lines.append("")
+        guard = rep.get("fidelity_guard") or {}
+        if guard.get("decision"):
+            lines += [f"Fidelity guard: {guard['decision']}.", ""]
     q = rep.get("quality") or {}
     if "perplexity_fp32" in q:
         pf, pq = q["perplexity_fp32"], q["perplexity_quantized"]

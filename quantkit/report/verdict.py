@@ -31,7 +31,8 @@ from typing import Any
 
 import onnx
 
-__all__ = ["error_growth", "layer_predecessors", "layers_between", "upstream_layers", "verdict_warnings"]
+__all__ = ["below_fidelity_floor", "error_growth", "layer_predecessors", "layers_between", "suggested_float_layers",
+           "upstream_layers", "verdict_warnings"]
 
 IDEAL_INT8_DB = 6.02 * 8
 """SQNR of an ideal 8-bit uniform quantizer on a full-scale uniform signal: the reference for a layer fed
@@ -177,6 +178,24 @@ def _keep_float(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def below_fidelity_floor(fidelity: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
+    """The outputs whose fidelity against FP32 is below the verdict's floor (:data:`FIDELITY_SQNR_DB`, or a top-1
+    agreement below :data:`FIDELITY_TOP1`), as ``(name, figures)``."""
+    return [(name, d) for name, d in fidelity.items()
+            if float(d.get("sqnr_db", math.inf)) < FIDELITY_SQNR_DB or d.get("top1_agreement", 1.0) < FIDELITY_TOP1]
+
+
+def _top(sqnr_growth: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in sqnr_growth if r["growth_db"] >= GROWTH_MIN_DB][:TOP]
+
+
+def suggested_float_layers(fidelity: Mapping[str, Mapping[str, Any]], sqnr_growth: list[dict[str, Any]]) -> list[str]:
+    """The layers the accuracy verdict tells the user to keep in float (its recipe snippet), or ``[]`` when the
+    outputs are above the floor or no layer grows the error by :data:`GROWTH_MIN_DB` or more."""
+    top = _top(sqnr_growth)
+    return _keep_float(top) if below_fidelity_floor(fidelity) and top else []
+
+
 def verdict_warnings(fidelity: Mapping[str, Mapping[str, float]], sqnr_growth: list[dict[str, Any]],
                      kernels: Mapping[str, Any], drift_growth: list[dict[str, Any]],
                      layers: Collection[str] | None = None) -> list[str]:
@@ -185,9 +204,8 @@ def verdict_warnings(fidelity: Mapping[str, Mapping[str, float]], sqnr_growth: l
     drift grows at the output of an op that is not one (a float GELU before an int8 MatMul), the snippet names
     only the layers among the rows (none: no snippet)."""
     out = []
-    worst = [(name, d) for name, d in fidelity.items()
-             if float(d.get("sqnr_db", math.inf)) < FIDELITY_SQNR_DB or d.get("top1_agreement", 1.0) < FIDELITY_TOP1]
-    top = [r for r in sqnr_growth if r["growth_db"] >= GROWTH_MIN_DB][:TOP]
+    worst = below_fidelity_floor(fidelity)
+    top = _top(sqnr_growth)
     if worst and top:
         what = "; ".join(f"'{n}' SQNR {float(d.get('sqnr_db', math.nan)):.1f} dB"
                          + (f", top-1 {d['top1_agreement']:.2f}" if "top1_agreement" in d else "") for n, d in worst)

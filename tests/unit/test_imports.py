@@ -92,7 +92,8 @@ FLOORS: list[set[str]] = [
     {"formats"},  # format handlers + the lowering walk over a precision plan
     {"run", "llm_run"},  # execute, check, evaluate, report one plan
     {"search"},  # proposes plans; runs them through formats / run
-    {"api", "guard", "llm_mix"},  # guard: float islands by measured latency; llm_mix: a searched mix, streamed
+    {"api", "guard", "fidelity_guard", "llm_mix"},  # guard: float islands by measured latency; fidelity_guard: by
+    # measured output fidelity; llm_mix: a searched mix, streamed
     {"cli", "__main__", "quantkit"},
 ]
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import onnx
 import pytest
 
+from quantkit.report.build import render_markdown
 from quantkit.report.verdict import (
     IDEAL_INT8_DB,
     error_growth,
@@ -118,13 +120,30 @@ def test_report_names_the_layers_before_an_amplifying_layernorm() -> None:
     ln = g.node("LayerNormalization", [t, g.c("gamma", np.ones(8)), g.c("beta", np.zeros(8))], "ln", axis=-1)
     y = g.node("MatMul", [ln, g.w("wm", 8, 8)], "y")
     model = g.model("offset_ln", y, ["N", 16, 16, 8])
-    recipe = {"version": 1, "name": "unit", "report": {"latency": {"enabled": False}}}
+    recipe: dict[str, Any] = {"version": 1, "name": "unit", "report": {"latency": {"enabled": False}},
+                              "evaluation": {"fidelity_guard": False}}
     res = quantize(model, image_batches(4), recipe, evaluation_data=image_batches(2, seed=2), progress=False)
     before = res.report["quality"]["fidelity"]["y"]["sqnr_db"]
+    assert "fidelity_guard" not in res.report
     (w,) = [w for w in res.report["warnings"] if w.startswith("accuracy:")]
     assert "between conv_node and y_node" in w and "LayerNormalization" in w, w
     snippet = w.split("Try keeping")[1]
     assert "{layer: conv_node, format: fp32}" in snippet and "y_node" not in snippet, w
-    recipe["quantization"] = {"overrides": [{"layer": "conv_node", "format": "fp32"}]}
-    fixed = quantize(model, image_batches(4), recipe, evaluation_data=image_batches(2, seed=2), progress=False)
+    fixed_by_hand = dict(recipe, quantization={"overrides": [{"layer": "conv_node", "format": "fp32"}]})
+    fixed = quantize(model, image_batches(4), fixed_by_hand, evaluation_data=image_batches(2, seed=2), progress=False)
     assert fixed.report["quality"]["fidelity"]["y"]["sqnr_db"] > before + 10
+    # the default (evaluation.fidelity_guard: true) measures the verdict's snippet and ships it: the same model
+    guarded = quantize(model, image_batches(4), {k: v for k, v in recipe.items() if k != "evaluation"},
+                       evaluation_data=image_batches(2, seed=2), progress=False)
+    g_rec = guarded.report["fidelity_guard"]
+    assert g_rec["float_layers"] == ["conv_node"] and g_rec["first"]["worst_sqnr_db"] == pytest.approx(before)
+    assert g_rec["candidates"][0]["shipped"] and "shipped with 1 layer(s) in float" in g_rec["decision"]
+    # the same layers in float as the hand-written override (the guard re-uses the first run's calibrator choice)
+    assert guarded.report["quality"]["fidelity"]["y"]["sqnr_db"] > before + 10
+    assert guarded.precision is not None and guarded.lowered is not None
+    chosen = guarded.precision.decided["conv_node"]
+    assert chosen.format == "fp32" and chosen.rule == "fidelity guard"
+    assert guarded.lowered.formats() == {"y_node": "int8"}
+    assert not [w for w in guarded.report["warnings"] if w.startswith("accuracy:")]
+    assert "fidelity_guard_s" in guarded.report["timings"] and list(guarded.report["timings"])[-1] == "total_s"
+    assert "Fidelity guard: shipped with 1 layer(s) in float" in render_markdown(guarded.report)
