@@ -97,7 +97,7 @@ with tempfile.TemporaryDirectory(prefix="zoo-ort-") as work:  # removed after (i
 """
 
 
-def _recipe(folder: Path, paths: dict[str, Path], *, guard: bool = True) -> Path:
+def _recipe(folder: Path, paths: dict[str, Path], *, guard: bool = True, fidelity_guard: bool = True) -> Path:
     import yaml
 
     rec: dict[str, Any] = {"version": 1, "name": "zoo", "model": {"source": str(paths["model"])},
@@ -105,7 +105,9 @@ def _recipe(folder: Path, paths: dict[str, Path], *, guard: bool = True) -> Path
                            "evaluation": {"data": {"kind": "npz", "path": str(paths["evaluation"])}}}
     if not guard:
         rec["report"] = {"latency": {"guard": False}}
-    path = folder / ("recipe.yaml" if guard else "recipe-int8.yaml")
+    if not fidelity_guard:
+        rec["evaluation"]["fidelity_guard"] = False
+    path = folder / ("recipe-int8.yaml" if not guard else "recipe-nofg.yaml" if not fidelity_guard else "recipe.yaml")
     path.write_text(yaml.safe_dump(rec))
     return path
 
@@ -224,6 +226,15 @@ def run_model(name: str, work: Path, *, repeat: int, isa: str | None = None) -> 
             row["methods"]["quantkit_int8"] = r8
             if r8["rc"] == 0:
                 models["quantkit_int8"] = out8 / "model.onnx"
+        fg = rep.get("fidelity_guard") or {}
+        r["fidelity_guard_decision"] = fg.get("decision")
+        if fg.get("float_layers"):  # the model it would have shipped without the fidelity guard, in the same run
+            out_fg = folder / "quantkit-nofg"
+            rf = _timed([sys.executable, "-m", "quantkit.cli", "calibrate", "-q", "--overwrite", "--no-cache",
+                         "--recipe", str(_recipe(folder, paths, fidelity_guard=False)), "--output", str(out_fg)], env)
+            row["methods"]["quantkit_nofg"] = rf
+            if rf["rc"] == 0:
+                models["quantkit_nofg"] = out_fg / "model.onnx"
     for rr in (False, True):
         key = "ort_rr" if rr else "ort"
         dst = folder / f"{key}.onnx"
@@ -256,9 +267,10 @@ def run_model(name: str, work: Path, *, repeat: int, isa: str | None = None) -> 
         if "per_sample" in row["methods"]["quantkit"]:
             row["sqnr_diff_ci95"] = sqnr_diff_interval(row["methods"]["quantkit"]["per_sample"],
                                                        row["methods"][row["ort_best"]]["per_sample"])
-        if "per_sample" in row["methods"].get("quantkit_int8", {}):
-            row["int8_sqnr_diff_ci95"] = sqnr_diff_interval(row["methods"]["quantkit_int8"]["per_sample"],
-                                                            row["methods"][row["ort_best"]]["per_sample"])
+        for key, field in (("quantkit_int8", "int8_sqnr_diff_ci95"), ("quantkit_nofg", "nofg_sqnr_diff_ci95")):
+            if "per_sample" in row["methods"].get(key, {}):
+                row[field] = sqnr_diff_interval(row["methods"][key]["per_sample"],
+                                                row["methods"][row["ort_best"]]["per_sample"])
     return row
 
 
@@ -292,7 +304,8 @@ def retime(path: Path, repeat: int) -> dict[str, Any]:
         paths = build(name)
         models = {"fp32": paths["model"]}
         for key in row["methods"]:
-            p = work / name / ({"quantkit": "quantkit/model.onnx", "quantkit_int8": "quantkit-int8/model.onnx"}
+            p = work / name / ({"quantkit": "quantkit/model.onnx", "quantkit_int8": "quantkit-int8/model.onnx",
+                                "quantkit_nofg": "quantkit-nofg/model.onnx"}
                                .get(key) or f"{key}.onnx")
             if row["methods"][key].get("rc") == 0 and p.is_file():
                 models[key] = p
@@ -342,7 +355,7 @@ def _islands(c: dict[str, Any]) -> str:
 
 # quantkit's in-process stages (report.json "timings") that check, evaluate and measure the model it built: the rest
 # of its wall time (process start and imports, load, prepare, calibrate + lower, saving) is the quantization
-EVALUATION_STAGES = ("verify_s", "kernel_check_s", "evaluate_s", "latency_s", "latency_guard_s")
+EVALUATION_STAGES = ("verify_s", "kernel_check_s", "evaluate_s", "latency_s", "latency_guard_s", "fidelity_guard_s")
 
 
 def time_split(q: dict[str, Any]) -> dict[str, float] | None:
@@ -433,12 +446,15 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
             f"| {f(es)} ({x(es, ow)}) "
             f"| {f(q.get('wall_s'))} ({x(q.get('wall_s'), ow)}) "
             f"| {f(q.get('peak_rss_mb'), '.0f')} / {f(o.get('peak_rss_mb'), '.0f')} |")
-        q8 = row["methods"].get("quantkit_int8")
-        if q8 and q8.get("census"):
+        for key, label, ci in (("quantkit_int8", "int8 (guard off)", "int8_sqnr_diff_ci95"),
+                               ("quantkit_nofg", "fidelity guard off", "nofg_sqnr_diff_ci95")):
+            q8 = row["methods"].get(key)
+            if not q8 or not q8.get("census"):
+                continue
             c8 = q8["census"]
             lines.append(
-                f"| {row['model']} int8 (guard off) | {c8.get('fused', '-')}/{c8.get('float_gemm', '-')}/"
-                f"{c8.get('stray', '-')}{_islands(c8)} | | {sq(q8)} / {sq(o)}{_ci(row.get('int8_sqnr_diff_ci95'))} "
+                f"| {row['model']} {label} | {c8.get('fused', '-')}/{c8.get('float_gemm', '-')}/"
+                f"{c8.get('stray', '-')}{_islands(c8)} | | {sq(q8)} / {sq(o)}{_ci(row.get(ci))} "
                 + ("| | " if isa else "")
                 + f"| {f(q8.get('top1_agreement'), '.2f')} / {f(o.get('top1_agreement'), '.2f')} "
                 f"| {f(q8.get('kernel_vs_math_sqnr_db'))} / {f(o.get('kernel_vs_math_sqnr_db'))} "
@@ -453,7 +469,10 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
               "*float (guard)*: quantkit's latency guard found FP32 faster than every int8 model it tried on this CPU "
               "and shipped the model unquantized (its SQNR is then FP32's own; ORT's row is its int8 model); the "
               "row below it, *int8 (guard off)*, is the int8 model quantkit builds with `report: {latency: {guard: "
-              "false}}`, in the same run. "
+              "false}}`, in the same run; *fidelity guard off*: where quantkit's fidelity guard shipped layers in "
+              "float (an output below 20 dB SQNR, repaired by measurement), the model it builds with `evaluation: "
+              "{fidelity_guard: false}`, in the same run (the guard's re-runs - lowering from the calibrated ranges, "
+              "kernel check, evaluation, latency - are under evaluation, as the latency guard's are). "
               + (f"*exact on {isa}*: whether the model's int8 weight pairs keep the {isa} kernels' saturating int16 pair "
                  "sums exact for every input (quantkit's portability check); when not, the layers at risk and the "
                  "largest fraction of a layer's int32 accumulators that kernel gets wrong on 4 evaluation samples "
