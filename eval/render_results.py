@@ -137,6 +137,11 @@ DOCUMENTED: dict[str, dict[str, str]] = {
                  "RegNet-Y, GoogLeNet, Swin-T, MobileViT, SegFormer, EfficientNet-V2, Inception-V3, MobileBERT, "
                  "DeBERTa-V2, HGNetV2, LR-ASPP, each against ONNX Runtime's quantize_static in the same run",
     },
+    "zoo_probes_speech_x86-avx2.json": {
+        "title": "Speech encoders on real speech (x86-avx2, AMD EPYC): wav2vec2, HuBERT, WavLM, Moonshine's and "
+                 "Whisper's encoders, AST, each against ONNX Runtime's quantize_static in the same run, with the model "
+                 "quantkit builds with its fidelity guard off",
+    },
     "zoo_probes_3_x86-vnni.json": {
         "title": "A third set of architectures outside the zoo (EfficientNet-V2, MaxViT, MobileNetV3-Large, "
                  "Inception-V3, LeViT, DINOv2, BEiT, and the encoders ALBERT, RoBERTa, ELECTRA, DeBERTa-V2)",

@@ -232,6 +232,8 @@ def _quantize_whole(model: Any, calibration_data: Any, rec: RecipeModel, evaluat
                                          use_cache=use_cache and rec.calibration.cache, lower=lower,
                                          stage_area=area)
         _guard_timings(first, result, time.perf_counter() - t_guard, t_start, "latency_guard")
+        if result is not first and "fidelity_guard" in first.report:  # the latency guard's re-run keeps its record
+            result.report["fidelity_guard"] = first.report["fidelity_guard"]
     return result
 
 

@@ -103,15 +103,9 @@ def test_upstream_layers_are_nearest_first() -> None:
     assert layers_between(m, {"l1", "l2"})["l2"] == ["Relu"]
 
 
-def test_report_names_the_layers_before_an_amplifying_layernorm() -> None:
-    """End to end on a tiny graph: a Conv whose output is mostly a common offset (bias 10 on every channel), then a
-    LayerNorm over the channels (it removes the offset: the int8 error of the Conv's output, small against 10, is
-    large against what remains), then a MatMul.  The report must name the Conv (keeping it float fixes the model),
-    not the MatMul (keeping that float changes nothing)."""
+def _offset_ln_model() -> onnx.ModelProto:
     import numpy as np
 
-    from quantkit.api import quantize
-    from tests.conftest import image_batches
     from tests.tiny_graphs import TinyGraph
 
     g = TinyGraph(0)
@@ -119,7 +113,45 @@ def test_report_names_the_layers_before_an_amplifying_layernorm() -> None:
     t = g.node("Transpose", [c], "nhwc", perm=[0, 2, 3, 1])
     ln = g.node("LayerNormalization", [t, g.c("gamma", np.ones(8)), g.c("beta", np.zeros(8))], "ln", axis=-1)
     y = g.node("MatMul", [ln, g.w("wm", 8, 8)], "y")
-    model = g.model("offset_ln", y, ["N", 16, 16, 8])
+    return g.model("offset_ln", y, ["N", 16, 16, 8])
+
+
+@pytest.mark.latency_guard
+def test_the_fidelity_guards_record_survives_a_latency_guard_rerun(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The latency guard runs on what the fidelity guard ships; when it re-runs the plan (a float prefix, say), the
+    report it ships still holds the fidelity guard's decision and time."""
+    import quantkit.guard
+    from quantkit.api import quantize
+    from tests.conftest import image_batches
+
+    reruns: list[Any] = []
+
+    def fake_latency_guard(result: Any, rerun: Any, feed: Any, **kw: Any) -> Any:
+        reruns.append(result.precision)
+        second = rerun(result.precision)
+        second.report["latency_guard"] = {"decision": "re-run (faked)"}
+        return second
+
+    monkeypatch.setattr(quantkit.guard, "apply_latency_guard", fake_latency_guard)
+    recipe = {"version": 1, "name": "unit", "report": {"latency": {"repeat": 2, "warmup": 0}}}
+    res = quantize(_offset_ln_model(), image_batches(4), recipe, evaluation_data=image_batches(2, seed=2),
+                   progress=False)
+    assert len(reruns) == 1 and reruns[0].decided["conv_node"].rule == "fidelity guard"
+    assert res.report["fidelity_guard"]["float_layers"] == ["conv_node"]
+    assert res.report["latency_guard"]["decision"] == "re-run (faked)"
+    tim = list(res.report["timings"])
+    assert tim.index("fidelity_guard_s") < tim.index("latency_guard_s") < tim.index("total_s") == len(tim) - 1
+
+
+def test_report_names_the_layers_before_an_amplifying_layernorm() -> None:
+    """End to end on a tiny graph: a Conv whose output is mostly a common offset (bias 10 on every channel), then a
+    LayerNorm over the channels (it removes the offset: the int8 error of the Conv's output, small against 10, is
+    large against what remains), then a MatMul.  The report must name the Conv (keeping it float fixes the model),
+    not the MatMul (keeping that float changes nothing)."""
+    from quantkit.api import quantize
+    from tests.conftest import image_batches
+
+    model = _offset_ln_model()
     recipe: dict[str, Any] = {"version": 1, "name": "unit", "report": {"latency": {"enabled": False}},
                               "evaluation": {"fidelity_guard": False}}
     res = quantize(model, image_batches(4), recipe, evaluation_data=image_batches(2, seed=2), progress=False)
