@@ -68,6 +68,11 @@ def quantize(
     :class:`~quantkit.errors.MemoryBudgetError` before any work.  Every report holds ``memory``: the estimate
     and the measured peak of the process tree.
 
+    A model judged by output fidelity (not a causal LM) passes two guards after its first run, both on by default:
+    the fidelity guard (``evaluation.fidelity_guard``, :mod:`quantkit.fidelity_guard`: an output below 20 dB SQNR
+    against FP32 is re-run with the layers the report's verdict names in float, shipped when >= 6 dB better), then
+    the latency guard (``report.latency.guard``, :mod:`quantkit.guard`: never slower than FP32).
+
     ``use_cache=False`` ignores the statistics cache (``calibration.cache`` in the recipe too).
     ``evaluate=False`` skips the fidelity evaluation; ``measure_latency`` overrides the
     recipe's ``report.latency.enabled``.
