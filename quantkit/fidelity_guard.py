@@ -18,7 +18,10 @@ by perplexity):
    power or less): a float layer costs speed, so a small gain does not pay for it; when it is still below the
    floor, the verdict of the candidate is tried once more (at most :data:`MAX_ROUNDS` rounds);
 3. never more than :data:`MAX_FLOAT_SHARE` of the quantized layers are put back in float (beyond that the model
-   is not an int8 model any more; the verdict's snippet stays in the warnings for the user to decide).
+   is not an int8 model any more; the verdict's snippet stays in the warnings for the user to decide);
+4. nothing is tried when an activation tensor had zero range over the calibration data (constant or all-zero
+   samples): the data is the first thing to fix, and floating the layer that reads such a tensor would only hide
+   it - and the warning that names it.
 
 The decision, every candidate's figures and the rule are in the report (``fidelity_guard``); the layers it put
 back in float carry the rule ``fidelity guard`` in the plan.  The latency guard runs afterwards on what this one
@@ -84,6 +87,15 @@ def apply_fidelity_guard(result: Any, rerun: Callable[[Any], Any]) -> Any:
     if not rec.evaluation.fidelity_guard or result.precision is None or not fidelity:
         return result
     if not worst_sqnr_db(fidelity) < FIDELITY_SQNR_DB:
+        return result
+    zero = list(getattr(result.lowered, "zero_range", None) or [])
+    if zero:  # constant calibration data: floating layers would only hide it (and its warning, with the tensor)
+        result.report["fidelity_guard"] = {
+            "first": _figures(result), "candidates": [], "float_layers": [],
+            "decision": (f"kept the plan: {len(zero)} activation tensor(s) had zero range over the calibration data "
+                         f"({', '.join(zero[:4])}{' ...' if len(zero) > 4 else ''}); the calibration data, not the "
+                         f"plan, is the first thing to fix")}
+        log.info("fidelity guard: %s", result.report["fidelity_guard"]["decision"])
         return result
     from quantkit.guard import _float_plan
 

@@ -17,14 +17,15 @@ LAYERS = [f"conv{i}" for i in range(5)]
 
 
 def _result(sqnr: float, float_layers: tuple[str, ...] = (), suggest: tuple[str, ...] = ("conv0",),
-            guard: bool = True, top1: float | None = None) -> Any:
+            guard: bool = True, top1: float | None = None, zero_range: tuple[str, ...] = ()) -> Any:
     rec = load_recipe({"version": 1, "name": "unit", "evaluation": {"fidelity_guard": guard}})
     out: dict[str, Any] = {"sqnr_db": sqnr}
     if top1 is not None:
         out["top1_agreement"] = top1
     rows = [{"kind": "layer", "layer": n, "in_db": 48.0, "out_db": sqnr, "growth_db": 10.0} for n in suggest]
     formats = {n: "int8" for n in LAYERS if n not in float_layers}
-    return SimpleNamespace(recipe=rec, precision=object(), lowered=SimpleNamespace(formats=lambda: formats),
+    lowered = SimpleNamespace(formats=lambda: formats, zero_range=list(zero_range))
+    return SimpleNamespace(recipe=rec, precision=object(), lowered=lowered,
                            report={"fidelity": {"y": out}, "error_growth": {"sqnr": rows}, "latency": {}})
 
 
@@ -93,3 +94,11 @@ def test_a_low_top1_agreement_alone_does_not_trigger_it(runs: list[list[str]]) -
 def test_worst_sqnr_ignores_missing_figures() -> None:
     assert worst_sqnr_db({"a": {"sqnr_db": 12.0}, "b": {"sqnr_db": math.nan}, "c": {}}) == 12.0
     assert worst_sqnr_db({}) == math.inf
+
+
+def test_constant_calibration_data_is_not_hidden_by_floating_layers(runs: list[list[str]]) -> None:
+    """An activation with zero range over the calibration data: the data is broken; floating the layer that reads
+    it would hide the tensor from the zero-range warning."""
+    first = _result(3.0, zero_range=("input",))
+    assert apply_fidelity_guard(first, _rerun(runs, {})) is first and runs == []
+    assert "zero range over the calibration data (input)" in first.report["fidelity_guard"]["decision"]
