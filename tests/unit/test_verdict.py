@@ -117,6 +117,7 @@ def _offset_ln_model() -> onnx.ModelProto:
 
 
 @pytest.mark.latency_guard
+@pytest.mark.fidelity_guard
 def test_the_fidelity_guards_record_survives_a_latency_guard_rerun(monkeypatch: pytest.MonkeyPatch) -> None:
     """The latency guard runs on what the fidelity guard ships; when it re-runs the plan (a float prefix, say), the
     report it ships still holds the fidelity guard's decision and time."""
@@ -143,6 +144,7 @@ def test_the_fidelity_guards_record_survives_a_latency_guard_rerun(monkeypatch: 
     assert tim.index("fidelity_guard_s") < tim.index("latency_guard_s") < tim.index("total_s") == len(tim) - 1
 
 
+@pytest.mark.fidelity_guard
 def test_report_names_the_layers_before_an_amplifying_layernorm() -> None:
     """End to end on a tiny graph: a Conv whose output is mostly a common offset (bias 10 on every channel), then a
     LayerNorm over the channels (it removes the offset: the int8 error of the Conv's output, small against 10, is
