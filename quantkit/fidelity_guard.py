@@ -103,9 +103,10 @@ def apply_fidelity_guard(result: Any, rerun: Callable[[Any], Any]) -> Any:
     quantized = _quantized_layers(result)
     limit = int(MAX_FLOAT_SHARE * len(quantized))
     record: dict[str, Any] = {
-        "rule": (f"an output below {FIDELITY_SQNR_DB:.0f} dB SQNR against FP32: the layers the verdict names are run in float; the candidate ships when its worst output SQNR is "
-                 f">= {MIN_GAIN_DB:.0f} dB better, at most {MAX_ROUNDS} rounds, at most {MAX_FLOAT_SHARE:.0%} of the "
-                 f"quantized layers in float; measured on the same evaluation samples"),
+        "rule": (f"an output below {FIDELITY_SQNR_DB:.0f} dB SQNR against FP32: the layers the verdict names are run "
+                 f"in float; the candidate ships when its worst output SQNR is >= {MIN_GAIN_DB:.0f} dB better, at "
+                 f"most {MAX_ROUNDS} rounds, at most {MAX_FLOAT_SHARE:.0%} of the quantized layers in float; "
+                 f"measured on the same evaluation samples"),
         "first": _figures(result), "candidates": [], "float_layers": [],
     }
     shipped = result

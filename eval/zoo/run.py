@@ -223,9 +223,9 @@ def run_model(name: str, work: Path, *, repeat: int, isa: str | None = None) -> 
         r["fidelity_guard_decision"] = fg.get("decision")
         # the model it would have shipped with the latency guard off (it shipped float) or the fidelity guard off (it
         # put layers back in float), each in the same run: its quality against ORT's, its speed
-        for key, wanted, recipe in (("quantkit_int8", r["shipped_in_float"], lambda: _recipe(folder, paths, guard=False)),
-                                    ("quantkit_nofg", bool(fg.get("float_layers")),
-                                     lambda: _recipe(folder, paths, fidelity_guard=False))):
+        for key, wanted, recipe in (
+                ("quantkit_int8", r["shipped_in_float"], lambda: _recipe(folder, paths, guard=False)),
+                ("quantkit_nofg", bool(fg.get("float_layers")), lambda: _recipe(folder, paths, fidelity_guard=False))):
             if not wanted:
                 continue
             out = folder / key.replace("quantkit_", "quantkit-")
