@@ -88,28 +88,23 @@ def apply_fidelity_guard(result: Any, rerun: Callable[[Any], Any]) -> Any:
         return result
     if not worst_sqnr_db(fidelity) < FIDELITY_SQNR_DB:
         return result
+    record: dict[str, Any] = {"first": _figures(result), "candidates": [], "float_layers": []}
     zero = list(getattr(result.lowered, "zero_range", None) or [])
     if zero:  # constant calibration data: floating layers would only hide it (and its warning, with the tensor)
-        result.report["fidelity_guard"] = {
-            "first": _figures(result), "candidates": [], "float_layers": [],
-            "decision": (f"kept the plan: {len(zero)} activation tensor(s) had zero range over the calibration data "
-                         f"({', '.join(zero[:4])}{' ...' if len(zero) > 4 else ''}); the calibration data, not the "
-                         f"plan, is the first thing to fix")}
-        log.info("fidelity guard: %s", result.report["fidelity_guard"]["decision"])
-        return result
+        record["decision"] = (f"kept the plan: {len(zero)} activation tensor(s) had zero range over the calibration "
+                              f"data ({', '.join(zero[:4])}{' ...' if len(zero) > 4 else ''}); the calibration data, "
+                              f"not the plan, is the first thing to fix")
+        return _ship(result, record)
     from quantkit.guard import _float_plan
 
     t0 = time.perf_counter()
     quantized = _quantized_layers(result)
     limit = int(MAX_FLOAT_SHARE * len(quantized))
-    record: dict[str, Any] = {
-        "rule": (f"an output below {FIDELITY_SQNR_DB:.0f} dB SQNR against FP32: the layers the verdict names are run "
-                 f"in float; the candidate ships when its worst output SQNR is >= {MIN_GAIN_DB:.0f} dB better, at "
-                 f"most {MAX_ROUNDS} rounds, at most {MAX_FLOAT_SHARE:.0%} of the quantized layers in float; "
-                 f"measured on the same evaluation samples"),
-        "first": _figures(result), "candidates": [], "float_layers": [],
-    }
-    shipped = result
+    record["rule"] = (f"an output below {FIDELITY_SQNR_DB:.0f} dB SQNR against FP32: the layers the verdict names are "
+                      f"run in float; the candidate ships when its worst output SQNR is >= {MIN_GAIN_DB:.0f} dB "
+                      f"better, at most {MAX_ROUNDS} rounds, at most {MAX_FLOAT_SHARE:.0%} of the quantized layers in "
+                      f"float; measured on the same evaluation samples")
+    shipped, current_db = result, record["first"]["worst_sqnr_db"]
     floated: list[str] = []
     for _ in range(MAX_ROUNDS):
         names = [n for n in _suggestion(shipped) if n in quantized and n not in floated]
@@ -121,26 +116,25 @@ def apply_fidelity_guard(result: Any, rerun: Callable[[Any], Any]) -> Any:
             record["stopped"] = (f"the verdict's {len(names)} layer(s) would put {len(wanted)} of {len(quantized)} "
                                  f"quantized layers in float (more than {MAX_FLOAT_SHARE:.0%})")
             break
-        before = worst_sqnr_db(shipped.report.get("fidelity") or {})
-        log.info("fidelity guard: worst output %.1f dB against FP32; trying %d layer(s) in float: %s", before,
+        log.info("fidelity guard: worst output %.1f dB against FP32; trying %d layer(s) in float: %s", current_db,
                  len(names), ", ".join(names))
         cand = rerun(_float_plan(shipped, wanted, rule=RULE))
         figs = _figures(cand)
-        won = figs["worst_sqnr_db"] >= before + MIN_GAIN_DB
-        record["candidates"].append({"float_layers": list(wanted), **figs, "gain_db": figs["worst_sqnr_db"] - before,
-                                     "shipped": won})
+        won = figs["worst_sqnr_db"] >= current_db + MIN_GAIN_DB
+        record["candidates"].append({"float_layers": list(wanted), **figs,
+                                     "gain_db": figs["worst_sqnr_db"] - current_db, "shipped": won})
         if not won:
             break
-        shipped, floated = cand, wanted
-        if not figs["worst_sqnr_db"] < FIDELITY_SQNR_DB:
+        shipped, floated, current_db = cand, wanted, figs["worst_sqnr_db"]
+        if not current_db < FIDELITY_SQNR_DB:
             break
     record["float_layers"] = floated
     record["time_s"] = time.perf_counter() - t0
-    first_db, last_db = record["first"]["worst_sqnr_db"], worst_sqnr_db(shipped.report.get("fidelity") or {})
+    first_db = record["first"]["worst_sqnr_db"]
     if floated:
         record["decision"] = (f"shipped with {len(floated)} layer(s) in float ({', '.join(floated[:8])}"
                               + (" ..." if len(floated) > 8 else "") + f"): worst output {first_db:.1f} -> "
-                              f"{last_db:.1f} dB against FP32 on the same samples; to ship the plan as built: "
+                              f"{current_db:.1f} dB against FP32 on the same samples; to ship the plan as built: "
                               f"evaluation: {{fidelity_guard: false}}")
     elif record["candidates"]:
         c = record["candidates"][-1]
@@ -149,6 +143,11 @@ def apply_fidelity_guard(result: Any, rerun: Callable[[Any], Any]) -> Any:
                               f"than {MIN_GAIN_DB:.0f} dB)")
     else:
         record["decision"] = f"kept the plan: {record.get('stopped', 'no candidate')}"
-    shipped.report["fidelity_guard"] = record
+    return _ship(shipped, record)
+
+
+def _ship(result: Any, record: dict[str, Any]) -> Any:
+    """``result`` with the guard's ``record`` in its report, the decision logged."""
+    result.report["fidelity_guard"] = record
     log.info("fidelity guard: %s", record["decision"])
-    return shipped
+    return result

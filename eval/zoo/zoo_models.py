@@ -207,6 +207,8 @@ Moonshine's encoder (a strided convolution stem with tanh and GroupNorm, rotary 
 (two 1-D convolutions on an 80-band log-mel spectrogram) and the Audio Spectrogram Transformer (a ViT on 128-band
 filter banks).  The encoder's ``last_hidden_state`` is the output."""
 PROBES.update({k: {} for k in SPEECH})
+SPEECH_INPUT = {"waveform": "input_values", "whisper_mel": "input_features", "ast_fbank": "input_values"}
+"""The encoder's input name for each kind of features."""
 SPEECH_PACKAGE = "alsa-utils"
 """The Debian package whose ``/usr/share/sounds/alsa/*.wav`` are recordings of a human voice (eight spoken channel
 names, 48 kHz mono); ``Noise.wav`` is left out."""
@@ -407,8 +409,7 @@ def build_speech(name: str, path: Path) -> None:
     torch.manual_seed(0)
     cfg_name, cls_name, kw, kind = SPEECH[name]
     model = getattr(transformers, cls_name)(getattr(transformers, cfg_name)(**kw)).eval()
-    inner = model.get_encoder() if hasattr(model, "get_encoder") and name in ("moonshine_enc", "whisper_enc") else model
-    arg = {"waveform": "input_values", "whisper_mel": "input_features", "ast_fbank": "input_values"}[kind]
+    inner = model.get_encoder() if model.config.is_encoder_decoder else model  # Whisper, Moonshine: the encoder
 
     class Last(torch.nn.Module):
         def __init__(self) -> None:
@@ -419,7 +420,7 @@ def build_speech(name: str, path: Path) -> None:
             return self.m(x).last_hidden_state
 
     x = torch.from_numpy(speech_features(kind, speech_clips("calibration")[:2]))
-    _export(Last().eval(), (x,), path, [arg], ["last_hidden_state"], {"x": {0: torch.export.Dim("batch", min=1,
+    _export(Last().eval(), (x,), path, [SPEECH_INPUT[kind]], ["last_hidden_state"], {"x": {0: torch.export.Dim("batch", min=1,
                                                                                                  max=1024)}})
 
 
@@ -472,8 +473,7 @@ def speech_features(kind: str, clips: np.ndarray) -> np.ndarray:
 
 def speech_npz(path: Path, name: str, split: str) -> None:
     kind = SPEECH[name][3]
-    arg = {"waveform": "input_values", "whisper_mel": "input_features", "ast_fbank": "input_values"}[kind]
-    np.savez(path, **{arg: speech_features(kind, speech_clips(split))})
+    np.savez(path, **{SPEECH_INPUT[kind]: speech_features(kind, speech_clips(split))})
 
 
 def image_npz(path: Path, split: str, count: int, size: int, preprocess: str = "imagenet") -> None:
