@@ -103,6 +103,10 @@ def _recipe(folder: Path, paths: dict[str, Path], *, guard: bool = True, fidelit
     rec: dict[str, Any] = {"version": 1, "name": "zoo", "model": {"source": str(paths["model"])},
                            "calibration": {"data": {"kind": "npz", "path": str(paths["calibration"])}},
                            "evaluation": {"data": {"kind": "npz", "path": str(paths["evaluation"])}}}
+    if "hf_folder" in paths:  # a Hugging Face folder and folders of photos: quantkit exports and preprocesses
+        rec["model"]["source"] = str(paths["hf_folder"])
+        for split in ("calibration", "evaluation"):
+            rec[split]["data"] = {"kind": "images", "path": str(paths[f"{split}_images"])}
     if not guard:
         rec["report"] = {"latency": {"guard": False}}
     if not fidelity_guard:

@@ -131,9 +131,35 @@ max-pool branch, learnable affine blocks and light convolutions; MobileNet-V1 as
 TensorFlow "same" padding as explicit Pads)."""
 PROBES.update({k: {} for k in HF_VISION})
 SEGMENTATION = ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large", "segformer_b0", "upernet_convnext",
-                "depth_anything_s", "dinov3_s6", "aimv2_6l", "glpn")
+                "depth_anything_s", "dinov3_s6", "aimv2_6l", "glpn", "hf_segformer_b0", "hf_dinov2_s")
 """Probes from ``torchvision.models.segmentation``: exported as ``input -> logits [N, classes, H, W]`` (the
 model's ``out``); judged by output SQNR (a per-pixel top-1 would need the class axis, not the last one)."""
+_IMAGENET = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
+HF_FOLDERS: dict[str, tuple[str, str, dict[str, Any], str, dict[str, Any]]] = {
+    "hf_vit_b16": ("ViTConfig", "ViTForImageClassification", {}, "ViTImageProcessor", {}),
+    "hf_deit_s": ("DeiTConfig", "DeiTForImageClassification",
+                  {"hidden_size": 384, "num_attention_heads": 6, "intermediate_size": 1536}, "DeiTImageProcessor", {}),
+    "hf_convnext_t": ("ConvNextConfig", "ConvNextForImageClassification", {}, "ConvNextImageProcessor",
+                      {"size": {"shortest_edge": 224}}),
+    "hf_swin_t": ("SwinConfig", "SwinForImageClassification", {}, "ViTImageProcessor", _IMAGENET),
+    "hf_dinov2_s": ("Dinov2Config", "Dinov2Model", {"hidden_size": 384, "num_attention_heads": 6},
+                    "BitImageProcessor", {"size": {"shortest_edge": 256}, "crop_size": {"height": 224, "width": 224},
+                                          **_IMAGENET}),
+    "hf_resnet50": ("ResNetConfig", "ResNetForImageClassification", {}, "ConvNextImageProcessor",
+                    {"size": {"shortest_edge": 224}}),
+    "hf_mobilenet_v2": ("MobileNetV2Config", "MobileNetV2ForImageClassification", {}, "MobileNetV2ImageProcessor", {}),
+    "hf_efficientnet_b0": ("EfficientNetConfig", "EfficientNetForImageClassification",
+                           {"image_size": 224, "width_coefficient": 1.0, "depth_coefficient": 1.0},
+                           "EfficientNetImageProcessor", {"size": {"height": 224, "width": 224}}),
+    "hf_segformer_b0": ("SegformerConfig", "SegformerForSemanticSegmentation", {"num_labels": 19},
+                        "SegformerImageProcessor", {"size": {"height": 256, "width": 256}}),
+}
+"""Hugging Face vision folders at their published sizes (random weights, BatchNorm statistics from random batches,
+the image processor their hub checkpoints ship), run as a user brings them: ``model: {source: <folder>}`` and
+``kind: images`` folders of real photos, no preprocessing named (quantkit exports the folder and prepares the
+photos with its processor). ONNX Runtime's ``quantize_static`` gets the graph quantkit exports and the same pixels
+as ``.npz`` (``python eval/zoo/run.py --models hf_vit_b16,...``)."""
+PROBES.update({k: {} for k in HF_FOLDERS})
 ZOO_ENCODERS = ("bert_base", "distilbert")
 HF_ENCODERS = {
     "albert": ("AlbertConfig", "AlbertModel", {"embedding_size": 128, "hidden_size": 768, "num_hidden_layers": 12,
@@ -476,6 +502,44 @@ def speech_npz(path: Path, name: str, split: str) -> None:
     np.savez(path, **{SPEECH_INPUT[kind]: speech_features(kind, speech_clips(split))})
 
 
+def build_hf_folder(name: str, folder: Path) -> None:
+    """A Hugging Face folder of zoo model ``name`` (:data:`HF_FOLDERS`), written through a temporary folder."""
+    import shutil
+
+    import torch
+    import transformers
+
+    cfg_name, cls_name, kw, proc_name, proc_kw = HF_FOLDERS[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, cfg_name)(**kw)
+    config.architectures = [cls_name]
+    processor = getattr(transformers, proc_name)(**proc_kw)
+    model = getattr(transformers, cls_name)(config)
+    size = processor.crop_size["height"] if getattr(processor, "do_center_crop", False) else (
+        processor.size.get("height") or processor.size["shortest_edge"])
+    warm_batchnorm(model, size)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    os.replace(tmp, folder)
+
+
+def photo_folder(split: str, count: int) -> Path:
+    """``count`` crops of real photos (``quantkit.data.photos``) as PNG files, shared by the HF folder models."""
+    from quantkit.data.photos import write_sample_photos
+
+    folder = cache_root() / ZOO_VERSION / f"photos-{split}-{count}"
+    if not folder.is_dir():
+        tmp = folder.with_name(folder.name + ".tmp")
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_sample_photos(tmp, count, split, format="png")
+        os.replace(tmp, folder)
+    return folder
+
+
 def image_npz(path: Path, split: str, count: int, size: int, preprocess: str = "imagenet") -> None:
     """``count`` crops of real photos (``quantkit.data.photos``) preprocessed to ``size``, as ``input``."""
     from quantkit.data.images import Preprocess, get_preprocess
@@ -513,6 +577,8 @@ def build(name: str, size: int = 224, cal: int = 64, ev: int = 64, seq: int = 12
                                            else f"{name}-{size}")
     folder.mkdir(parents=True, exist_ok=True)
     onnx_path = folder / "model.onnx"
+    if name in HF_FOLDERS:
+        return _build_from_folder(name, folder, cal, ev)
     if not onnx_path.is_file():
         if name in ENCODERS:
             build_encoder(name, onnx_path, seq)
@@ -537,6 +603,39 @@ def build(name: str, size: int = 224, cal: int = 64, ev: int = 64, seq: int = 12
                 speech_npz(tmp, name, split)
             else:
                 image_npz(tmp, split, n, size, "efficientnet" if name == "efficientnet_lite0" else "imagenet")
+            os.replace(tmp, p)
+        paths[split] = p
+    return paths
+
+
+def _build_from_folder(name: str, folder: Path, cal: int, ev: int) -> dict[str, Path]:
+    """The HF folder, the graph quantkit exports from it, the photo folders and the same pixels as ``.npz``."""
+    import onnx_ir as ir
+
+    from quantkit.data.images import ImageFolderDataset
+    from quantkit.frontends import load_model
+
+    hf = folder / "hf"
+    if not hf.is_dir():
+        build_hf_folder(name, hf)
+    onnx_path = folder / "model.onnx"
+    loaded = None
+    if not onnx_path.is_file():
+        loaded = load_model(hf)
+        tmp = onnx_path.with_name("model.tmp.onnx")
+        ir.save(loaded.model, str(tmp))
+        os.replace(tmp, onnx_path)
+    paths = {"model": onnx_path, "hf_folder": hf}
+    for split, n in (("calibration", cal), ("evaluation", ev)):
+        photos = paths[f"{split}_images"] = photo_folder(split, n)
+        p = folder / f"{split}-{n}.npz"
+        if not p.is_file():
+            if loaded is None:
+                loaded = load_model(hf)
+            ds = ImageFolderDataset(photos, "pixel_values", loaded.tokenizer)  # the folder's own processor
+            x = np.concatenate([b["pixel_values"] for b in ds.batches(16)])
+            tmp = p.with_name(p.stem + ".tmp.npz")
+            np.savez(tmp, pixel_values=x.astype(np.float32))
             os.replace(tmp, p)
         paths[split] = p
     return paths

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -22,7 +23,7 @@ from quantkit.data.base import (
     float_cast,
 )
 from quantkit.data.fixed_batch import bind_fixed_batch
-from quantkit.data.images import ImageFolderDataset, get_preprocess
+from quantkit.data.images import MODEL_PRESET, ImageFolderDataset, get_preprocess, is_folder_processor
 from quantkit.data.iterable import IterableDataset
 from quantkit.data.kv import bind_kv_cache, split_past
 from quantkit.data.npz import NpzDataset
@@ -31,6 +32,8 @@ from quantkit.data.text import TextDataset
 from quantkit.errors import DataError
 
 __all__ = ["DATASET_KINDS", "SPEC_INT_RANGES", "as_dataset", "check_spec_ints", "make_dataset"]
+
+log = logging.getLogger(__name__)
 
 #: Allowed keys per ``kind`` (besides ``kind``); required ones first in the messages.
 DATASET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -89,9 +92,25 @@ def _image_input(inputs: list[InputInfo], name: Any, preprocess: Any, kind: str)
     pre = get_preprocess(preprocess)
     fake = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (1, *pre.output_shape), [0] * 4)
     check_array(
-        info, fake, f"dataset {kind!r} (preprocess layout {pre.layout}, crop {pre.crop})", batched=True
+        info, fake, f"dataset {kind!r} (preprocess layout {pre.layout}, sample shape {list(pre.output_shape)})",
+        batched=True,
     )
     return info.name
+
+
+def _preprocess(spec: Mapping[str, Any], processor: Any, kind: str) -> Any:
+    """An image dataset's preprocessing: the spec's, else the model folder's own image processor
+    (``processor``, :class:`quantkit.frontends.vision.FolderImageProcessor`), else ``efficientnet``.
+    ``model`` names the folder's processor explicitly."""
+    own = processor if is_folder_processor(processor) else None
+    given = spec.get("preprocess")
+    if given is None or given == MODEL_PRESET:
+        return own if own is not None else (given or "efficientnet")
+    if own is not None:
+        log.warning("dataset %r: the model folder ships its own image preprocessing (%s); the spec's preprocess "
+                    "%r is used instead (leave 'preprocess' out or write 'preprocess: model' for the folder's)",
+                    kind, own.name, given)
+    return given
 
 
 def make_dataset(
@@ -152,11 +171,11 @@ def _make_dataset(spec: Mapping[str, Any], *, inputs: list[InputInfo], tokenizer
 
     ds: SamplePhotosDataset | ImageFolderDataset | TextDataset
     if kind == "sample_photos":
-        preprocess = spec.get("preprocess", "efficientnet")
+        preprocess = _preprocess(spec, tokenizer, kind)
         name = _image_input(inputs, spec.get("input"), preprocess, kind)
         ds = SamplePhotosDataset(spec["count"], split, name, preprocess, _int(spec, "seed", 0))
     elif kind == "images":
-        preprocess = spec.get("preprocess", "efficientnet")
+        preprocess = _preprocess(spec, tokenizer, kind)
         name = _image_input(inputs, spec.get("input"), preprocess, kind)
         ds = ImageFolderDataset(_path(spec, kind), name, preprocess, spec.get("limit"), _int(spec, "seed", 0))
     elif kind == "npz":
@@ -166,6 +185,9 @@ def _make_dataset(spec: Mapping[str, Any], *, inputs: list[InputInfo], tokenizer
         npz.validate(inputs)
         return npz
     else:
+        if is_folder_processor(tokenizer):
+            raise DataError("dataset 'text': this model takes images (pixel_values), not text; allowed kinds "
+                            "here: images, sample_photos, npz")
         if tokenizer is None:
             raise DataError(
                 "dataset 'text' needs the model's tokenizer; this model has none (use 'npz' data instead)"
@@ -256,6 +278,10 @@ def _as_dataset(obj: Any, inputs: list[InputInfo], tokenizer: Any = None, *, spl
             "{'kind': 'images', 'path': ..., 'preprocess': 'efficientnet'}"
         )
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, str) for t in obj):
+        if is_folder_processor(tokenizer):
+            raise DataError("a list of strings is text; this model takes images (pixel_values): pass "
+                            "{'kind': 'images', 'path': <folder of photos>} (the model's own preprocessing), "
+                            "arrays or a .npz path")
         if tokenizer is None:
             raise DataError("a list of strings needs the model's tokenizer; this model has none")
         ids = next((i for i in inputs if i.name == "input_ids"), None)

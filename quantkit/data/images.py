@@ -7,6 +7,11 @@ Preprocessing, in order (torchvision's ``Resize`` + ``CenterCrop`` + ``Normalize
 3. centre crop ``crop`` x ``crop`` (top/left offsets ``round((size - crop) / 2)``);
 4. ``x = (pixel / 255 - mean) / std`` per channel, float32;
 5. lay out as CHW (``"NCHW"``) or HWC (``"NHWC"``).
+
+A Hugging Face vision folder brings its own preprocessing
+(:class:`quantkit.frontends.vision.FolderImageProcessor`, the ``preprocess`` name ``model``): every function
+here that takes a :class:`Preprocess` takes one of those too (same ``output_shape`` / ``layout`` / ``settings()``
+/ call).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 from PIL import Image
@@ -25,12 +30,18 @@ from PIL import Image
 from quantkit.data.base import check_batch_size, hash_file, new_hasher
 from quantkit.errors import DataError
 
+if TYPE_CHECKING:
+    from quantkit.frontends.vision import FolderImageProcessor
+
 __all__ = [
     "IMAGE_SUFFIXES",
+    "MODEL_PRESET",
     "PRESETS",
+    "ImagePreprocess",
     "ImageFolderDataset",
     "Preprocess",
     "get_preprocess",
+    "is_folder_processor",
     "list_images",
     "load_image",
     "preprocess_image",
@@ -82,6 +93,32 @@ class Preprocess:
         """Plain dict of the fields (for fingerprints and reports)."""
         return asdict(self)
 
+    def __call__(self, image: Image.Image) -> np.ndarray:
+        """Apply the steps of the module docstring to one PIL image."""
+        img = image.convert("RGB")
+        w, h = img.size
+        s = self.resize_short
+        size = (s, int(h * s / w)) if w <= h else (int(w * s / h), s)
+        if size != (w, h):
+            img = img.resize(size, _RESAMPLE[self.resize_mode])
+        w, h = img.size
+        c = self.crop
+        top = int(round((h - c) / 2.0))
+        left = int(round((w - c) / 2.0))
+        img = img.crop((left, top, left + c, top + c))
+        x: np.ndarray = np.asarray(img, dtype=np.float32) / np.float32(255.0)
+        x = (x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        if self.layout == "NCHW":
+            x = x.transpose(2, 0, 1)
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+
+ImagePreprocess = Union[Preprocess, "FolderImageProcessor"]
+"""Either quantkit's own preprocessing or the one a Hugging Face vision folder ships."""
+
+MODEL_PRESET = "model"
+"""The ``preprocess`` name of the model's own preprocessing (a Hugging Face folder's image processor)."""
+
 
 PRESETS: dict[str, Preprocess] = {
     # EfficientNet-Lite (TF-Hub / lukemelas): bicubic 256, crop 224, x in [-1, 1].
@@ -91,17 +128,25 @@ PRESETS: dict[str, Preprocess] = {
 }
 
 
-def get_preprocess(spec: str | Preprocess | Mapping[str, Any]) -> Preprocess:
-    """A :class:`Preprocess` from a preset name, an instance, or a dict of fields.
+def get_preprocess(spec: str | ImagePreprocess | Mapping[str, Any]) -> ImagePreprocess:
+    """A :class:`Preprocess` from a preset name, an instance, or a dict of fields (a folder's own processor is
+    returned as it is).
 
     A dict may name a ``preset`` to start from and override some fields, e.g.
     ``{"preset": "imagenet", "layout": "NHWC"}``.
 
     Raises:
-        DataError: unknown preset name or field.
+        DataError: unknown preset name or field; ``model`` (the model's own preprocessing) where no model
+            processor was resolved.
     """
-    if isinstance(spec, Preprocess):
-        return spec
+    if isinstance(spec, Preprocess) or is_folder_processor(spec):
+        return spec  # type: ignore[return-value]
+    if spec == MODEL_PRESET:
+        raise DataError(
+            f"preprocess {MODEL_PRESET!r} is the image processor of a Hugging Face vision folder "
+            "(preprocessor_config.json); this model has none; allowed: "
+            f"{', '.join(sorted(PRESETS))} or a mapping of {sorted(f.name for f in fields(Preprocess))}"
+        )
     if isinstance(spec, str):
         if spec not in PRESETS:
             raise DataError(
@@ -114,6 +159,9 @@ def get_preprocess(spec: str | Preprocess | Mapping[str, Any]) -> Preprocess:
         if extra:
             raise DataError(f"unknown preprocess key(s) {extra}; allowed: {sorted(allowed | {'preset'})}")
         base = get_preprocess(spec["preset"]) if "preset" in spec else Preprocess()
+        if not isinstance(base, Preprocess):
+            raise DataError(f"preprocess preset {spec['preset']!r} cannot be changed field by field; allowed "
+                            f"presets here: {', '.join(sorted(PRESETS))}")
         values = {**base.settings(), **{k: v for k, v in spec.items() if k != "preset"}}
         for key in ("mean", "std"):
             if isinstance(values[key], (list, tuple)):
@@ -122,26 +170,18 @@ def get_preprocess(spec: str | Preprocess | Mapping[str, Any]) -> Preprocess:
     raise DataError(f"preprocess must be a preset name, a Preprocess or a dict; got {type(spec).__name__}")
 
 
-def preprocess_image(image: Image.Image | np.ndarray, pre: Preprocess) -> np.ndarray:
+def is_folder_processor(obj: Any) -> bool:
+    """Whether ``obj`` is a Hugging Face folder's image processor (the model's own preprocessing)."""
+    from quantkit.frontends.vision import FolderImageProcessor
+
+    return isinstance(obj, FolderImageProcessor)
+
+
+def preprocess_image(image: Image.Image | np.ndarray, pre: ImagePreprocess) -> np.ndarray:
     """Apply ``pre`` to one image (PIL or uint8 HxW / HxWx3 / HxWx4 array); float32 CHW or HWC."""
     if isinstance(image, np.ndarray):
         image = Image.fromarray(to_rgb_uint8(image))
-    img = image.convert("RGB")
-    w, h = img.size
-    s = pre.resize_short
-    size = (s, int(h * s / w)) if w <= h else (int(w * s / h), s)
-    if size != (w, h):
-        img = img.resize(size, _RESAMPLE[pre.resize_mode])
-    w, h = img.size
-    c = pre.crop
-    top = int(round((h - c) / 2.0))
-    left = int(round((w - c) / 2.0))
-    img = img.crop((left, top, left + c, top + c))
-    x: np.ndarray = np.asarray(img, dtype=np.float32) / np.float32(255.0)
-    x = (x - np.asarray(pre.mean, np.float32)) / np.asarray(pre.std, np.float32)
-    if pre.layout == "NCHW":
-        x = x.transpose(2, 0, 1)
-    return np.ascontiguousarray(x, dtype=np.float32)
+    return pre(image)
 
 
 def to_rgb_uint8(a: np.ndarray) -> np.ndarray:
@@ -181,7 +221,7 @@ def _bomb_pixels(exc: Exception) -> str:
     return f"{int(found.group(1))} pixels" if found else "too many pixels"
 
 
-def load_image(path: Path, pre: Preprocess) -> np.ndarray:
+def load_image(path: Path, pre: ImagePreprocess) -> np.ndarray:
     """Decode one image file and apply ``pre``.
 
     Images larger than Pillow's decompression-bomb limit (``2 x PIL.Image.MAX_IMAGE_PIXELS``, about 179
@@ -212,7 +252,7 @@ class ImageFolderDataset:
         self,
         folder: str | os.PathLike[str],
         input_name: str,
-        preprocess: str | Preprocess | Mapping[str, Any] = "efficientnet",
+        preprocess: str | ImagePreprocess | Mapping[str, Any] = "efficientnet",
         limit: int | None = None,
         seed: int = 0,
     ) -> None:

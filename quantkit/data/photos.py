@@ -32,7 +32,7 @@ import numpy as np
 from PIL import Image
 
 from quantkit.data.base import MAX_SAMPLES, check_batch_size, new_hasher
-from quantkit.data.images import Preprocess, get_preprocess, preprocess_image, to_rgb_uint8
+from quantkit.data.images import ImagePreprocess, get_preprocess, preprocess_image, to_rgb_uint8
 from quantkit.errors import DataError
 
 __all__ = ["PHOTO_NAMES", "SPLITS", "CropSpec", "SamplePhotosDataset", "sample_photos", "write_sample_photos"]
@@ -151,7 +151,7 @@ class SamplePhotosDataset:
         count: int,
         split: str = "calibration",
         input_name: str = "input",
-        preprocess: str | Preprocess | Mapping[str, Any] = "efficientnet",
+        preprocess: str | ImagePreprocess | Mapping[str, Any] = "efficientnet",
         seed: int = 0,
     ) -> None:
         """Raises DataError for a bad count or split."""

@@ -7,7 +7,8 @@ source                          kind        how
 ==============================  ==========  ==========================================
 path to a file                  ``onnx``    :func:`load_onnx` (external data supported)
 path to a GGUF file             ``hf``      dequantized once into a cached HF folder (below)
-folder containing config.json   ``hf``      :func:`from_hf_folder` (tokenizer returned)
+folder containing config.json   ``hf``      :func:`from_hf_folder` (tokenizer, or a vision
+                                            model's image processor, returned)
 folder containing model.onnx    ``onnx``    :func:`load_onnx`
 built-in name                   ``builtin`` :func:`load_builtin` (exported once, cached)
 ``onnx.ModelProto``             ``onnx``    ``ir.from_proto``
@@ -128,7 +129,9 @@ class LoadedModel:
     Attributes:
         model: the ONNX graph.
         source: human-readable description of where it came from.
-        tokenizer: the tokenizer for text models (HF folders, text built-ins), else None.
+        tokenizer: the tokenizer for text models (HF folders, text built-ins); for a Hugging Face vision folder
+            its image processor (:class:`quantkit.frontends.vision.FolderImageProcessor`: image datasets use it);
+            else None.
         kind: ``"onnx"``, ``"torch"``, ``"hf"`` or ``"builtin"``.
         graph: for causal LMs, ``"decoder"`` (KV cache) or ``"full_sequence"``; else ``""``.
     """
@@ -212,7 +215,7 @@ def load_model(source: object, **kw: Any) -> LoadedModel:
     import onnx_ir as ir
 
     from quantkit.frontends.builtin import BUILTINS, builtin_names, builtin_tokenizer, load_builtin
-    from quantkit.frontends.hf_folder import from_hf_folder
+    from quantkit.frontends.hf_folder import detect_task, from_hf_folder
     from quantkit.frontends.onnx_file import load_onnx
     from quantkit.frontends.torch_module import from_torch
 
@@ -268,7 +271,8 @@ def load_model(source: object, **kw: Any) -> LoadedModel:
                     where = f"Hugging Face folder {str(path)} (built KV-cache decoder)"
                     return LoadedModel(model, where, _optional_tokenizer(path), "hf", "decoder")
                 model, tokenizer = from_hf_folder(path, **kw)
-                lm = any(v.name == "logits" for v in model.graph.outputs)
+                # a text classifier's or an image model's output is named logits too: the task decides
+                lm = (kw.get("task") or detect_task(path)) == "causal-lm"
                 return LoadedModel(model, f"Hugging Face folder {str(path)}", tokenizer, "hf",
                                    "full_sequence" if lm else "")
             if (path / "model.onnx").is_file():

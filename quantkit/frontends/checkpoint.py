@@ -70,7 +70,8 @@ def check_config_values(cfg: Any, where: str) -> None:
     """Refuse nonsensical sizes in a parsed ``config.json`` (``where``: its path, for the messages).
 
     Keys of :data:`CONFIG_LIMITS` that are present and not null must be integers (``4.0`` is taken, ``4.5``,
-    ``true`` and ``"4"`` are not) in ``1 .. limit``; ``num_key_value_heads`` must divide ``num_attention_heads``.
+    ``true`` and ``"4"`` are not) in ``1 .. limit``, or lists of such integers (one per stage of a vision
+    model); ``num_key_value_heads`` must divide ``num_attention_heads``.
 
     Raises:
         ModelError: naming the file, the key, the value and the allowed range.
@@ -81,11 +82,14 @@ def check_config_values(cfg: Any, where: str) -> None:
         value = cfg.get(key)
         if value is None:
             continue
-        n = _int_value(value)
-        if n is None or not 1 <= n <= limit:
-            raise ModelError(f"{where}: {key} {value!r} is out of range; allowed: an integer in 1 .. {limit}")
+        # vision models with stages (SegFormer, PVT, CvT) give one value per stage
+        values = value if isinstance(value, list) and value else [value]
+        ns = [_int_value(v) for v in values]
+        if any(n is None or not 1 <= n <= limit for n in ns):
+            raise ModelError(f"{where}: {key} {value!r} is out of range; allowed: an integer in 1 .. {limit} "
+                             "(or a list of them, one per stage)")
     heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
-    if heads is not None and kv is not None and int(heads) % int(kv):
+    if isinstance(heads, (int, float)) and isinstance(kv, (int, float)) and int(heads) % int(kv):
         raise ModelError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; "
                          "allowed: a divisor of num_attention_heads")  # fmt: skip
 

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 __all__ = ["HEADS", "HF_TASKS", "MAX_POSITIONS_KEY", "check_hf_folder", "detect_task", "from_hf_folder", "load_hf_tokenizer",
            "sentence_transformers_config"]
 
-HF_TASKS = ("auto", "encoder", "causal-lm")
+HF_TASKS = ("auto", "encoder", "causal-lm", "vision")
 _POOLING_ORDER = ("cls", "max", "mean", "mean_sqrt_len")
 _ST_TRANSFORMER = "sentence_transformers.models.Transformer"
 _ST_POOLING = "sentence_transformers.models.Pooling"
@@ -71,9 +71,10 @@ def _check_folder(path: str | os.PathLike[str]) -> Path:
 
 
 def detect_task(path: str | os.PathLike[str]) -> str:
-    """``"causal-lm"`` if config.json's ``architectures`` name a ``*ForCausalLM`` / ``*LMHeadModel``, else
-    ``"encoder"``."""
-    where = _check_folder(path) / "config.json"
+    """``"causal-lm"`` if config.json's ``architectures`` name a ``*ForCausalLM`` / ``*LMHeadModel``, ``"vision"``
+    for an image model (:func:`quantkit.frontends.vision.is_vision_folder`), else ``"encoder"``."""
+    folder = _check_folder(path)
+    where = folder / "config.json"
     config = _read_json(where)
     if not isinstance(config, dict):
         raise ModelError(f"{str(where)!r}: config.json must hold a JSON object, got {type(config).__name__}")
@@ -81,7 +82,11 @@ def detect_task(path: str | os.PathLike[str]) -> str:
     if not isinstance(archs, list):
         archs = [archs]
     # GPT-2-style checkpoints name their causal LM class ``*LMHeadModel`` (GPT2LMHeadModel, GPTJ...)
-    return "causal-lm" if any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in archs) else "encoder"
+    if any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return "causal-lm"
+    from quantkit.frontends.vision import is_vision_folder
+
+    return "vision" if is_vision_folder(folder, config) else "encoder"
 
 
 HEADS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -143,7 +148,8 @@ def text_model_problem(folder: Path, config: Any) -> str | None:
                     "decoders), not the whole-graph path")  # fmt: skip
     return (f"{str(folder)!r} holds {what} ({', '.join(archs) or config.get('model_type', 'unknown type')}); from a "
             "Hugging Face folder quantkit exports text encoders (with their classification / token / question-"
-            "answering / masked-LM head) and decoder LLMs. For this model, export it to ONNX yourself (torch.onnx."
+            "answering / masked-LM head), decoder LLMs and vision models (image classification, semantic "
+            "segmentation, bare backbones with their preprocessor_config.json). For this model, export it to ONNX yourself (torch.onnx."
             "export, optimum-cli export onnx) and give quantkit the .onnx file with .npz data, or pass the "
             "torch.nn.Module to quantkit.quantize(module, calibration_data, recipe, example_inputs=...)")
 
@@ -315,11 +321,12 @@ def from_hf_folder(
     seq_len: int = 128,
     opset: int = DEFAULT_OPSET,
 ) -> tuple[ir.Model, Any]:
-    """Export the model in a local Hugging Face folder; return ``(model, tokenizer)``.
+    """Export the model in a local Hugging Face folder; return ``(model, tokenizer)`` - for a vision model
+    ``(model, image processor)`` (:mod:`quantkit.frontends.vision`).
 
     Args:
-        path: folder containing ``config.json``, weights and tokenizer files.
-        task: ``"auto"`` (from config.json's architectures), ``"encoder"`` or ``"causal-lm"``.
+        path: folder containing ``config.json``, weights and tokenizer (or image processor) files.
+        task: ``"auto"`` (from config.json's architectures), ``"encoder"``, ``"causal-lm"`` or ``"vision"``.
         seq_len: sequence length of the tracing example (the exported ``seq`` dim is dynamic).
         opset: default-domain opset.
 
@@ -336,6 +343,14 @@ def from_hf_folder(
         task = detect_task(folder)
     check_hf_folder(folder)
     config = _read_json(folder / "config.json")
+    if task == "vision":
+        from quantkit.frontends.vision import from_vision_folder, is_vision_folder
+
+        if not is_vision_folder(folder, config):
+            raise ModelError(f"task 'vision': {str(folder)!r} holds no image model quantkit exports (an image-"
+                             "classification or semantic-segmentation head, or a backbone with an image processor "
+                             "and no tokenizer); allowed tasks here: auto, encoder, causal-lm")
+        return from_vision_folder(folder, config, opset=opset)
     head = None
     if task != "causal-lm":
         problem = text_model_problem(folder, config)

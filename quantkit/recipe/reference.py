@@ -148,8 +148,10 @@ DATA_KEYS: dict[str, tuple[str, str]] = {
     "path": ("string or list of strings", "A file or folder (`images`: a folder of photos; `npz`: an `.npz` file, "
              "a folder of them, or a list of files; arrays keyed by model input name, first axis = samples)."),
     "count": ("integer", "How many samples (`sample_photos`: crops; `text`: sentences or windows)."),
-    "preprocess": ("string or mapping", "Image preprocessing: a preset name (`efficientnet`, `imagenet`) or a "
-                   "mapping of resize / crop / mean / std / layout fields, optionally starting from a `preset`."),
+    "preprocess": ("string or mapping", "Image preprocessing: `model` (the image processor of a Hugging Face "
+                   "vision folder, the default for such a model; else the default is `efficientnet`), a preset name "
+                   "(`efficientnet`, `imagenet`) or a mapping of resize / crop / mean / std / layout fields, "
+                   "optionally starting from a `preset`."),
     "seed": ("integer", "Seed of the sample order and crops."),
     "input": ("string", "The model input that takes the images (needed when the model has several)."),
     "limit": ("integer", "`images`: use at most this many files."),

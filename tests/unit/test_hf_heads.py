@@ -1,6 +1,7 @@
 """Hugging Face folders of text encoders with a task head export the head (a sequence classifier's logits, a
 question-answering model's start / end logits), not the bare hidden states - the head used to be dropped
-silently.  Folders quantkit cannot export (vision, audio, encoder-decoder) are refused saying what to do, and
+silently.  Folders quantkit cannot export (audio, encoder-decoder, a vision model without its image processor:
+tests/unit/test_hf_vision.py) are refused saying what to do, and
 token data longer than the encoder's position table is refused before any work (it was an internal error)."""
 
 from __future__ import annotations
@@ -74,11 +75,12 @@ def test_a_sequence_classifier_quantizes_with_its_logits_compared(tmp_path: Path
     assert list(fid) == ["logits"] and fid["logits"]["sqnr_db"] > 15 and "top1_agreement" in fid["logits"]
 
 
-def test_a_vision_folder_is_refused_saying_what_to_do_instead(tmp_path: Path) -> None:
+def test_a_vision_folder_without_its_image_processor_is_refused_saying_what_to_do(tmp_path: Path) -> None:
     config = transformers.ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                     image_size=32, patch_size=8, num_labels=3)
     transformers.ViTForImageClassification(config).save_pretrained(tmp_path)
-    with pytest.raises(ModelError, match=r"holds a vision model \(ViTForImageClassification\).*export it to ONNX"):
+    with pytest.raises(ModelError, match=r"holds a vision model \(ViTForImageClassification\) without image preprocessing.*"
+                                         r"export it to ONNX"):
         load_model(tmp_path)
 
 
