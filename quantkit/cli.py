@@ -18,8 +18,9 @@ def _common_args(p: argparse.ArgumentParser, recipe_help: str, default_out: str)
     p.add_argument("--output", "-o", default=None, help=f"output folder (default: {default_out})")
     p.add_argument("--model", default=None, help="override the recipe's model.source")
     p.add_argument("--calibration-data", default=None,
-                   help="the calibration data instead of the recipe's: an .npz, an image folder, or text (a .txt "
-                        "file, pydoc, austen:<book>); the recipe's options that still apply are kept")
+                   help="the calibration data instead of the recipe's: an .npz, an image folder, a folder of .wav "
+                        "files, or text (a .txt file, pydoc, austen:<book>); the recipe's options that still apply "
+                        "are kept")
     p.add_argument("--evaluation-data", default=None, help="the evaluation data instead of the recipe's (as above)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     p.add_argument("--verbose", "-v", action="store_true", help="debug messages too (logger 'quantkit' at DEBUG)")
@@ -95,13 +96,18 @@ def data_override(spec: dict[str, Any], value: str) -> dict[str, Any]:
     """The recipe's data spec ``spec`` with the data at ``value`` (a CLI ``--calibration-data`` /
     ``--evaluation-data``) in place of its own, keeping the options that still apply: an ``.npz`` file (or a
     folder holding some) is ``kind: npz``; for a text recipe (or a ``.txt`` / ``.md`` / ``.rst`` file) the value is the text ``source``
-    (a file, ``pydoc``, ``austen:<book>``) with the recipe's mode, count, seq_len, seed and offset; otherwise an
+    (a file, ``pydoc``, ``austen:<book>``) with the recipe's mode, count, seq_len, seed and offset; a ``.wav`` file
+    or a folder holding some is ``kind: audio`` (with an audio recipe's seconds, hop, sampling_rate, limit, seed and
+    input); otherwise an
     image folder or file, with the recipe's preprocess, seed and input (and a ``sample_photos`` count as the
     ``limit`` of files read)."""
     kind = spec.get("kind")
     folder = Path(value).expanduser()
     if value.lower().endswith(".npz") or (folder.is_dir() and any(folder.glob("*.npz"))):
         return {"kind": "npz", "path": value}
+    if kind == "audio" or value.lower().endswith(".wav") or (folder.is_dir() and any(folder.rglob("*.wav"))):
+        kept: tuple[str, ...] = ("seconds", "hop", "sampling_rate", "limit", "seed", "input") if kind == "audio" else ()
+        return {"kind": "audio", "path": value, **{k: spec[k] for k in kept if k in spec}}
     if kind == "text" or value.lower().endswith(TEXT_SUFFIXES):
         keep = ("mode", "count", "seq_len", "seed", "offset") if kind == "text" else ()
         return {"kind": "text", "source": value, **{k: spec[k] for k in keep if k in spec}}

@@ -103,10 +103,12 @@ def _recipe(folder: Path, paths: dict[str, Path], *, guard: bool = True, fidelit
     rec: dict[str, Any] = {"version": 1, "name": "zoo", "model": {"source": str(paths["model"])},
                            "calibration": {"data": {"kind": "npz", "path": str(paths["calibration"])}},
                            "evaluation": {"data": {"kind": "npz", "path": str(paths["evaluation"])}}}
-    if "hf_folder" in paths:  # a Hugging Face folder and folders of photos: quantkit exports and preprocesses
-        rec["model"]["source"] = str(paths["hf_folder"])
+    if "hf_folder" in paths:  # a Hugging Face folder and folders of photos / recordings: quantkit exports and
+        rec["model"]["source"] = str(paths["hf_folder"])  # prepares the data with the folder's own processor
         for split in ("calibration", "evaluation"):
-            rec[split]["data"] = {"kind": "images", "path": str(paths[f"{split}_images"])}
+            audio = any(paths[f"{split}_data"].glob("*.wav"))
+            rec[split]["data"] = ({"kind": "audio", "path": str(paths[f"{split}_data"]), "seconds": 1.0, "hop": 0.1}
+                                  if audio else {"kind": "images", "path": str(paths[f"{split}_data"])})
     if not guard:
         rec["report"] = {"latency": {"guard": False}}
     if not fidelity_guard:

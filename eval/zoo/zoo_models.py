@@ -131,7 +131,8 @@ max-pool branch, learnable affine blocks and light convolutions; MobileNet-V1 as
 TensorFlow "same" padding as explicit Pads)."""
 PROBES.update({k: {} for k in HF_VISION})
 SEGMENTATION = ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large", "segformer_b0", "upernet_convnext",
-                "depth_anything_s", "dinov3_s6", "aimv2_6l", "glpn", "hf_segformer_b0", "hf_dinov2_s")
+                "depth_anything_s", "dinov3_s6", "aimv2_6l", "glpn", "hf_segformer_b0", "hf_dinov2_s",
+                "hf_wav2vec2_ctc")
 """Probes from ``torchvision.models.segmentation``: exported as ``input -> logits [N, classes, H, W]`` (the
 model's ``out``); judged by output SQNR (a per-pixel top-1 would need the class axis, not the last one)."""
 _IMAGENET = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
@@ -159,6 +160,17 @@ the image processor their hub checkpoints ship), run as a user brings them: ``mo
 ``kind: images`` folders of real photos, no preprocessing named (quantkit exports the folder and prepares the
 photos with its processor). ONNX Runtime's ``quantize_static`` gets the graph quantkit exports and the same pixels
 as ``.npz`` (``python eval/zoo/run.py --models hf_vit_b16,...``)."""
+HF_FOLDERS.update({
+    "hf_wav2vec2_ctc": ("Wav2Vec2Config", "Wav2Vec2ForCTC", {"num_hidden_layers": 4, "vocab_size": 32},
+                        "Wav2Vec2FeatureExtractor", {}),
+    "hf_ast_cls": ("ASTConfig", "ASTForAudioClassification", {"num_hidden_layers": 4, "num_mel_bins": 128,
+                                                               "max_length": 100, "num_labels": 35},
+                   "ASTFeatureExtractor", {"num_mel_bins": 128, "max_length": 100}),
+})
+"""(and audio) Speech folders as a user brings them: a CTC head and an audio classifier (4 layers at base widths,
+random weights), ``kind: audio`` windows of the real recordings the speech set uses (1 s every 0.1 s), prepared by
+the folder's feature extractor."""
+HF_AUDIO = ("hf_wav2vec2_ctc", "hf_ast_cls")
 PROBES.update({k: {} for k in HF_FOLDERS})
 ZOO_ENCODERS = ("bert_base", "distilbert")
 HF_ENCODERS = {
@@ -515,9 +527,10 @@ def build_hf_folder(name: str, folder: Path) -> None:
     config.architectures = [cls_name]
     processor = getattr(transformers, proc_name)(**proc_kw)
     model = getattr(transformers, cls_name)(config)
-    size = processor.crop_size["height"] if getattr(processor, "do_center_crop", False) else (
-        processor.size.get("height") or processor.size["shortest_edge"])
-    warm_batchnorm(model, size)
+    if name not in HF_AUDIO:  # speech encoders have no BatchNorm
+        size = processor.crop_size["height"] if getattr(processor, "do_center_crop", False) else (
+            processor.size.get("height") or processor.size["shortest_edge"])
+        warm_batchnorm(model, size)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -612,6 +625,7 @@ def _build_from_folder(name: str, folder: Path, cal: int, ev: int) -> dict[str, 
     """The HF folder, the graph quantkit exports from it, the photo folders and the same pixels as ``.npz``."""
     import onnx_ir as ir
 
+    from quantkit.data.audio import AudioFolderDataset
     from quantkit.data.images import ImageFolderDataset
     from quantkit.frontends import load_model
 
@@ -627,18 +641,38 @@ def _build_from_folder(name: str, folder: Path, cal: int, ev: int) -> dict[str, 
         os.replace(tmp, onnx_path)
     paths = {"model": onnx_path, "hf_folder": hf}
     for split, n in (("calibration", cal), ("evaluation", ev)):
-        photos = paths[f"{split}_images"] = photo_folder(split, n)
+        data = paths[f"{split}_data"] = speech_folder(split) if name in HF_AUDIO else photo_folder(split, n)
         p = folder / f"{split}-{n}.npz"
         if not p.is_file():
             if loaded is None:
                 loaded = load_model(hf)
-            ds = ImageFolderDataset(photos, "pixel_values", loaded.tokenizer)  # the folder's own processor
-            x = np.concatenate([b["pixel_values"] for b in ds.batches(16)])
+            ds = (AudioFolderDataset(data, loaded.tokenizer.input_name, processor=loaded.tokenizer, seconds=1.0,
+                                     hop=0.1) if name in HF_AUDIO else
+                  ImageFolderDataset(data, "pixel_values", loaded.tokenizer))  # the folder's own processor
+            key = ds.input_name
+            x = np.concatenate([b[key] for b in ds.batches(16)])
             tmp = p.with_name(p.stem + ".tmp.npz")
-            np.savez(tmp, pixel_values=x.astype(np.float32))
+            np.savez(tmp, **{key: x.astype(np.float32)})
             os.replace(tmp, p)
         paths[split] = p
     return paths
+
+
+def speech_folder(split: str) -> Path:
+    """The speech set's recordings of ``split`` (four of the eight, as :func:`speech_clips` splits them) as a
+    folder of ``.wav`` files (links into the cached package)."""
+    speech_clips(split)  # fetches the recordings once
+    src = cache_root() / "speech"
+    folder = cache_root() / ZOO_VERSION / f"speech-{split}"
+    if not folder.is_dir():
+        files = sorted(f for f in src.glob("*.wav") if f.stem != "Noise")
+        tmp = folder.with_name(folder.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for f in files[::2] if split == "calibration" else files[1::2]:
+            if not (tmp / f.name).exists():
+                os.symlink(f, tmp / f.name)
+        os.replace(tmp, folder)
+    return folder
 
 
 def main() -> None:

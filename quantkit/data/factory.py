@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from quantkit.data.audio import DEFAULT_SECONDS, AudioFolderDataset, is_audio_processor
 from quantkit.data.base import (
     LABEL_KEYS,
     MAX_SAMPLES,
@@ -31,7 +32,7 @@ from quantkit.data.photos import SPLITS, SamplePhotosDataset
 from quantkit.data.text import TextDataset
 from quantkit.errors import DataError
 
-__all__ = ["DATASET_KINDS", "SPEC_INT_RANGES", "as_dataset", "check_spec_ints", "make_dataset"]
+__all__ = ["DATASET_KINDS", "SPEC_FLOAT_RANGES", "SPEC_INT_RANGES", "as_dataset", "check_spec_ints", "make_dataset"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ DATASET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "images": (("path",), ("preprocess", "limit", "seed", "input")),
     "npz": (("path",), ()),
     "text": (("source",), ("mode", "count", "seq_len", "seed", "offset")),
+    "audio": (("path",), ("seconds", "hop", "sampling_rate", "limit", "seed", "input")),
 }
 
 #: Integer keys of a dataset spec and their allowed range (inclusive).  Counts and lengths that drive loops
@@ -52,17 +54,30 @@ SPEC_INT_RANGES: dict[str, tuple[int, int]] = {
     "seq_len": (2, MAX_SEQ_LEN),
     "offset": (0, 2**63 - 1),
     "seed": (0, 2**63 - 1),
+    "sampling_rate": (1000, 768_000),
 }
+
+#: Number keys of a dataset spec (seconds) and their allowed range (inclusive).
+SPEC_FLOAT_RANGES: dict[str, tuple[float, float]] = {"seconds": (0.01, 3600.0), "hop": (0.001, 3600.0)}
 
 
 def check_spec_ints(spec: Mapping[str, Any]) -> None:
-    """Check the integer keys of a dataset spec (:data:`SPEC_INT_RANGES`) that are present and not null.
+    """Check the integer keys of a dataset spec (:data:`SPEC_INT_RANGES`) and its number keys
+    (:data:`SPEC_FLOAT_RANGES`) that are present and not null.
 
     Raises:
         DataError: a value that is not an integer or is out of range, naming the key, the value and the
             allowed range.
     """
     kind = spec.get("kind")
+    for key, (flo, fhi) in SPEC_FLOAT_RANGES.items():
+        value = spec.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DataError(f"dataset {kind!r}: key {key!r} must be a number (seconds), got {value!r}")
+        if not flo <= value <= fhi:
+            raise DataError(f"dataset {kind!r}: key {key!r} is {value}; allowed: {flo:g} to {fhi:g}")
     for key, (lo, hi) in SPEC_INT_RANGES.items():
         value = spec.get(key)
         if value is None:
@@ -96,6 +111,20 @@ def _image_input(inputs: list[InputInfo], name: Any, preprocess: Any, kind: str)
         batched=True,
     )
     return info.name
+
+
+def _audio_input(inputs: list[InputInfo], name: Any, processor: Any) -> str:
+    """The input that takes the audio: the feature extractor's, the spec's ``input``, or the only one."""
+    names = [i.name for i in inputs]
+    wanted = processor.input_name if processor is not None and name is None else name
+    if wanted is not None:
+        if wanted not in names:
+            raise DataError(f"dataset 'audio': input {wanted!r} is not a model input; inputs: {names}")
+        return str(wanted)
+    if len(inputs) == 1:
+        return names[0]
+    raise DataError(f"dataset 'audio': the model has inputs {names}; say which one takes the audio with the key "
+                    "'input'")
 
 
 def _preprocess(spec: Mapping[str, Any], processor: Any, kind: str) -> Any:
@@ -169,8 +198,21 @@ def _make_dataset(spec: Mapping[str, Any], *, inputs: list[InputInfo], tokenizer
     if not inputs:
         raise DataError("the model has no inputs to feed")
 
-    ds: SamplePhotosDataset | ImageFolderDataset | TextDataset
-    if kind == "sample_photos":
+    ds: SamplePhotosDataset | ImageFolderDataset | TextDataset | AudioFolderDataset
+    if kind in ("sample_photos", "images") and is_audio_processor(tokenizer):
+        raise DataError(f"dataset {kind!r}: this model takes audio ({tokenizer.input_name}), not images; allowed "
+                        "kinds here: audio, npz")
+    if kind == "audio":
+        if is_folder_processor(tokenizer):
+            raise DataError("dataset 'audio': this model takes images (pixel_values), not audio; allowed kinds here: "
+                            "images, sample_photos, npz")
+        processor = tokenizer if is_audio_processor(tokenizer) else None
+        name = _audio_input(inputs, spec.get("input"), processor)
+        ds = AudioFolderDataset(_path(spec, kind), name, processor=processor,
+                                seconds=spec.get("seconds", DEFAULT_SECONDS), hop=spec.get("hop"),
+                                sampling_rate=spec.get("sampling_rate"), limit=spec.get("limit"),
+                                seed=_int(spec, "seed", 0))
+    elif kind == "sample_photos":
         preprocess = _preprocess(spec, tokenizer, kind)
         name = _image_input(inputs, spec.get("input"), preprocess, kind)
         ds = SamplePhotosDataset(spec["count"], split, name, preprocess, _int(spec, "seed", 0))
@@ -188,6 +230,9 @@ def _make_dataset(spec: Mapping[str, Any], *, inputs: list[InputInfo], tokenizer
         if is_folder_processor(tokenizer):
             raise DataError("dataset 'text': this model takes images (pixel_values), not text; allowed kinds "
                             "here: images, sample_photos, npz")
+        if is_audio_processor(tokenizer):
+            raise DataError(f"dataset 'text': this model takes audio ({tokenizer.input_name}), not text; allowed "
+                            "kinds here: audio, npz")
         if tokenizer is None:
             raise DataError(
                 "dataset 'text' needs the model's tokenizer; this model has none (use 'npz' data instead)"

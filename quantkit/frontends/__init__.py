@@ -130,8 +130,9 @@ class LoadedModel:
         model: the ONNX graph.
         source: human-readable description of where it came from.
         tokenizer: the tokenizer for text models (HF folders, text built-ins); for a Hugging Face vision folder
-            its image processor (:class:`quantkit.frontends.vision.FolderImageProcessor`: image datasets use it);
-            else None.
+            its image processor (:class:`quantkit.frontends.vision.FolderImageProcessor`: image datasets use it),
+            for an audio folder its feature extractor (:class:`quantkit.frontends.audio.FolderAudioProcessor`:
+            ``kind: audio`` datasets use it); else None.
         kind: ``"onnx"``, ``"torch"``, ``"hf"`` or ``"builtin"``.
         graph: for causal LMs, ``"decoder"`` (KV cache) or ``"full_sequence"``; else ``""``.
     """
@@ -271,10 +272,16 @@ def load_model(source: object, **kw: Any) -> LoadedModel:
                     where = f"Hugging Face folder {str(path)} (built KV-cache decoder)"
                     return LoadedModel(model, where, _optional_tokenizer(path), "hf", "decoder")
                 model, tokenizer = from_hf_folder(path, **kw)
-                # a text classifier's or an image model's output is named logits too: the task decides
-                lm = (kw.get("task") or detect_task(path)) == "causal-lm"
-                return LoadedModel(model, f"Hugging Face folder {str(path)}", tokenizer, "hf",
-                                   "full_sequence" if lm else "")
+                # a text classifier's or an image model's output is named logits too: the task decides (not the name)
+                task = kw.get("task") or detect_task(path)
+                where = f"Hugging Face folder {str(path)}"
+                if task == "vision":  # the image processor image data is prepared with unless a recipe names another
+                    where += (f" (vision model, pixel_values {[None, *tokenizer.output_shape]}; image processor "
+                              f"{tokenizer.name})")
+                elif task == "audio":
+                    where += (f" (audio model, {tokenizer.input_name} at {tokenizer.sampling_rate} Hz; feature "
+                              f"extractor {tokenizer.name})")
+                return LoadedModel(model, where, tokenizer, "hf", "full_sequence" if task == "causal-lm" else "")
             if (path / "model.onnx").is_file():
                 _reject_kwargs("ONNX folder", kw)
                 return LoadedModel(

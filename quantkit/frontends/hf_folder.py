@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 __all__ = ["HEADS", "HF_TASKS", "MAX_POSITIONS_KEY", "check_hf_folder", "detect_task", "from_hf_folder", "load_hf_tokenizer",
            "sentence_transformers_config"]
 
-HF_TASKS = ("auto", "encoder", "causal-lm", "vision")
+HF_TASKS = ("auto", "encoder", "causal-lm", "vision", "audio")
 _POOLING_ORDER = ("cls", "max", "mean", "mean_sqrt_len")
 _ST_TRANSFORMER = "sentence_transformers.models.Transformer"
 _ST_POOLING = "sentence_transformers.models.Pooling"
@@ -72,7 +72,8 @@ def _check_folder(path: str | os.PathLike[str]) -> Path:
 
 def detect_task(path: str | os.PathLike[str]) -> str:
     """``"causal-lm"`` if config.json's ``architectures`` name a ``*ForCausalLM`` / ``*LMHeadModel``, ``"vision"``
-    for an image model (:func:`quantkit.frontends.vision.is_vision_folder`), else ``"encoder"``."""
+    for an image model (:func:`quantkit.frontends.vision.is_vision_folder`), ``"audio"`` for a speech / audio
+    model (:func:`quantkit.frontends.audio.is_audio_folder`), else ``"encoder"``."""
     folder = _check_folder(path)
     where = folder / "config.json"
     config = _read_json(where)
@@ -84,9 +85,12 @@ def detect_task(path: str | os.PathLike[str]) -> str:
     # GPT-2-style checkpoints name their causal LM class ``*LMHeadModel`` (GPT2LMHeadModel, GPTJ...)
     if any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         return "causal-lm"
+    from quantkit.frontends.audio import is_audio_folder
     from quantkit.frontends.vision import is_vision_folder
 
-    return "vision" if is_vision_folder(folder, config) else "encoder"
+    if is_vision_folder(folder, config):
+        return "vision"
+    return "audio" if is_audio_folder(folder, config) else "encoder"
 
 
 HEADS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -148,8 +152,9 @@ def text_model_problem(folder: Path, config: Any) -> str | None:
                     "decoders), not the whole-graph path")  # fmt: skip
     return (f"{str(folder)!r} holds {what} ({', '.join(archs) or config.get('model_type', 'unknown type')}); from a "
             "Hugging Face folder quantkit exports text encoders (with their classification / token / question-"
-            "answering / masked-LM head), decoder LLMs and vision models (image classification, semantic "
-            "segmentation, bare backbones with their preprocessor_config.json). For this model, export it to ONNX yourself (torch.onnx."
+            "answering / masked-LM head), decoder LLMs, vision models (image classification, semantic "
+            "segmentation, bare backbones with their preprocessor_config.json) and audio encoders (CTC, audio "
+            "classification, bare encoders with their feature extractor). For this model, export it to ONNX yourself (torch.onnx."
             "export, optimum-cli export onnx) and give quantkit the .onnx file with .npz data, or pass the "
             "torch.nn.Module to quantkit.quantize(module, calibration_data, recipe, example_inputs=...)")
 
@@ -322,11 +327,13 @@ def from_hf_folder(
     opset: int = DEFAULT_OPSET,
 ) -> tuple[ir.Model, Any]:
     """Export the model in a local Hugging Face folder; return ``(model, tokenizer)`` - for a vision model
-    ``(model, image processor)`` (:mod:`quantkit.frontends.vision`).
+    ``(model, image processor)`` (:mod:`quantkit.frontends.vision`), for an audio model ``(model, feature
+    extractor)`` (:mod:`quantkit.frontends.audio`).
 
     Args:
         path: folder containing ``config.json``, weights and tokenizer (or image processor) files.
-        task: ``"auto"`` (from config.json's architectures), ``"encoder"``, ``"causal-lm"`` or ``"vision"``.
+        task: ``"auto"`` (from config.json's architectures), ``"encoder"``, ``"causal-lm"``, ``"vision"`` or
+            ``"audio"``.
         seq_len: sequence length of the tracing example (the exported ``seq`` dim is dynamic).
         opset: default-domain opset.
 
@@ -351,6 +358,14 @@ def from_hf_folder(
                              "classification or semantic-segmentation head, or a backbone with an image processor "
                              "and no tokenizer); allowed tasks here: auto, encoder, causal-lm")
         return from_vision_folder(folder, config, opset=opset)
+    if task == "audio":
+        from quantkit.frontends.audio import from_audio_folder, is_audio_folder
+
+        if not is_audio_folder(folder, config):
+            raise ModelError(f"task 'audio': {str(folder)!r} holds no audio model quantkit exports (a CTC, audio- or "
+                             "frame-classification head, or an encoder with an audio feature extractor and no "
+                             "tokenizer); allowed tasks here: auto, encoder, causal-lm, vision")
+        return from_audio_folder(folder, config, opset=opset)
     head = None
     if task != "causal-lm":
         problem = text_model_problem(folder, config)

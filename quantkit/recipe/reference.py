@@ -145,7 +145,8 @@ DESCRIPTIONS: dict[str, str] = {
 #: their type and what they do.  Which kind takes which key, and the integer ranges, are read from
 #: :mod:`quantkit.data.factory`.
 DATA_KEYS: dict[str, tuple[str, str]] = {
-    "path": ("string or list of strings", "A file or folder (`images`: a folder of photos; `npz`: an `.npz` file, "
+    "path": ("string or list of strings", "A file or folder (`images`: a folder of photos; `audio`: a `.wav` file "
+             "or a folder of them; `npz`: an `.npz` file, "
              "a folder of them, or a list of files; arrays keyed by model input name, first axis = samples)."),
     "count": ("integer", "How many samples (`sample_photos`: crops; `text`: sentences or windows)."),
     "preprocess": ("string or mapping", "Image preprocessing: `model` (the image processor of a Hugging Face "
@@ -153,8 +154,13 @@ DATA_KEYS: dict[str, tuple[str, str]] = {
                    "(`efficientnet`, `imagenet`) or a mapping of resize / crop / mean / std / layout fields, "
                    "optionally starting from a `preset`."),
     "seed": ("integer", "Seed of the sample order and crops."),
-    "input": ("string", "The model input that takes the images (needed when the model has several)."),
-    "limit": ("integer", "`images`: use at most this many files."),
+    "seconds": ("number", "`audio`: window length in seconds (default 1); each window of each `.wav` file is one "
+                "sample."),
+    "hop": ("number", "`audio`: seconds from one window's start to the next (default: `seconds`, back to back)."),
+    "sampling_rate": ("integer", "`audio`: the rate raw windows are resampled to when the model brings no feature "
+                      "extractor (default 16000); a Hugging Face audio folder's extractor sets its own."),
+    "input": ("string", "The model input that takes the images or the audio (needed when the model has several)."),
+    "limit": ("integer", "`images`: use at most this many files; `audio`: at most this many windows."),
     "source": ("string or list of strings", "`text`: `pydoc` (Python's own documentation), `austen:<book>` "
                "(a Jane Austen novel, e.g. `austen:emma`), a `.txt` path, or a list of strings; `a+b` "
                "mixes sources (windows taken from each in turn)."),
@@ -448,7 +454,7 @@ def _cell(text: str) -> str:
 
 
 def _data_tables() -> list[str]:
-    from quantkit.data.factory import DATASET_KINDS, SPEC_INT_RANGES
+    from quantkit.data.factory import DATASET_KINDS, SPEC_FLOAT_RANGES, SPEC_INT_RANGES
 
     lines = ["Keys by `kind` (an unknown or missing key is an error when the data is built):", "",
              "| kind | required | optional |", "|---|---|---|"]
@@ -463,6 +469,8 @@ def _data_tables() -> list[str]:
         if lo_hi:
             lo, hi = lo_hi
             allowed = f"at least {lo}" if hi >= 2**62 else f"{lo:,} to {hi:,}".replace(",", " ")
+        if key in SPEC_FLOAT_RANGES:
+            allowed = "{:g} to {:g}".format(*SPEC_FLOAT_RANGES[key])
         lines.append(f"| `{key}` | {typ} | {_cell(allowed)} | {_cell(desc)} |")
     return lines
 
@@ -548,7 +556,7 @@ def render_markdown() -> str:
 def json_schema() -> dict[str, Any]:
     """The recipe's JSON Schema (``docs/recipe.schema.json``): pydantic's, with every key's description from
     the reference and the dataset keys spelled out per ``kind``."""
-    from quantkit.data.factory import DATASET_KINDS, SPEC_INT_RANGES
+    from quantkit.data.factory import DATASET_KINDS, SPEC_FLOAT_RANGES, SPEC_INT_RANGES
 
     schema = RecipeModel.model_json_schema(mode="validation")
     defs = schema.get("$defs", {})
@@ -562,7 +570,11 @@ def json_schema() -> dict[str, Any]:
     for key in sorted({k for req, opt in DATASET_KINDS.values() for k in (*req, *opt)}):
         typ, desc = DATA_KEYS.get(key, ("", ""))
         prop: dict[str, Any] = {"description": desc}
-        if typ == "integer":
+        if typ == "number":
+            prop["type"] = "number"
+            if key in SPEC_FLOAT_RANGES:
+                prop["minimum"], prop["maximum"] = SPEC_FLOAT_RANGES[key]
+        elif typ == "integer":
             prop["type"] = "integer"
             if key in SPEC_INT_RANGES:
                 prop["minimum"], hi = SPEC_INT_RANGES[key]

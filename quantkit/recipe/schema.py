@@ -158,11 +158,12 @@ class DataSection(_Strict):
     """A dataset description handed to :func:`quantkit.data.make_dataset` (``kind`` plus its options).
 
     Its integer options are range-checked here, so ``quantkit validate`` refuses them: ``count`` 1 to
-    100000, ``seq_len`` 2 to 131072, ``seed`` / ``offset`` >= 0 (:data:`quantkit.data.factory.SPEC_INT_RANGES`).
+    100000, ``seq_len`` 2 to 131072, ``seed`` / ``offset`` >= 0, ``seconds`` / ``hop`` numbers
+    (:data:`quantkit.data.factory.SPEC_INT_RANGES`, :data:`~quantkit.data.factory.SPEC_FLOAT_RANGES`).
     """
 
     model_config = ConfigDict(extra="allow", frozen=True)
-    kind: Literal["sample_photos", "images", "npz", "text"]
+    kind: Literal["sample_photos", "images", "npz", "text", "audio"]
 
     @model_validator(mode="after")
     def _int_ranges(self) -> DataSection:

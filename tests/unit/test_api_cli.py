@@ -148,6 +148,13 @@ def test_cli_data_overrides_keep_the_recipe_options_that_still_apply(tmp_path: P
     np.savez(tmp_path / "arrays" / "a.npz", x=np.zeros((1, 2), np.float32))
     assert data_override({"kind": "npz", "path": "old"}, str(tmp_path / "arrays"))["kind"] == "npz"
     assert data_override({"kind": "images", "path": "old", "limit": 5}, "new/")["limit"] == 5
+    # recordings: a folder holding .wav files (or one file) is audio data, keeping an audio recipe's windows
+    (tmp_path / "rec" / "day1").mkdir(parents=True)
+    (tmp_path / "rec" / "day1" / "a.wav").write_bytes(b"")
+    audio = {"kind": "audio", "path": "old", "seconds": 2.0, "hop": 0.5}
+    assert data_override(audio, str(tmp_path / "rec")) == {"kind": "audio", "path": str(tmp_path / "rec"),
+                                                           "seconds": 2.0, "hop": 0.5}
+    assert data_override(photos, "clip.wav") == {"kind": "audio", "path": "clip.wav"}
 
 
 def test_python_dash_m_quantkit_is_the_command_line() -> None:

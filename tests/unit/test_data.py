@@ -302,7 +302,7 @@ def test_make_dataset_specs_and_errors(tokenizer: Any, tmp_path: Path) -> None:
         == 2
     )
     with pytest.raises(
-        DataError, match="unknown dataset kind 'video'; allowed kinds: images, npz, sample_photos, text"
+        DataError, match="unknown dataset kind 'video'; allowed kinds: audio, images, npz, sample_photos, text"
     ):
         make_dataset({"kind": "video"}, inputs=IMG, split="calibration")
     with pytest.raises(DataError, match=r"unknown key\(s\) \['cout'\]; allowed keys: .*'count'"):
