@@ -142,6 +142,12 @@ DOCUMENTED: dict[str, dict[str, str]] = {
                  "Whisper's encoders, AST, each against ONNX Runtime's quantize_static in the same run, with the model "
                  "quantkit builds with its fidelity guard off",
     },
+    "zoo_hf_folders_x86-avx2.json": {
+        "title": "Hugging Face folders as a user brings them (x86-avx2, AMD EPYC): ViT-B/16, DeiT-S, ConvNeXt-T, "
+                 "Swin-T, DINOv2-S, ResNet-50, MobileNetV2, SegFormer-B0 on folders of photos, and a "
+                 "wav2vec2 CTC and an AST classifier on .wav recordings, each prepared by the folder's own processor, "
+                 "against ONNX Runtime's quantize_static on the exported graph and the same inputs, in the same run",
+    },
     "zoo_probes_3_x86-vnni.json": {
         "title": "A third set of architectures outside the zoo (EfficientNet-V2, MaxViT, MobileNetV3-Large, "
                  "Inception-V3, LeViT, DINOv2, BEiT, and the encoders ALBERT, RoBERTa, ELECTRA, DeBERTa-V2)",

@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 
-from zoo_models import ALL, CI_SUBSET, ENCODERS, PROBES, SEGMENTATION, SPEECH, build, cache_root  # noqa: E402
+from zoo_models import ALL, CI_SUBSET, ENCODERS, HF_FOLDERS, PROBES, SEGMENTATION, SPEECH, build, cache_root  # noqa: E402
 
 GEMM_OPS = {"Conv", "MatMul", "Gemm", "FusedConv", "FusedGemm", "FusedMatMul", "NhwcFusedConv"}
 
@@ -363,15 +363,18 @@ def _islands(c: dict[str, Any]) -> str:
 EVALUATION_STAGES = ("verify_s", "kernel_check_s", "evaluate_s", "latency_s", "latency_guard_s", "fidelity_guard_s")
 
 
-def time_split(q: dict[str, Any]) -> dict[str, float] | None:
+def time_split(q: dict[str, Any], export: bool = False) -> dict[str, float] | None:
     """quantkit's wall time split into ``quantize_s`` (wall minus the evaluation stages: what ORT's
     ``quantize_static`` process does - start, load, calibrate, write the QDQ model) and ``evaluate_s`` (the
-    evaluation stages: census, kernel check, fidelity, latency, latency guard); None without stage timings."""
+    evaluation stages: census, kernel check, fidelity, latency, latency guard); None without stage timings.
+    ``export``: quantkit was given a Hugging Face folder (ORT the graph exported from it): its load stage, the
+    export, is ``export_s`` and not part of ``quantize_s``."""
     st = q.get("stages_s") or {}
     if not st or not q.get("wall_s"):
         return None
     ev = sum(float(st.get(k, 0.0)) for k in EVALUATION_STAGES)
-    return {"quantize_s": q["wall_s"] - ev, "evaluate_s": ev}
+    xs = float(st.get("load_s", 0.0)) if export else 0.0
+    return {"quantize_s": q["wall_s"] - ev - xs, "evaluate_s": ev, **({"export_s": xs} if export else {})}
 
 
 def _in_float(q: dict[str, Any]) -> bool:
@@ -435,8 +438,9 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         ort_cell = f"{co.get('fused', '-')}/{co.get('float_gemm', '-')}/{co.get('stray', '-')} ({row.get('ort_best', '-')})"
         if "ort_best" not in row and o.get("run_error"):  # neither of ORT's models runs
             ort_cell = f"its models fail in ONNX Runtime ({o['run_error'].split('Status Message: ')[-1][:110]})"
-        sp = time_split(q) or {}
+        sp = time_split(q, export=row["model"] in HF_FOLDERS) or {}
         qs, es, ow = sp.get("quantize_s"), sp.get("evaluate_s"), o.get("wall_s")
+        xs = f" (+{f(sp['export_s'])} export)" if "export_s" in sp else ""
         lines.append(
             f"| {row['model']} | {c.get('fused', '-')}/{c.get('float_gemm', '-')}/{c.get('stray', '-')}{_islands(c)}"
             f"{' **float: no int8 layout faster than FP32 (guard)**' if _in_float(q) else ''} "
@@ -447,7 +451,7 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
             f"| {f(q.get('kernel_vs_math_sqnr_db'))} / {f(o.get('kernel_vs_math_sqnr_db'))} "
             f"| {f(q.get('x_fp32'), '.2f')} / {f(o.get('x_fp32'), '.2f')} "
             f"| {x(q.get('x_fp32'), o.get('x_fp32'))} "
-            f"| {f(qs)} / {f(ow)} ({x(qs, ow)}) "
+            f"| {f(qs)}{xs} / {f(ow)} ({x(qs, ow)}) "
             f"| {f(es)} ({x(es, ow)}) "
             f"| {f(q.get('wall_s'))} ({x(q.get('wall_s'), ow)}) "
             f"| {f(q.get('peak_rss_mb'), '.0f')} / {f(o.get('peak_rss_mb'), '.0f')} |")
@@ -469,6 +473,10 @@ def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
               "stages (process start, load, prepare, calibrate + lower, writing the model), against the wall time of "
               "ORT's `quantize_static` process (the better setting's); *evaluation*: quantkit's " +
               ", ".join(f"`{k}`" for k in EVALUATION_STAGES) + " (report.json `timings`; ORT does none of it). "
+              + ("*hf_* rows* (a Hugging Face folder, as a user brings it): quantkit exports the folder itself, ORT is "
+                 "given that exported graph and the same pixels / features as `.npz`; quantkit's export (its `load_s`) "
+                 "is shown apart, `(+N export)`, and is not in its quantize time. "
+                 if any(r["model"] in HF_FOLDERS for r in rows) else "") +
               "SQNR interval: 95% bootstrap interval of quantkit's minus ORT's output SQNR over the evaluation samples "
               "(2000 resamples, the same images for both; a gap is a loss only when the interval lies below 0). "
               "*float (guard)*: quantkit's latency guard found FP32 faster than every int8 model it tried on this CPU "

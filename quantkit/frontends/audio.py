@@ -25,7 +25,7 @@ import numpy as np
 import onnx_ir as ir
 
 from quantkit.errors import ModelError
-from quantkit.frontends.vision import _archs, _quiet
+from quantkit.frontends.vision import EXPORT_OPSET, _archs, _quiet
 
 __all__ = ["AUDIO_HEADS", "FolderAudioProcessor", "audio_settings", "from_audio_folder", "is_audio_folder"]
 
@@ -201,5 +201,6 @@ def from_audio_folder(folder: Path, config: dict[str, Any], *, opset: int) -> tu
              [None, *("time" if i + 1 in varying else d for i, d in enumerate(example.shape[1:]))])
     model = from_torch(_wrapper(hf_model, name, outputs), (torch.from_numpy(example),), input_names=[name],
                        output_names=list(outputs), dynamic_batch=True,
-                       dynamic_dims={name: {varying[0]: "time"}} if varying else None, opset=opset)
+                       dynamic_dims={name: {varying[0]: "time"}} if varying else None,
+                       opset=max(opset, EXPORT_OPSET))  # GELU as one op (vision.EXPORT_OPSET)
     return model, processor

@@ -40,6 +40,11 @@ VISION_HEADS: dict[str, tuple[str, tuple[str, ...]]] = {
 """Vision heads exported from a folder (``architectures`` suffix -> the transformers Auto class, the outputs)."""
 
 BACKBONE_OUTPUTS = ("last_hidden_state", "pooler_output")
+EXPORT_OPSET = 20
+"""The least opset vision and audio folders are exported at: GELU is then one ``Gelu`` op. At opset 18 torch writes
+it as ``x * 0.5 * (1 + erf(x / sqrt 2))``; after an int8 convolution (SegFormer's Mix-FFN) ONNX Runtime's QDQ
+propagation gives each of its two readers of ``x`` its own DequantizeLinear, the pattern no longer fuses, and a
+stray Q/DQ pair is left (measured on SegFormer-B0: 8 stray)."""
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "tokenizer.model", "spiece.model",
                     "sentencepiece.bpe.model", "vocab.json")
 # two probe images of different aspect ratios: a processor whose output size depends on the image is refused
@@ -239,5 +244,5 @@ def from_vision_folder(folder: Path, config: dict[str, Any], *, opset: int) -> t
     log.info("exporting %s (%s) with pixel_values %s", type(hf_model).__name__, ", ".join(outputs),
              [None, *processor.output_shape])
     model = from_torch(_wrapper(hf_model, outputs), (example,), input_names=["pixel_values"],
-                       output_names=list(outputs), dynamic_batch=True, opset=opset)
+                       output_names=list(outputs), dynamic_batch=True, opset=max(opset, EXPORT_OPSET))
     return model, processor
