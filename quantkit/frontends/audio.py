@@ -25,7 +25,14 @@ import numpy as np
 import onnx_ir as ir
 
 from quantkit.errors import ModelError
-from quantkit.frontends.vision import EXPORT_OPSET, _archs, _quiet
+from quantkit.frontends.vision import (
+    EXPORT_OPSET,
+    _archs,
+    _quiet,
+    export_wrapper,
+    head_suffix,
+    load_pretrained,
+)
 
 __all__ = ["AUDIO_HEADS", "FolderAudioProcessor", "audio_settings", "from_audio_folder", "is_audio_folder"]
 
@@ -46,11 +53,7 @@ output length follows the audio's)."""
 
 def audio_head(config: Any) -> str | None:
     """The :data:`AUDIO_HEADS` suffix the folder's architecture ends with, else None."""
-    for a in _archs(config):
-        for suffix in sorted(AUDIO_HEADS, key=len, reverse=True):
-            if a.endswith(suffix):
-                return suffix
-    return None
+    return head_suffix(config, AUDIO_HEADS)
 
 
 def audio_settings(folder: Path) -> dict[str, Any] | None:
@@ -125,24 +128,6 @@ class FolderAudioProcessor:
         return f"FolderAudioProcessor({self.name}, {self.input_name} at {self.sampling_rate} Hz)"
 
 
-def _wrapper(model: Any, input_name: str, outputs: tuple[str, ...]) -> Any:
-    import torch
-
-    class AudioExport(torch.nn.Module):
-        """``forward(features)`` -> the named outputs of the Hugging Face model."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, features: torch.Tensor) -> Any:
-            out = self.model(**{input_name: features})
-            got = tuple(getattr(out, n) for n in outputs)
-            return got[0] if len(got) == 1 else got
-
-    return AudioExport()
-
-
 def from_audio_folder(folder: Path, config: dict[str, Any], *, opset: int) -> tuple[ir.Model, FolderAudioProcessor]:
     """Export the audio model in ``folder`` (see the module docstring); return it with its feature extractor.
 
@@ -168,19 +153,7 @@ def from_audio_folder(folder: Path, config: dict[str, Any], *, opset: int) -> tu
             "with .npz data")
     processor = FolderAudioProcessor(folder)
     auto = getattr(transformers, AUDIO_HEADS[head][0]) if head is not None else transformers.AutoModel
-    what = f"an audio model ({head[3:] if head else 'encoder'})"
-    try:
-        with _quiet():
-            try:
-                hf_model = auto.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32,
-                                                attn_implementation="eager")
-            except (ValueError, TypeError) as e:
-                if "attn_implementation" not in str(e) and "eager" not in str(e):
-                    raise
-                hf_model = auto.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
-    except Exception as e:
-        raise ModelError(f"cannot load {what} from {str(folder)!r}: {type(e).__name__}: {e}") from e
-    hf_model.eval()
+    hf_model = load_pretrained(auto, folder, f"an audio model ({head[3:] if head else 'encoder'})")
     rng = np.random.default_rng(0)
     rate = processor.sampling_rate
 
@@ -199,7 +172,7 @@ def from_audio_folder(folder: Path, config: dict[str, Any], *, opset: int) -> tu
     name = processor.input_name
     log.info("exporting %s (%s) with %s %s", type(hf_model).__name__, ", ".join(outputs), name,
              [None, *("time" if i + 1 in varying else d for i, d in enumerate(example.shape[1:]))])
-    model = from_torch(_wrapper(hf_model, name, outputs), (torch.from_numpy(example),), input_names=[name],
+    model = from_torch(export_wrapper(hf_model, name, outputs), (torch.from_numpy(example),), input_names=[name],
                        output_names=list(outputs), dynamic_batch=True,
                        dynamic_dims={name: {varying[0]: "time"}} if varying else None,
                        opset=max(opset, EXPORT_OPSET))  # GELU as one op (vision.EXPORT_OPSET)

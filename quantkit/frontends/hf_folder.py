@@ -350,22 +350,18 @@ def from_hf_folder(
         task = detect_task(folder)
     check_hf_folder(folder)
     config = _read_json(folder / "config.json")
-    if task == "vision":
-        from quantkit.frontends.vision import from_vision_folder, is_vision_folder
+    if task in ("vision", "audio"):
+        from quantkit.frontends import audio, vision
 
-        if not is_vision_folder(folder, config):
-            raise ModelError(f"task 'vision': {str(folder)!r} holds no image model quantkit exports (an image-"
-                             "classification or semantic-segmentation head, or a backbone with an image processor "
-                             "and no tokenizer); allowed tasks here: auto, encoder, causal-lm")
-        return from_vision_folder(folder, config, opset=opset)
-    if task == "audio":
-        from quantkit.frontends.audio import from_audio_folder, is_audio_folder
-
-        if not is_audio_folder(folder, config):
-            raise ModelError(f"task 'audio': {str(folder)!r} holds no audio model quantkit exports (a CTC, audio- or "
-                             "frame-classification head, or an encoder with an audio feature extractor and no "
-                             "tokenizer); allowed tasks here: auto, encoder, causal-lm, vision")
-        return from_audio_folder(folder, config, opset=opset)
+        media = {"vision": (vision.is_vision_folder, vision.from_vision_folder, "an image-classification or semantic-"
+                            "segmentation head, or a backbone with an image processor and no tokenizer"),
+                 "audio": (audio.is_audio_folder, audio.from_audio_folder, "a CTC, audio- or frame-classification "
+                           "head, or an encoder with an audio feature extractor and no tokenizer")}
+        is_media, export, what = media[task]
+        if not is_media(folder, config):
+            raise ModelError(f"task {task!r}: {str(folder)!r} holds no {task} model quantkit exports ({what}); "
+                             f"allowed tasks here: {', '.join(t for t in HF_TASKS if t != task)}")
+        return export(folder, config, opset=opset)
     head = None
     if task != "causal-lm":
         problem = text_model_problem(folder, config)

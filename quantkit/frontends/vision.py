@@ -20,6 +20,7 @@ import io
 import json
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +57,18 @@ def _archs(config: Any) -> list[str]:
     return [str(a) for a in archs] if isinstance(archs, list) else []
 
 
-def vision_head(config: Any) -> str | None:
-    """The :data:`VISION_HEADS` suffix the folder's architecture ends with, else None."""
+def head_suffix(config: Any, heads: Mapping[str, Any]) -> str | None:
+    """The suffix of ``heads`` (longest first) that the folder's architecture ends with, else None."""
     for a in _archs(config):
-        for suffix in sorted(VISION_HEADS, key=len, reverse=True):
+        for suffix in sorted(heads, key=len, reverse=True):
             if a.endswith(suffix):
                 return suffix
     return None
+
+
+def vision_head(config: Any) -> str | None:
+    """The :data:`VISION_HEADS` suffix the folder's architecture ends with, else None."""
+    return head_suffix(config, VISION_HEADS)
 
 
 def _image_settings(folder: Path) -> dict[str, Any] | None:
@@ -172,22 +178,45 @@ class FolderImageProcessor:
         return f"FolderImageProcessor({self.name}, output {list(self.output_shape)})"
 
 
-def _wrapper(model: Any, outputs: tuple[str, ...]) -> Any:
+def export_wrapper(model: Any, input_name: str, outputs: tuple[str, ...]) -> Any:
+    """A module whose ``forward(x)`` calls the Hugging Face ``model`` with ``x`` as ``input_name`` and returns the
+    named outputs (one tensor, or a tuple)."""
     import torch
 
-    class VisionExport(torch.nn.Module):
-        """``forward(pixel_values)`` -> the named outputs of the Hugging Face model."""
-
+    class FolderExport(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.model = model
 
-        def forward(self, pixel_values: torch.Tensor) -> Any:
-            out = self.model(pixel_values=pixel_values)
+        def forward(self, x: torch.Tensor) -> Any:
+            out = self.model(**{input_name: x})
             got = tuple(getattr(out, n) for n in outputs)
             return got[0] if len(got) == 1 else got
 
-    return VisionExport()
+    return FolderExport()
+
+
+def load_pretrained(auto: Any, folder: Path, what: str) -> Any:
+    """``auto.from_pretrained`` of the folder in float32 with eager attention (where the class has attention),
+    in eval mode.
+
+    Raises:
+        ModelError: naming ``what`` and the folder, when it cannot be loaded.
+    """
+    import torch
+
+    try:
+        with _quiet():
+            try:
+                hf_model = auto.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32,
+                                                attn_implementation="eager")
+            except (ValueError, TypeError) as e:
+                if "attn_implementation" not in str(e) and "eager" not in str(e):
+                    raise
+                hf_model = auto.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
+    except Exception as e:
+        raise ModelError(f"cannot load {what} from {str(folder)!r}: {type(e).__name__}: {e}") from e
+    return hf_model.eval()
 
 
 def from_vision_folder(folder: Path, config: dict[str, Any], *, opset: int) -> tuple[ir.Model, FolderImageProcessor]:
@@ -216,19 +245,7 @@ def from_vision_folder(folder: Path, config: dict[str, Any], *, opset: int) -> t
             "quantkit the .onnx file with .npz data")
     processor = FolderImageProcessor(folder)
     auto = getattr(transformers, VISION_HEADS[head][0]) if head is not None else transformers.AutoModel
-    what = f"a vision model ({head[3:] if head else 'backbone'})"
-    try:
-        with _quiet():
-            try:
-                hf_model = auto.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32,
-                                                attn_implementation="eager")
-            except (ValueError, TypeError) as e:
-                if "attn_implementation" not in str(e) and "eager" not in str(e):
-                    raise
-                hf_model = auto.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
-    except Exception as e:
-        raise ModelError(f"cannot load {what} from {str(folder)!r}: {type(e).__name__}: {e}") from e
-    hf_model.eval()
+    hf_model = load_pretrained(auto, folder, f"a vision model ({head[3:] if head else 'backbone'})")
     rng = np.random.default_rng(0)
     example = torch.from_numpy(np.stack([
         processor(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))) for w, h in _PROBE_SIZES]))
@@ -243,6 +260,6 @@ def from_vision_folder(folder: Path, config: dict[str, Any], *, opset: int) -> t
                              f"{list(BACKBONE_OUTPUTS)}; export it yourself and give quantkit the .onnx file")
     log.info("exporting %s (%s) with pixel_values %s", type(hf_model).__name__, ", ".join(outputs),
              [None, *processor.output_shape])
-    model = from_torch(_wrapper(hf_model, outputs), (example,), input_names=["pixel_values"],
+    model = from_torch(export_wrapper(hf_model, "pixel_values", outputs), (example,), input_names=["pixel_values"],
                        output_names=list(outputs), dynamic_batch=True, opset=max(opset, EXPORT_OPSET))
     return model, processor
