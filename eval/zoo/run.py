@@ -389,7 +389,7 @@ def _ci(ci: Any) -> str:
 def _table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
     rt = env.get("retimed") or {}
     lines = [f"CPU: {env['cpu']} ({env['cpu_class']}), {env['cores']} cores; onnxruntime {env['onnxruntime']}; "
-             f"{env['date']}; `{env['command']}`"
+             f"{env['date']}; `{env['command']}`" + (f" {env['note']}" if env.get("note") else "")
              + (f"; load average {env['load_average_at_start']} at start, {env['load_average_at_end']} at end"
                 if env.get("load_average_at_start") and env.get("load_average_at_end") else "")
              + (f"; latency columns re-timed {rt['date']} (`{rt['command']}`, {rt['repeat']} runs per model in "
