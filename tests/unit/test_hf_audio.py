@@ -64,9 +64,10 @@ def recordings(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def w2v_ctc(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("w2v_ctc")
     torch.manual_seed(0)
+    # two feature-encoder convolutions instead of seven: the same ops, a third of the export time
     config = transformers.Wav2Vec2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                         intermediate_size=64, conv_dim=[16] * 7, vocab_size=12,
-                                         num_conv_pos_embeddings=16)
+                                         intermediate_size=64, conv_dim=[16, 16], conv_kernel=[10, 3],
+                                         conv_stride=[5, 2], vocab_size=12, num_conv_pos_embeddings=16)
     config.architectures = ["Wav2Vec2ForCTC"]
     transformers.Wav2Vec2ForCTC(config).eval().save_pretrained(folder)
     transformers.Wav2Vec2FeatureExtractor().save_pretrained(folder)
