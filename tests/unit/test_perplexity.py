@@ -154,7 +154,8 @@ def test_text_source_austen_and_pydoc(tiny: tuple[Any, ir.Model, Any], monkeypat
                      tokenizer=tokenizer, split="evaluation")  # fmt: skip
 
 
-@pytest.mark.slow
+@pytest.mark.veryslow  # the same full-sequence export of SmolLM2 (~100 s); perplexity on real SmolLM2 blocks runs in
+# CI through the decoder (tests/e2e/test_real_int4.py)
 def test_smollm2_perplexity_emma_and_pydoc() -> None:
     import importlib.util
     import shutil
