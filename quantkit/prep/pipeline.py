@@ -25,7 +25,10 @@ Rule
    spatial ``ReduceMean`` becomes ``GlobalAveragePool`` (:mod:`quantkit.prep.global_pool`), which
    ONNX Runtime fuses in int8 (it leaves a QDQ ReduceMean in float); then ``hard_swish`` — ``HardSwish(x)``
    becomes ``x * HardSigmoid(x)``, its definition (:mod:`quantkit.prep.hard_swish`), two nodes that lower to
-   ``QLinearAdd`` + ``QLinearMul`` (ONNX Runtime has no QDQ fusion for ``HardSwish``); then ``preact_batchnorm`` -
+   ``QLinearAdd`` + ``QLinearMul`` (ONNX Runtime has no QDQ fusion for ``HardSwish``); then ``erf_gelu`` - GELU
+   written as ``x * 0.5 * (1 + Erf(x / sqrt 2))`` becomes one ``com.microsoft.Gelu``, the node ONNX Runtime's own
+   fusion makes of it in a float model, which its QDQ propagation can no longer split into stray Q/DQ pairs
+   (:mod:`quantkit.prep.erf_gelu`); then ``preact_batchnorm`` -
    a remaining (pre-activation) ``BatchNormalization -> Relu -> Conv`` becomes ``Add(x, b/a) -> Relu -> Conv(W * a)``
    when every channel's scale ``a`` is positive (:mod:`quantkit.prep.preact_batchnorm`), so that it lowers to
    ``QLinearAdd`` instead of a float island.
@@ -59,6 +62,7 @@ import onnx_ir.passes.common as common_passes
 from onnxscript.optimizer import _constant_folding
 
 from quantkit.errors import ModelError
+from quantkit.prep.erf_gelu import fuse_erf_gelu
 from quantkit.prep.fold_batchnorm import fold_batchnorm_rules
 from quantkit.prep.fold_batchnorm_layout import fold_batchnorm_through_layout
 from quantkit.prep.fold_pad import fold_pad_rules
@@ -430,6 +434,10 @@ def prepare(model: ir.Model, *, fold_constants: bool = True) -> PrepResult:
         applied["hard_swish"] = hard_swish_rules().apply_to_model(model)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ModelError(f"graph preparation step 'hard_swish' failed: {exc}") from exc
+    try:
+        applied["erf_gelu"] = fuse_erf_gelu(model)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ModelError(f"graph preparation step 'erf_gelu' failed: {exc}") from exc
     try:
         applied["preact_batchnorm"] = preact_batchnorm(model)
     except (ValueError, TypeError, RuntimeError) as exc:
