@@ -148,6 +148,11 @@ DOCUMENTED: dict[str, dict[str, str]] = {
                  "wav2vec2 CTC and an AST classifier on .wav recordings, each prepared by the folder's own processor, "
                  "against ONNX Runtime's quantize_static on the exported graph and the same inputs, in the same run",
     },
+    "zoo_gelu_x86-avx2.json": {
+        "title": "The models with GELU re-run after the decomposed GELU became one com.microsoft.Gelu in prep (x86-avx2, "
+                 "AMD EPYC): ViT (6 layers), BERT-base, DistilBERT, ConvNeXt-T, SegFormer-B0, Swin-T as ONNX files a "
+                 "user exported at opset 17, each against ONNX Runtime's quantize_static in the same run",
+    },
     "zoo_probes_3_x86-vnni.json": {
         "title": "A third set of architectures outside the zoo (EfficientNet-V2, MaxViT, MobileNetV3-Large, "
                  "Inception-V3, LeViT, DINOv2, BEiT, and the encoders ALBERT, RoBERTa, ELECTRA, DeBERTa-V2)",
