@@ -146,7 +146,7 @@ def test_readme_is_a_short_front_page_starting_with_the_two_commands() -> None:
     blocks = _code_blocks(text, "bash")
     main_job, tests = blocks[0].strip(), blocks[1].strip()
     assert "quantkit calibrate --recipe recipes/llama-int4.yaml" in main_job
-    assert tests.endswith('python -m pytest -m "not veryslow"')
+    assert tests.endswith('python -m pytest -m "not veryslow" -n 2 --dist loadfile')
     assert text.index(blocks[1]) < text.index("## ")  # both before the first section
     # the test command installs what CI installs (.ci/run, "keep in sync")
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
@@ -154,6 +154,10 @@ def test_readme_is_a_short_front_page_starting_with_the_two_commands() -> None:
     ci_installs = [w for w in shlex.split(ci_line) if w != "-q"]
     readme_installs = shlex.split(tests.split(" && python -m pytest")[0].split(". .venv/bin/activate && ")[1])
     assert readme_installs == ci_installs
+    # and runs pytest as CI does (CI adds only -q and no cache folder)
+    ci_pytest = next(line for line in ci.splitlines() if line.startswith("python -m pytest"))
+    readme_pytest = "python -m pytest" + tests.split(" && python -m pytest")[1]
+    assert [w for w in shlex.split(ci_pytest) if w not in ("-q", "-p", "no:cacheprovider")] == shlex.split(readme_pytest)
 
 
 def _slug(heading: str) -> str:
