@@ -26,9 +26,9 @@ Rule
    ONNX Runtime fuses in int8 (it leaves a QDQ ReduceMean in float); then ``hard_swish`` — ``HardSwish(x)``
    becomes ``x * HardSigmoid(x)``, its definition (:mod:`quantkit.prep.hard_swish`), two nodes that lower to
    ``QLinearAdd`` + ``QLinearMul`` (ONNX Runtime has no QDQ fusion for ``HardSwish``); then ``erf_gelu`` - GELU
-   written as ``x * 0.5 * (1 + Erf(x / sqrt 2))`` becomes one ``com.microsoft.Gelu``, the node ONNX Runtime's own
-   fusion makes of it in a float model, which its QDQ propagation can no longer split into stray Q/DQ pairs
-   (:mod:`quantkit.prep.erf_gelu`); then ``preact_batchnorm`` -
+   written as ``x * 0.5 * (1 + Erf(x / sqrt 2))`` becomes one ``com.microsoft.Gelu`` (its tanh approximation one
+   ``com.microsoft.FastGelu``), the node ONNX Runtime's own fusion makes of it in a float model, which its QDQ
+   propagation can no longer split into stray Q/DQ pairs (:mod:`quantkit.prep.erf_gelu`); then ``preact_batchnorm`` -
    a remaining (pre-activation) ``BatchNormalization -> Relu -> Conv`` becomes ``Add(x, b/a) -> Relu -> Conv(W * a)``
    when every channel's scale ``a`` is positive (:mod:`quantkit.prep.preact_batchnorm`), so that it lowers to
    ``QLinearAdd`` instead of a float island.
