@@ -52,12 +52,16 @@ def _is(v: ir.Value | None, value: float) -> bool:
     return got is not None and math.isclose(got, value, rel_tol=_RTOL)
 
 
-def _op(v: ir.Value | None, op_type: str) -> ir.Node | None:
-    """The producer of ``v`` when it is a default-domain ``op_type`` with two inputs, else None."""
-    node = v.producer() if v is not None else None
+def _binary(node: ir.Node | None, op_type: str) -> ir.Node | None:
+    """``node`` when it is a default-domain ``op_type`` with two inputs, else None."""
     if node is None or node.op_type != op_type or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
         return None
     return node
+
+
+def _op(v: ir.Value | None, op_type: str) -> ir.Node | None:
+    """The producer of ``v`` when it is a binary ``op_type`` (:func:`_binary`), else None."""
+    return _binary(v.producer() if v is not None else None, op_type)
 
 
 def _split_const(node: ir.Node, value: float) -> ir.Value | None:
@@ -127,20 +131,16 @@ def _only_use(v: ir.Value) -> ir.Node | None:
 
 def _tail(gate: ir.Value, x: ir.Value) -> list[ir.Node] | None:
     """The two ``Mul`` nodes that make ``x * 0.5 * gate`` in one of the three orders (the last one first)."""
-    m = _only_use(gate)
-    if m is None or _op(m.outputs[0], "Mul") is not m:
+    m = _binary(_only_use(gate), "Mul")
+    if m is None:
         return None
     other = m.inputs[1] if m.inputs[0] is gate else m.inputs[0]
     if other is x:  # (x * gate) * 0.5
-        last = _only_use(m.outputs[0])
-        if last is not None and _op(last.outputs[0], "Mul") is last and _split_const(last, 0.5) is m.outputs[0]:
-            return [last, m]
-        return None
+        last = _binary(_only_use(m.outputs[0]), "Mul")
+        return [last, m] if last is not None and _split_const(last, 0.5) is m.outputs[0] else None
     if _is(other, 0.5):  # x * (gate * 0.5)
-        last = _only_use(m.outputs[0])
-        if last is not None and _op(last.outputs[0], "Mul") is last and x in last.inputs and m.outputs[0] in last.inputs:
-            return [last, m]
-        return None
+        last = _binary(_only_use(m.outputs[0]), "Mul")
+        return [last, m] if last is not None and x in last.inputs and m.outputs[0] in last.inputs else None
     xh = _op(other, "Mul")  # (x * 0.5) * gate
     if xh is not None and _split_const(xh, 0.5) is x and _only_use(xh.outputs[0]) is m:
         return [m, xh]
@@ -167,8 +167,8 @@ def _match(node: ir.Node) -> tuple[str, ir.Value, list[ir.Node]] | None:
         users = {u.node for u in n.outputs[0].uses()}
         if n.outputs[0].is_graph_output() or not users <= {*front, node}:
             return None
-    add = _only_use(node.outputs[0])
-    if add is None or _op(add.outputs[0], "Add") is not add or _split_const(add, 1.0) is not node.outputs[0]:
+    add = _binary(_only_use(node.outputs[0]), "Add")
+    if add is None or _split_const(add, 1.0) is not node.outputs[0]:
         return None
     tail = _tail(add.outputs[0], x)
     if tail is None:
